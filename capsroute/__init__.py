@@ -1,0 +1,17 @@
+"""capsroute: fused routing kernels for capsule networks, as PyTorch operators."""
+__version__ = "0.1.0"
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # registers the capsroute:: operators
+from .ops import dense_capsules, dynamic_routing, dynamic_routing_coupling, squash
+
+
+def build_info():
+    """How the extension was built: version, torch it was built against, CUDA kernels and archs."""
+    info = dict(_C.build_info())
+    info["version"] = __version__
+    return info
+
+
+__all__ = ["build_info", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "squash"]

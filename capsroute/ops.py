@@ -1,0 +1,130 @@
+"""Typed Python API of the capsroute operators, with their autograd and fake implementations.
+
+The schemas live in csrc/ops.cpp; the math is in DESIGN.md section 2.
+"""
+import torch
+from torch import Tensor
+
+_ops = torch.ops.capsroute
+
+
+def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
+    """squash(s) = |s|^2 / (1 + |s|^2) * s / sqrt(|s|^2 + eps), over `dim`."""
+    if dim in (-1, s.dim() - 1):
+        return _ops.squash(s, eps)
+    return _ops.squash(s.movedim(dim, -1), eps).movedim(-1, dim)
+
+
+def dynamic_routing(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
+                    detach: bool = False, eps: float = 1e-8) -> Tensor:
+    """Routing by agreement (Sabour et al. 2017) over votes (B, I, J, D); returns v (B, J, D).
+
+    Gradients are exact through every iteration w.r.t. votes and bias; with detach=True the
+    coupling coefficients are constants in the backward pass.
+    """
+    return _ops.dynamic_routing(votes, bias, iters, leaky, detach, eps)[0]
+
+
+def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
+                             detach: bool = False, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """Like dynamic_routing, also returning the final coupling coefficients c (B, I, J).
+
+    c is for inspection: it is not differentiable (v is).
+    """
+    v, c, _ = _ops.dynamic_routing(votes, bias, iters, leaky, detach, eps)
+    return v, c
+
+
+def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
+                   detach: bool = False, eps: float = 1e-8) -> Tensor:
+    """Dynamic routing over votes_ij = weight_ij @ u_i, computed on the fly.
+
+    u (B, I, Din), weight (I, J, D, Din), bias (J, D) or None; returns v (B, J, D).
+    """
+    return _ops.dense_capsules(u, weight, bias, iters, leaky, detach, eps)[0]
+
+
+# ---- fake (meta) implementations: shapes and dtypes only, for torch.compile ----
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int):
+    return (like.new_empty(B, J, D), like.new_empty(B, I, J),
+            like.new_empty(B, iters, J, D, dtype=_acc_dtype(like.dtype)))
+
+
+@torch.library.register_fake("capsroute::squash")
+def _(s, eps):
+    return torch.empty_like(s)
+
+
+@torch.library.register_fake("capsroute::_squash_backward")
+def _(grad_v, s, eps):
+    return torch.empty_like(s)
+
+
+@torch.library.register_fake("capsroute::dynamic_routing")
+def _(votes, bias, iters, leaky, detach, eps):
+    B, I, J, D = votes.shape
+    return _routing_outputs(votes, B, I, J, D, iters)
+
+
+@torch.library.register_fake("capsroute::_dynamic_routing_backward")
+def _(grad_v, votes, s_hist, leaky, detach, eps):
+    return torch.empty_like(votes), votes.new_empty(votes.shape[2], votes.shape[3])
+
+
+@torch.library.register_fake("capsroute::dense_capsules")
+def _(u, weight, bias, iters, leaky, detach, eps):
+    I, J, D, _ = weight.shape
+    return _routing_outputs(u, u.shape[0], I, J, D, iters)
+
+
+@torch.library.register_fake("capsroute::_dense_capsules_backward")
+def _(grad_v, u, weight, s_hist, leaky, detach, eps):
+    return torch.empty_like(u), torch.empty_like(weight), u.new_empty(weight.shape[1], weight.shape[2])
+
+
+# ---- autograd ----
+
+def _squash_setup(ctx, inputs, output):
+    s, eps = inputs
+    ctx.save_for_backward(s)
+    ctx.eps = eps
+
+
+def _squash_backward(ctx, grad_v):
+    (s,) = ctx.saved_tensors
+    return _ops._squash_backward(grad_v, s, ctx.eps), None
+
+
+torch.library.register_autograd("capsroute::squash", _squash_backward, setup_context=_squash_setup)
+
+
+def _routing_setup(ctx, inputs, output, vote_inputs):
+    *tensors, bias, iters, leaky, detach, eps = inputs
+    v, c, s_hist = output
+    ctx.mark_non_differentiable(c, s_hist)
+    ctx.save_for_backward(*tensors[:vote_inputs], s_hist)
+    ctx.options = (leaky, detach, eps)
+    ctx.has_bias = bias is not None
+
+
+def _dynamic_routing_backward(ctx, grad_v, grad_c, grad_s_hist):
+    votes, s_hist = ctx.saved_tensors
+    grad_votes, grad_bias = _ops._dynamic_routing_backward(grad_v, votes, s_hist, *ctx.options)
+    return grad_votes, grad_bias if ctx.has_bias else None, None, None, None, None
+
+
+def _dense_capsules_backward(ctx, grad_v, grad_c, grad_s_hist):
+    u, weight, s_hist = ctx.saved_tensors
+    grad_u, grad_weight, grad_bias = _ops._dense_capsules_backward(grad_v, u, weight, s_hist, *ctx.options)
+    return grad_u, grad_weight, grad_bias if ctx.has_bias else None, None, None, None, None
+
+
+torch.library.register_autograd("capsroute::dynamic_routing", _dynamic_routing_backward,
+                                setup_context=lambda ctx, inputs, output: _routing_setup(ctx, inputs, output, 1))
+torch.library.register_autograd("capsroute::dense_capsules", _dense_capsules_backward,
+                                setup_context=lambda ctx, inputs, output: _routing_setup(ctx, inputs, output, 2))

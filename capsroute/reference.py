@@ -1,0 +1,52 @@
+"""Plain PyTorch versions of every capsroute op: the test oracle and the benchmark baseline.
+
+Written as a careful user would (einsum over whole tensors, no Python loops over capsules;
+the loop over routing iterations is inherent). Argument names and defaults match capsroute.
+"""
+import torch
+from torch import Tensor
+
+
+def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
+    q = (s * s).sum(dim, keepdim=True)
+    return q / (1 + q) * s / torch.sqrt(q + eps)
+
+
+def _coupling(logits: Tensor, leaky: bool) -> Tensor:
+    if not leaky:
+        return torch.softmax(logits, dim=-1)
+    orphan = logits.new_zeros(logits.shape[:-1] + (1,))
+    return torch.softmax(torch.cat([logits, orphan], dim=-1), dim=-1)[..., :-1]
+
+
+def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
+                             detach: bool = False, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+    """Returns (v (B, J, D), final coupling c (B, I, J))."""
+    B, I, J, D = votes.shape
+    # With detach the logits, hence the coupling, are built from constant votes.
+    routed = votes.detach() if detach else votes
+    logits = votes.new_zeros(B, I, J)
+    for r in range(iters):
+        c = _coupling(logits, leaky)
+        s = torch.einsum("bij,bijd->bjd", c, votes if r == iters - 1 else routed)
+        if bias is not None:
+            s = s + bias
+        v = squash(s, eps=eps)
+        if r < iters - 1:
+            logits = logits + torch.einsum("bijd,bjd->bij", routed, v)
+    return v, c
+
+
+def dynamic_routing(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
+                    detach: bool = False, eps: float = 1e-8) -> Tensor:
+    return dynamic_routing_coupling(votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps)[0]
+
+
+def dense_votes(u: Tensor, weight: Tensor) -> Tensor:
+    """votes_ij = weight_ij @ u_i: u (B, I, Din), weight (I, J, D, Din) -> (B, I, J, D)."""
+    return torch.einsum("ijdk,bik->bijd", weight, u)
+
+
+def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
+                   detach: bool = False, eps: float = 1e-8) -> Tensor:
+    return dynamic_routing(dense_votes(u, weight), iters, bias=bias, leaky=leaky, detach=detach, eps=eps)

@@ -1,0 +1,28 @@
+// The extension module: loading it registers the operators (ops.cpp, cpu/, cuda/); the module
+// itself only reports how it was built.
+#include <pybind11/pybind11.h>
+
+#ifndef CAPSROUTE_TORCH_VERSION
+#define CAPSROUTE_TORCH_VERSION "unknown"
+#endif
+#ifndef CAPSROUTE_CUDA_VERSION
+#define CAPSROUTE_CUDA_VERSION ""
+#endif
+#ifndef CAPSROUTE_CUDA_ARCHS
+#define CAPSROUTE_CUDA_ARCHS ""
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.def("build_info", [] {
+    pybind11::dict info;
+#ifdef CAPSROUTE_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    info["torch"] = CAPSROUTE_TORCH_VERSION;
+    info["cuda_version"] = CAPSROUTE_CUDA_VERSION;
+    info["cuda_archs"] = CAPSROUTE_CUDA_ARCHS;
+    return info;
+  });
+}

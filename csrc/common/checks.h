@@ -1,0 +1,88 @@
+// Host-side argument checks shared by both backends: every message names the argument,
+// what was expected and what was given.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+namespace capsroute {
+
+inline void check_float_dtype(const at::Tensor& t, const char* name) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16,
+              "capsroute: ", name, " must be float32, float64, float16 or bfloat16, got ", dt);
+}
+
+inline void check_rank(const at::Tensor& t, int64_t rank, const char* name, const char* layout) {
+  TORCH_CHECK(t.dim() == rank, "capsroute: ", name, " must have shape ", layout, " (", rank,
+              " dims), got shape ", t.sizes());
+}
+
+inline void check_same(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), "capsroute: ", name, " is on ", t.device(), " but ", ref_name,
+              " is on ", ref.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "capsroute: ", name, " has dtype ", t.scalar_type(),
+              " but ", ref_name, " has dtype ", ref.scalar_type());
+}
+
+inline void check_eps(double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "capsroute: eps must be finite and >= 0, got ", eps);
+}
+
+inline void check_routing_options(int64_t iters, double eps) {
+  TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
+  check_eps(eps);
+}
+
+inline void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& ref, int64_t J, int64_t D) {
+  if (!bias.has_value()) return;
+  check_same(*bias, ref, "bias", "the capsule input");
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == J && bias->size(1) == D,
+              "capsroute: bias must have shape (J, D) = (", J, ", ", D, "), got shape ", bias->sizes());
+}
+
+// votes (B, I, J, D)
+inline void check_dynamic_routing_inputs(const at::Tensor& votes, const c10::optional<at::Tensor>& bias,
+                                         int64_t iters, double eps) {
+  check_float_dtype(votes, "votes");
+  check_rank(votes, 4, "votes", "(B, I, J, D)");
+  TORCH_CHECK(votes.size(2) >= 1 && votes.size(3) >= 1,
+              "capsroute: votes must have J >= 1 outputs and D >= 1 dims, got shape ", votes.sizes());
+  check_bias(bias, votes, votes.size(2), votes.size(3));
+  check_routing_options(iters, eps);
+}
+
+// u (B, I, Din), weight (I, J, D, Din)
+inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& weight,
+                                        const c10::optional<at::Tensor>& bias, int64_t iters, double eps) {
+  check_float_dtype(u, "u");
+  check_rank(u, 3, "u", "(B, I, Din)");
+  check_rank(weight, 4, "weight", "(I, J, D, Din)");
+  check_same(weight, u, "weight", "u");
+  TORCH_CHECK(weight.size(0) == u.size(1) && weight.size(3) == u.size(2),
+              "capsroute: weight must have shape (I, J, D, Din) with I = ", u.size(1), " and Din = ", u.size(2),
+              " to match u of shape ", u.sizes(), ", got weight of shape ", weight.sizes());
+  TORCH_CHECK(weight.size(1) >= 1 && weight.size(2) >= 1,
+              "capsroute: weight must have J >= 1 outputs and D >= 1 dims, got shape ", weight.sizes());
+  check_bias(bias, u, weight.size(1), weight.size(2));
+  check_routing_options(iters, eps);
+}
+
+// Saved state of the routing forward: s before squash per iteration, (B, iters, J, D) in the
+// accumulation dtype.
+inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& s_hist, int64_t B,
+                                          int64_t J, int64_t D) {
+  check_rank(grad_v, 3, "grad_v", "(B, J, D)");
+  TORCH_CHECK(grad_v.size(0) == B && grad_v.size(1) == J && grad_v.size(2) == D,
+              "capsroute: grad_v must have shape (", B, ", ", J, ", ", D, "), got ", grad_v.sizes());
+  check_rank(s_hist, 4, "s_hist", "(B, iters, J, D)");
+  TORCH_CHECK(s_hist.size(0) == B && s_hist.size(1) >= 1 && s_hist.size(2) == J && s_hist.size(3) == D,
+              "capsroute: s_hist must have shape (", B, ", iters, ", J, ", ", D, "), got ", s_hist.sizes());
+  TORCH_CHECK(grad_v.device() == s_hist.device(), "capsroute: grad_v is on ", grad_v.device(),
+              " but s_hist is on ", s_hist.device());
+}
+
+inline at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+}  // namespace capsroute

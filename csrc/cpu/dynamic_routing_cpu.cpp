@@ -1,0 +1,90 @@
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../common/checks.h"
+#include "routing_element.h"
+
+namespace capsroute {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Tensor& votes_in,
+                                                                   const c10::optional<at::Tensor>& bias_in,
+                                                                   int64_t iters, bool leaky, bool /*detach: backward only*/,
+                                                                   double eps) {
+  check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
+  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const int64_t B = votes.size(0);
+  const cpu::RoutingDims dims{votes.size(1), votes.size(2), votes.size(3), iters, leaky};
+  at::Tensor v = at::empty({B, dims.J, dims.D}, votes.options());
+  at::Tensor c = at::empty({B, dims.I, dims.J}, votes.options());
+  at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, votes.options().dtype(acc_dtype(votes.scalar_type())));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* u = votes.const_data_ptr<scalar_t>();
+    const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      cpu::ForwardScratch<acc_t> scratch(dims);
+      for (int64_t n = begin; n < end; ++n) {
+        cpu::route_forward(u + n * dims.I * dims.jd(), b, dims, static_cast<acc_t>(eps), scratch,
+                           s_hist.data_ptr<acc_t>() + n * iters * dims.jd(),
+                           v.data_ptr<scalar_t>() + n * dims.jd(), c.data_ptr<scalar_t>() + n * dims.I * dims.J);
+      }
+    });
+  });
+  return {v, c, s_hist};
+}
+
+std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor& grad_v_in, const at::Tensor& votes_in,
+                                                                const at::Tensor& s_hist_in, bool leaky, bool detach,
+                                                                double eps) {
+  check_float_dtype(votes_in, "votes");
+  check_rank(votes_in, 4, "votes", "(B, I, J, D)");
+  const int64_t B = votes_in.size(0);
+  check_routing_backward_inputs(grad_v_in, s_hist_in, B, votes_in.size(2), votes_in.size(3));
+  check_eps(eps);
+  const cpu::RoutingDims dims{votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
+  const at::Tensor votes = votes_in.contiguous();
+  const at::ScalarType acc = acc_dtype(votes.scalar_type());
+  const at::Tensor grad_v = grad_v_in.to(votes.scalar_type()).contiguous();
+  const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
+  at::Tensor grad_votes = at::empty_like(votes);
+  // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
+  at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* u = votes.const_data_ptr<scalar_t>();
+    const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      cpu::RoutingBackward<acc_t> backward(dims, static_cast<acc_t>(eps), detach);
+      std::vector<acc_t> g_u(dims.D);
+      for (int64_t n = begin; n < end; ++n) {
+        const scalar_t* un = u + n * dims.I * dims.jd();
+        backward.run(un, g_v + n * dims.jd(), s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
+                     grad_bias_items.data_ptr<acc_t>() + n * dims.jd());
+        scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();
+        for (int64_t i = 0; i < dims.I; ++i) {
+          for (int64_t j = 0; j < dims.J; ++j) {
+            backward.vote_grad(i, j, g_u.data());
+            scalar_t* out = g_un + (i * dims.J + j) * dims.D;
+            for (int64_t k = 0; k < dims.D; ++k) out[k] = static_cast<scalar_t>(g_u[k]);
+          }
+        }
+      }
+    });
+  });
+  return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(capsroute, CPU, m) {
+  m.impl("dynamic_routing", &dynamic_routing_cpu);
+  m.impl("_dynamic_routing_backward", &dynamic_routing_backward_cpu);
+}
+
+}  // namespace capsroute

@@ -1,0 +1,177 @@
+// Dynamic routing of one batch element on the CPU, shared by dynamic_routing (votes given)
+// and dense_capsules (votes computed into a per-thread slab). Votes are a contiguous
+// (I, J, D) slab; all arithmetic is in acc_t.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../common/math.h"
+
+namespace capsroute {
+namespace cpu {
+
+struct RoutingDims {
+  int64_t I, J, D, iters;
+  bool leaky;
+  int64_t jd() const { return J * D; }
+};
+
+template <typename T, typename U, typename acc_t>
+inline acc_t dot(const T* a, const U* b, int64_t n) {
+  acc_t sum = 0;
+  for (int64_t k = 0; k < n; ++k) sum += static_cast<acc_t>(a[k]) * static_cast<acc_t>(b[k]);
+  return sum;
+}
+
+template <typename acc_t>
+inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc_t* v) {
+  for (int64_t j = 0; j < J; ++j) {
+    const acc_t scale = squash_scale(dot<acc_t, acc_t, acc_t>(s + j * D, s + j * D, D), eps);
+    for (int64_t d = 0; d < D; ++d) v[j * D + d] = scale * s[j * D + d];
+  }
+}
+
+// Forward of one element. Each pass over the votes fuses the agreement update of iteration
+// r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all.
+// Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
+template <typename acc_t>
+struct ForwardScratch {
+  std::vector<acc_t> logits, coupling, v;
+  explicit ForwardScratch(const RoutingDims& d) : logits(d.I * d.J), coupling(d.J), v(d.jd()) {}
+};
+
+template <typename vote_t, typename bias_t, typename out_t, typename acc_t>
+void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, acc_t eps,
+                   ForwardScratch<acc_t>& scratch, acc_t* s_hist, out_t* v_out, out_t* c_out) {
+  const int64_t I = d.I, J = d.J, D = d.D, JD = d.jd();
+  acc_t* logits = scratch.logits.data();
+  acc_t* c = scratch.coupling.data();
+  acc_t* v = scratch.v.data();
+  std::fill(logits, logits + I * J, acc_t(0));
+  for (int64_t r = 0; r < d.iters; ++r) {
+    acc_t* s = s_hist + r * JD;
+    for (int64_t k = 0; k < JD; ++k) s[k] = bias ? static_cast<acc_t>(bias[k]) : acc_t(0);
+    for (int64_t i = 0; i < I; ++i) {
+      const vote_t* ui = u + i * JD;
+      acc_t* bi = logits + i * J;
+      if (r > 0) {
+        for (int64_t j = 0; j < J; ++j) bi[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
+      }
+      coupling_row(bi, J, d.leaky, c);
+      for (int64_t j = 0; j < J; ++j) {
+        const acc_t cj = c[j];
+        const vote_t* uij = ui + j * D;
+        acc_t* sj = s + j * D;
+        for (int64_t k = 0; k < D; ++k) sj[k] += cj * static_cast<acc_t>(uij[k]);
+      }
+      if (r == d.iters - 1) {
+        for (int64_t j = 0; j < J; ++j) c_out[i * J + j] = static_cast<out_t>(c[j]);
+      }
+    }
+    squash_capsules(s, J, D, eps, v);
+  }
+  for (int64_t k = 0; k < JD; ++k) v_out[k] = static_cast<out_t>(v[k]);
+}
+
+// Backward of one element (see shared/notes/routing-math.md). run() walks the iterations
+// backwards and keeps, per iteration r, the coupling c^r, G^r = dL/db^{r+1}, gs^r = dL/ds^r
+// and v^r; the vote gradient is then the small sum
+//   g_u_ij = sum_r c^r_ij gs^r_j + G^r_ij v^r_j,
+// evaluated per (i, j) by vote_grad() so callers can contract it without storing it.
+template <typename acc_t>
+class RoutingBackward {
+ public:
+  RoutingBackward(const RoutingDims& d, acc_t eps, bool detach)
+      : d_(d), eps_(eps), detach_(detach), first_r_(detach ? d.iters - 1 : 0),
+        v_hist_(d.iters * d.jd()), gs_hist_(d.iters * d.jd()), coupling_(d.iters * d.I * d.J),
+        g_logits_(detach ? 0 : d.iters * d.I * d.J), gv_(d.jd()), gv_next_(d.jd()), row_(d.J) {}
+
+  // u: (I, J, D) votes, g_v: (J, D), s_hist: (iters, J, D). Adds dL/dbias into g_bias (J, D).
+  template <typename vote_t, typename grad_t>
+  void run(const vote_t* u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias) {
+    const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd(), R = d_.iters;
+    for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, v_hist_.data() + r * JD);
+    recompute_coupling(u);
+    for (int64_t k = 0; k < JD; ++k) gv_[k] = static_cast<acc_t>(g_v[k]);
+    if (!detach_) std::fill(g_logits_.begin() + (R - 1) * I * J, g_logits_.end(), acc_t(0));
+    for (int64_t r = R - 1; r >= first_r_; --r) {
+      acc_t* gs = gs_hist_.data() + r * JD;
+      squash_vjp(s_hist + r * JD, gv_.data(), gs);
+      for (int64_t k = 0; k < JD; ++k) g_bias[k] += gs[k];
+      if (r == 0 || detach_) break;  // b^0 = 0 is a constant; detach stops at the last s
+      // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij u_ij.
+      std::fill(gv_next_.begin(), gv_next_.end(), acc_t(0));
+      const acc_t* c = coupling_.data() + r * I * J;
+      const acc_t* g_next = g_logits_.data() + r * I * J;
+      acc_t* g_here = g_logits_.data() + (r - 1) * I * J;
+      for (int64_t i = 0; i < I; ++i) {
+        const vote_t* ui = u + i * JD;
+        acc_t weighted = 0;
+        for (int64_t j = 0; j < J; ++j) {
+          row_[j] = dot<acc_t, vote_t, acc_t>(gs + j * D, ui + j * D, D);
+          weighted += c[i * J + j] * row_[j];
+        }
+        for (int64_t j = 0; j < J; ++j) {
+          const acc_t g = g_next[i * J + j] + c[i * J + j] * (row_[j] - weighted);
+          g_here[i * J + j] = g;
+          const vote_t* uij = ui + j * D;
+          for (int64_t k = 0; k < D; ++k) gv_next_[j * D + k] += g * static_cast<acc_t>(uij[k]);
+        }
+      }
+      std::swap(gv_, gv_next_);
+    }
+  }
+
+  // g_u_ij (D values) into out.
+  void vote_grad(int64_t i, int64_t j, acc_t* out) const {
+    const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd();
+    std::fill(out, out + D, acc_t(0));
+    for (int64_t r = first_r_; r < d_.iters; ++r) {
+      const acc_t c = coupling_[r * I * J + i * J + j];
+      const acc_t g = detach_ ? acc_t(0) : g_logits_[r * I * J + i * J + j];
+      const acc_t* gs = gs_hist_.data() + r * JD + j * D;
+      const acc_t* v = v_hist_.data() + r * JD + j * D;
+      for (int64_t k = 0; k < D; ++k) out[k] += c * gs[k] + g * v[k];
+    }
+  }
+
+ private:
+  // c^r for every r in one pass over the votes, from b^{r+1} = b^r + <u, v^r>.
+  template <typename vote_t>
+  void recompute_coupling(const vote_t* u) {
+    const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd(), R = d_.iters;
+    for (int64_t i = 0; i < I; ++i) {
+      const vote_t* ui = u + i * JD;
+      std::fill(row_.begin(), row_.end(), acc_t(0));
+      for (int64_t r = 0; r < R; ++r) {
+        if (r > 0) {
+          const acc_t* v = v_hist_.data() + (r - 1) * JD;
+          for (int64_t j = 0; j < J; ++j) row_[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
+        }
+        if (r >= first_r_) coupling_row(row_.data(), J, d_.leaky, coupling_.data() + r * I * J + i * J);
+      }
+    }
+  }
+
+  void squash_vjp(const acc_t* s, const acc_t* g_v, acc_t* g_s) const {
+    const int64_t J = d_.J, D = d_.D;
+    for (int64_t j = 0; j < J; ++j) {
+      const acc_t* sj = s + j * D;
+      const acc_t* gj = g_v + j * D;
+      const SquashVjp<acc_t> k = squash_vjp_coeffs(dot<acc_t, acc_t, acc_t>(sj, sj, D), eps_);
+      const acc_t radial = k.radial * dot<acc_t, acc_t, acc_t>(sj, gj, D);
+      for (int64_t e = 0; e < D; ++e) g_s[j * D + e] = k.scale * gj[e] + radial * sj[e];
+    }
+  }
+
+  RoutingDims d_;
+  acc_t eps_;
+  bool detach_;
+  int64_t first_r_;
+  std::vector<acc_t> v_hist_, gs_hist_, coupling_, g_logits_, gv_, gv_next_, row_;
+};
+
+}  // namespace cpu
+}  // namespace capsroute

@@ -1,0 +1,70 @@
+"""Builds capsroute._C: the C++ CPU backend always, the CUDA kernels when a toolkit is found.
+
+Environment:
+  CAPSROUTE_FORCE_CUDA=1   compile the CUDA sources (fail if no toolkit)
+  CAPSROUTE_FORCE_CPU=1    skip them even if a toolkit is there
+  TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0"); never guessed from a local GPU
+  MAX_JOBS                 parallel compile jobs
+"""
+import glob
+import os
+import re
+
+# nvcc is also on PATH as /usr/local/bin/nvcc on some machines, which makes torch guess
+# CUDA_HOME=/usr/local where libcudart is missing; prefer the real toolkit directory.
+if not os.environ.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def env_flag(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes")
+
+
+def want_cuda():
+    if env_flag("CAPSROUTE_FORCE_CPU"):
+        return False
+    found = cpp_extension.CUDA_HOME is not None and torch.version.cuda is not None
+    if env_flag("CAPSROUTE_FORCE_CUDA") and not found:
+        raise RuntimeError(
+            "CAPSROUTE_FORCE_CUDA=1 but no CUDA build of torch with a CUDA toolkit was found "
+            f"(torch {torch.__version__}, CUDA_HOME={cpp_extension.CUDA_HOME})")
+    return found
+
+
+def version():
+    text = open(os.path.join(ROOT, "capsroute", "__init__.py")).read()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def extension():
+    with_cuda = want_cuda()
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    defines = [("CAPSROUTE_TORCH_VERSION", f'"{torch.__version__}"')]
+    cxx = ["-O3", "-fvisibility=hidden"]
+    if not with_cuda:
+        return cpp_extension.CppExtension("capsroute._C", sources, define_macros=defines,
+                                          extra_compile_args={"cxx": cxx})
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"]
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    defines += [("CAPSROUTE_WITH_CUDA", None),
+                ("CAPSROUTE_CUDA_VERSION", f'"{torch.version.cuda}"'),
+                ("CAPSROUTE_CUDA_ARCHS", f'"{archs}"')]
+    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler=-fvisibility=hidden"]
+    return cpp_extension.CUDAExtension("capsroute._C", sources, define_macros=defines,
+                                       extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+
+
+setup(
+    name="capsroute",
+    version=version(),
+    packages=find_packages(include=["capsroute", "capsroute.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)
