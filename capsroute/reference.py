@@ -23,17 +23,17 @@ def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | No
                              detach: bool = False, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
     """Returns (v (B, J, D), final coupling c (B, I, J))."""
     B, I, J, D = votes.shape
-    # With detach the logits, hence the coupling, are built from constant votes.
-    routed = votes.detach() if detach else votes
     logits = votes.new_zeros(B, I, J)
     for r in range(iters):
         c = _coupling(logits, leaky)
-        s = torch.einsum("bij,bijd->bjd", c, votes if r == iters - 1 else routed)
+        if detach:  # the coupling is a constant of the backward pass
+            c = c.detach()
+        s = torch.einsum("bij,bijd->bjd", c, votes)
         if bias is not None:
             s = s + bias
         v = squash(s, eps=eps)
         if r < iters - 1:
-            logits = logits + torch.einsum("bijd,bjd->bij", routed, v)
+            logits = logits + torch.einsum("bijd,bjd->bij", votes, v)
     return v, c
 
 
