@@ -5,6 +5,9 @@ Environment:
   CAPSROUTE_FORCE_CPU=1    skip them even if a toolkit is there
   TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0"); never guessed from a local GPU
   MAX_JOBS                 parallel compile jobs
+  CAPSROUTE_CPU_ARCH       -march for the C++ sources (default: the compiler's baseline). Only
+                           "x86-64-v3" has been checked: -march=native on an AVX-512 machine
+                           broke tensor metadata across the torch headers (wrong dtypes seen).
 """
 import glob
 import os
@@ -47,7 +50,10 @@ def extension():
     with_cuda = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     defines = [("CAPSROUTE_TORCH_VERSION", f'"{torch.__version__}"')]
-    cxx = ["-O3", "-fvisibility=hidden"]
+    # -fopenmp-simd lets `#pragma omp simd reduction` vectorise the dot products (no OpenMP runtime).
+    cxx = ["-O3", "-fvisibility=hidden", "-fopenmp-simd"]
+    if os.environ.get("CAPSROUTE_CPU_ARCH"):
+        cxx.append(f"-march={os.environ['CAPSROUTE_CPU_ARCH']}")
     if not with_cuda:
         return cpp_extension.CppExtension("capsroute._C", sources, define_macros=defines,
                                           extra_compile_args={"cxx": cxx})

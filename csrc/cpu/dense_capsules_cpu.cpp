@@ -1,6 +1,7 @@
 // dense_capsules on the CPU: each thread computes one element's votes weight_ij @ u_i into a
 // slab of its own (I*J*D, cache-sized for typical shapes) and routes on it; the backward
-// recomputes the slab instead of keeping votes from the forward.
+// recomputes the slab instead of keeping votes from the forward. The weight is used as
+// (I, Din, J*D) so that every vote and gradient loop runs over contiguous J*D rows.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -12,15 +13,21 @@
 namespace capsroute {
 namespace {
 
-// votes (I, J, D) of one element from u (I, Din) and weight (I, J, D, Din).
+// weight (I, J, D, Din) -> (I, Din, J, D)
+at::Tensor weight_by_input_dim(const at::Tensor& weight) { return weight.permute({0, 3, 1, 2}).contiguous(); }
+
+// votes (I, J*D) of one element from u (I, Din) and weight_t (I, Din, J*D).
 template <typename scalar_t, typename acc_t>
-void compute_votes(const scalar_t* u, const scalar_t* weight, const cpu::RoutingDims& d, int64_t Din, acc_t* votes) {
-  const int64_t rows_per_input = d.J * d.D;
+void compute_votes(const scalar_t* u, const scalar_t* weight_t, const cpu::RoutingDims& d, int64_t Din, acc_t* votes) {
+  const int64_t JD = d.jd();
   for (int64_t i = 0; i < d.I; ++i) {
-    const scalar_t* ui = u + i * Din;
-    const scalar_t* wi = weight + i * rows_per_input * Din;
-    acc_t* vi = votes + i * rows_per_input;
-    for (int64_t row = 0; row < rows_per_input; ++row) vi[row] = cpu::dot<scalar_t, scalar_t, acc_t>(wi + row * Din, ui, Din);
+    acc_t* vi = votes + i * JD;
+    std::fill(vi, vi + JD, acc_t(0));
+    for (int64_t k = 0; k < Din; ++k) {
+      const acc_t x = static_cast<acc_t>(u[i * Din + k]);
+      const scalar_t* w = weight_t + (i * Din + k) * JD;
+      for (int64_t jd = 0; jd < JD; ++jd) vi[jd] += x * static_cast<acc_t>(w[jd]);
+    }
   }
 }
 
@@ -29,10 +36,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
                                                                   bool leaky, bool /*detach: backward only*/, double eps) {
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   const at::Tensor u = u_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor weight_t = weight_by_input_dim(weight_in);
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t B = u.size(0), Din = u.size(2);
-  const cpu::RoutingDims dims{weight.size(0), weight.size(1), weight.size(2), iters, leaky};
+  const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), iters, leaky};
   at::Tensor v = at::empty({B, dims.J, dims.D}, u.options());
   at::Tensor c = at::empty({B, dims.I, dims.J}, u.options());
   at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
@@ -40,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* x = u.const_data_ptr<scalar_t>();
-    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight_t.const_data_ptr<scalar_t>();
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       cpu::ForwardScratch<acc_t> scratch(dims);
@@ -64,56 +71,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   check_routing_backward_inputs(grad_v_in, s_hist_in, B, weight_in.size(1), weight_in.size(2));
   const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const at::Tensor u = u_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor weight_t = weight_by_input_dim(weight_in);
   const at::ScalarType acc = acc_dtype(u.scalar_type());
   const at::Tensor grad_v = grad_v_in.to(u.scalar_type()).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
+  const int64_t JD = dims.jd();
   at::Tensor grad_u = at::empty_like(u);
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
   // grad_weight sums over the batch: one partial per fixed chunk of the batch, added in chunk
   // order, so the result does not depend on thread scheduling.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(B, at::get_num_threads()));
-  at::Tensor grad_weight_parts = at::zeros({chunks, dims.I, dims.J, dims.D, Din}, u.options().dtype(acc));
+  at::Tensor grad_weight_parts = at::zeros({chunks, dims.I, Din, dims.J, dims.D}, u.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* x = u.const_data_ptr<scalar_t>();
-    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight_t.const_data_ptr<scalar_t>();
     const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
       cpu::RoutingBackward<acc_t> backward(dims, static_cast<acc_t>(eps), detach);
-      std::vector<acc_t> votes(dims.I * dims.jd()), g_vote(dims.D), g_x(Din);
+      std::vector<acc_t> votes(dims.I * JD), g_vote(JD);
       for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        acc_t* g_w = grad_weight_parts.data_ptr<acc_t>() + chunk * dims.I * dims.jd() * Din;
+        acc_t* g_w = grad_weight_parts.data_ptr<acc_t>() + chunk * dims.I * Din * JD;
         for (int64_t n = chunk * B / chunks; n < (chunk + 1) * B / chunks; ++n) {
           const scalar_t* xn = x + n * dims.I * Din;
           compute_votes(xn, w, dims, Din, votes.data());
-          backward.run(votes.data(), g_v + n * dims.jd(), s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
-                       grad_bias_items.data_ptr<acc_t>() + n * dims.jd());
+          backward.run(votes.data(), g_v + n * JD, s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
+                       grad_bias_items.data_ptr<acc_t>() + n * JD);
+          scalar_t* g_un = grad_u.data_ptr<scalar_t>() + n * dims.I * Din;
           for (int64_t i = 0; i < dims.I; ++i) {
-            const scalar_t* xi = xn + i * Din;
-            std::fill(g_x.begin(), g_x.end(), acc_t(0));
-            for (int64_t j = 0; j < dims.J; ++j) {
-              backward.vote_grad(i, j, g_vote.data());
-              const int64_t row0 = (i * dims.J + j) * dims.D;
-              for (int64_t d = 0; d < dims.D; ++d) {
-                const scalar_t* w_row = w + (row0 + d) * Din;
-                acc_t* g_w_row = g_w + (row0 + d) * Din;
-                const acc_t g = g_vote[d];
-                for (int64_t k = 0; k < Din; ++k) {
-                  g_x[k] += static_cast<acc_t>(w_row[k]) * g;
-                  g_w_row[k] += g * static_cast<acc_t>(xi[k]);
-                }
-              }
+            backward.vote_grad_row(i, g_vote.data());
+            for (int64_t k = 0; k < Din; ++k) {
+              const int64_t row = (i * Din + k) * JD;
+              g_un[i * Din + k] = static_cast<scalar_t>(cpu::dot<scalar_t, acc_t, acc_t>(w + row, g_vote.data(), JD));
+              const acc_t xk = static_cast<acc_t>(xn[i * Din + k]);
+              for (int64_t jd = 0; jd < JD; ++jd) g_w[row + jd] += xk * g_vote[jd];
             }
-            scalar_t* g_u_out = grad_u.data_ptr<scalar_t>() + (n * dims.I + i) * Din;
-            for (int64_t k = 0; k < Din; ++k) g_u_out[k] = static_cast<scalar_t>(g_x[k]);
           }
         }
       }
     });
   });
-  return {grad_u, grad_weight_parts.sum(0).to(u.scalar_type()), grad_bias_items.sum(0).to(u.scalar_type())};
+  at::Tensor grad_weight = grad_weight_parts.sum(0).permute({0, 2, 3, 1}).contiguous().to(u.scalar_type());
+  return {grad_u, grad_weight, grad_bias_items.sum(0).to(u.scalar_type())};
 }
 
 }  // namespace

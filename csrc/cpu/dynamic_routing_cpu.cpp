@@ -61,18 +61,15 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
     const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       cpu::RoutingBackward<acc_t> backward(dims, static_cast<acc_t>(eps), detach);
-      std::vector<acc_t> g_u(dims.D);
+      std::vector<acc_t> g_u(dims.jd());
       for (int64_t n = begin; n < end; ++n) {
         const scalar_t* un = u + n * dims.I * dims.jd();
         backward.run(un, g_v + n * dims.jd(), s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
                      grad_bias_items.data_ptr<acc_t>() + n * dims.jd());
         scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();
         for (int64_t i = 0; i < dims.I; ++i) {
-          for (int64_t j = 0; j < dims.J; ++j) {
-            backward.vote_grad(i, j, g_u.data());
-            scalar_t* out = g_un + (i * dims.J + j) * dims.D;
-            for (int64_t k = 0; k < dims.D; ++k) out[k] = static_cast<scalar_t>(g_u[k]);
-          }
+          backward.vote_grad_row(i, g_u.data());
+          std::copy(g_u.begin(), g_u.end(), g_un + i * dims.jd());
         }
       }
     });

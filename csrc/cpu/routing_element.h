@@ -21,6 +21,7 @@ struct RoutingDims {
 template <typename T, typename U, typename acc_t>
 inline acc_t dot(const T* a, const U* b, int64_t n) {
   acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
   for (int64_t k = 0; k < n; ++k) sum += static_cast<acc_t>(a[k]) * static_cast<acc_t>(b[k]);
   return sum;
 }
@@ -79,7 +80,7 @@ void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, ac
 // backwards and keeps, per iteration r, the coupling c^r, G^r = dL/db^{r+1}, gs^r = dL/ds^r
 // and v^r; the vote gradient is then the small sum
 //   g_u_ij = sum_r c^r_ij gs^r_j + G^r_ij v^r_j,
-// evaluated per (i, j) by vote_grad() so callers can contract it without storing it.
+// evaluated per input capsule by vote_grad_row() so callers can contract it without storing it.
 template <typename acc_t>
 class RoutingBackward {
  public:
@@ -124,16 +125,19 @@ class RoutingBackward {
     }
   }
 
-  // g_u_ij (D values) into out.
-  void vote_grad(int64_t i, int64_t j, acc_t* out) const {
+  // The vote gradient of input capsule i, g_u_i (J * D values), into out.
+  void vote_grad_row(int64_t i, acc_t* out) const {
     const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd();
-    std::fill(out, out + D, acc_t(0));
+    std::fill(out, out + JD, acc_t(0));
     for (int64_t r = first_r_; r < d_.iters; ++r) {
-      const acc_t c = coupling_[r * I * J + i * J + j];
-      const acc_t g = detach_ ? acc_t(0) : g_logits_[r * I * J + i * J + j];
-      const acc_t* gs = gs_hist_.data() + r * JD + j * D;
-      const acc_t* v = v_hist_.data() + r * JD + j * D;
-      for (int64_t k = 0; k < D; ++k) out[k] += c * gs[k] + g * v[k];
+      const acc_t* c = coupling_.data() + r * I * J + i * J;
+      const acc_t* g = detach_ ? nullptr : g_logits_.data() + r * I * J + i * J;
+      const acc_t* gs = gs_hist_.data() + r * JD;
+      const acc_t* v = v_hist_.data() + r * JD;
+      for (int64_t j = 0; j < J; ++j) {
+        const acc_t cj = c[j], gj = g ? g[j] : acc_t(0);
+        for (int64_t k = j * D; k < (j + 1) * D; ++k) out[k] += cj * gs[k] + gj * v[k];
+      }
     }
   }
 
