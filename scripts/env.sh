@@ -1,0 +1,42 @@
+# Sourced by scripts/test.sh and scripts/bench.sh: everything a fresh machine needs.
+# Makes .venv (reusing the machine's own torch if it has one, as the GPU machines do, else
+# installing torch 2.14.1), installs what is missing, and builds capsroute._C when its sources
+# or build settings changed since the last build.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  if "$PYTHON" -c "import torch" 2>/dev/null; then
+    "$PYTHON" -m venv --system-site-packages .venv
+  else
+    "$PYTHON" -m venv .venv
+  fi
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+python -c "import torch" 2>/dev/null || pip install -q "torch==${CAPSROUTE_TORCH_VERSION:-2.14.1}"
+missing=$(python - <<'PY'
+import importlib.util
+wanted = {"numpy": "numpy", "pybind11": "pybind11", "ninja": "ninja", "setuptools": "setuptools", "wheel": "wheel",
+          "pytest": "pytest", "hypothesis": "hypothesis", "pytest_benchmark": "pytest-benchmark", "tqdm": "tqdm",
+          "matplotlib": "matplotlib"}
+print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+if [ -n "$missing" ]; then pip install -q $missing; fi
+
+if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+
+# pip rebuilds every object on each editable install: build only when something changed.
+stamp=$( { cat setup.py pyproject.toml; find csrc -type f | sort | xargs cat;
+           env | grep -E '^(CAPSROUTE_|TORCH_CUDA_ARCH_LIST=|CUDA_HOME=)' | sort;
+           python -c "import torch; print(torch.__version__)"; } | sha256sum | cut -c1-16)
+if [ "$(cat build/.capsroute-stamp 2>/dev/null)" != "$stamp" ] || ! python -c "import capsroute" 2>/dev/null; then
+  echo "building capsroute._C (MAX_JOBS=$MAX_JOBS) ..." >&2
+  pip install -q --no-build-isolation --no-deps -e .
+  mkdir -p build && echo "$stamp" > build/.capsroute-stamp
+fi
+python -c "import capsroute, json; print('capsroute', json.dumps(capsroute.build_info()))"
