@@ -1,0 +1,133 @@
+// dense_capsules on CUDA: the shared routing kernels over votes_ij = weight_ij @ u_i, computed
+// on the fly (DenseVotes); neither the votes nor their gradient is ever stored. The backward
+// contracts the vote gradient of the saved state with weight (grad_u) and with u (grad_weight,
+// a deterministic loop over the batch, no atomics).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include "../common/checks.h"
+#include "routing_kernels.cuh"
+#include "utils.cuh"
+
+namespace capsroute {
+namespace cuda {
+namespace {
+
+// grad_u[b, i, k] = sum_{j, d} weight[i, j, d, k] g_u[b, i, j, d]; thread per (b, i, k).
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    dense_grad_u_kernel(const BackwardState<acc_t> st, const scalar_t* weight, int64_t B, int64_t Din,
+                        scalar_t* grad_u) {
+  const int64_t JD = st.J * st.D, n = B * st.I * Din;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t k = idx % Din, bi = idx / Din;
+    const int64_t i = bi % st.I, b = bi / st.I;
+    const scalar_t* w = weight + i * JD * Din + k;
+    acc_t sum = 0;
+    for (int64_t jd = 0; jd < JD; ++jd) sum += static_cast<acc_t>(w[jd * Din]) * st.vote_grad(b, i, jd);
+    grad_u[idx] = static_cast<scalar_t>(sum);
+  }
+}
+
+// grad_weight[i, j, d, k] = sum_b g_u[b, i, j, d] u[b, i, k]; thread per (i, j, d, k), b in order.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    dense_grad_weight_kernel(const BackwardState<acc_t> st, const scalar_t* u, int64_t B, int64_t Din,
+                             scalar_t* grad_weight) {
+  const int64_t JD = st.J * st.D, n = st.I * JD * Din;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t k = idx % Din, ijd = idx / Din;
+    const int64_t jd = ijd % JD, i = ijd / JD;
+    acc_t sum = 0;
+    for (int64_t b = 0; b < B; ++b) sum += st.vote_grad(b, i, jd) * static_cast<acc_t>(u[(b * st.I + i) * Din + k]);
+    grad_weight[idx] = static_cast<scalar_t>(sum);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Tensor& u_in, const at::Tensor& weight_in,
+                                                                   const c10::optional<at::Tensor>& bias_in,
+                                                                   int64_t iters, bool leaky,
+                                                                   bool /*detach: backward only*/, double eps) {
+  check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
+  check_cuda(u_in, "u");
+  const c10::cuda::CUDAGuard guard(u_in.device());
+  const at::Tensor u = u_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const int64_t Din = u.size(2);
+  const RoutingDims dims{u.size(0), weight.size(0), weight.size(1), weight.size(2), iters, leaky};
+  at::Tensor v = at::empty({dims.B, dims.J, dims.D}, u.options());
+  at::Tensor c = at::empty({dims.B, dims.I, dims.J}, u.options());
+  at::Tensor s_hist = at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
+  if (dims.B == 0) return {v, c, s_hist};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
+                                          dims.J * dims.D, Din};
+    launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, dims, eps, s_hist, v, c);
+  });
+  return {v, c, s_hist};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(const at::Tensor& grad_v_in,
+                                                                            const at::Tensor& u_in,
+                                                                            const at::Tensor& weight_in,
+                                                                            const at::Tensor& s_hist_in, bool leaky,
+                                                                            bool detach, double eps) {
+  check_dense_capsules_inputs(u_in, weight_in, c10::nullopt, 1, eps);
+  const int64_t B = u_in.size(0), Din = u_in.size(2);
+  check_routing_backward_inputs(grad_v_in, s_hist_in, B, weight_in.size(1), weight_in.size(2));
+  check_cuda(u_in, "u");
+  check_same_device(grad_v_in, u_in, "grad_v", "u");
+  const c10::cuda::CUDAGuard guard(u_in.device());
+  const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
+  const at::Tensor u = u_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
+  const at::ScalarType acc = acc_dtype(u.scalar_type());
+  const at::Tensor grad_v = grad_v_in.to(u.scalar_type()).contiguous();
+  const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
+  at::Tensor grad_u = at::empty_like(u);
+  // With B == 0 the sums over the batch are empty: zero gradients.
+  at::Tensor grad_weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
+  // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
+  at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
+
+  if (B > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
+                                            dims.J * dims.D, Din};
+      const BackwardBuffers<acc_t> buf =
+          launch_routing_backward(src, grad_v.const_data_ptr<scalar_t>(), s_hist, dims, detach, eps, grad_bias_items);
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+      const int64_t n_u = grad_u.numel();
+      if (n_u > 0) {
+        dense_grad_u_kernel<scalar_t, acc_t><<<blocks_for(n_u), kBlockThreads, 0, stream>>>(
+            buf.state, weight.const_data_ptr<scalar_t>(), B, Din, grad_u.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      const int64_t n_w = grad_weight.numel();
+      if (n_w > 0) {
+        dense_grad_weight_kernel<scalar_t, acc_t><<<blocks_for(n_w), kBlockThreads, 0, stream>>>(
+            buf.state, u.const_data_ptr<scalar_t>(), B, Din, grad_weight.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+  return {grad_u, grad_weight, grad_bias_items.sum(0).to(u.scalar_type())};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(capsroute, CUDA, m) {
+  m.impl("dense_capsules", &cuda::dense_capsules_cuda);
+  m.impl("_dense_capsules_backward", &cuda::dense_capsules_backward_cuda);
+}
+
+}  // namespace capsroute

@@ -1,0 +1,98 @@
+// dynamic_routing on CUDA: the shared routing kernels over votes read from memory.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include "../common/checks.h"
+#include "routing_kernels.cuh"
+#include "utils.cuh"
+
+namespace capsroute {
+namespace cuda {
+namespace {
+
+// grad_votes (B, I, J, D) = the vote gradient of the saved state, flat and coalesced.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    write_vote_grad_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
+  const int64_t JD = st.J * st.D, n = B * st.I * JD;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t jd = idx % JD, bi = idx / JD;
+    grad_votes[idx] = static_cast<scalar_t>(st.vote_grad(bi / st.I, bi % st.I, jd));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(const at::Tensor& votes_in,
+                                                                    const c10::optional<at::Tensor>& bias_in,
+                                                                    int64_t iters, bool leaky,
+                                                                    bool /*detach: backward only*/, double eps) {
+  check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
+  check_cuda(votes_in, "votes");
+  const c10::cuda::CUDAGuard guard(votes_in.device());
+  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+  const RoutingDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, leaky};
+  at::Tensor v = at::empty({dims.B, dims.J, dims.D}, votes.options());
+  at::Tensor c = at::empty({dims.B, dims.I, dims.J}, votes.options());
+  at::Tensor s_hist =
+      at::empty({dims.B, iters, dims.J, dims.D}, votes.options().dtype(acc_dtype(votes.scalar_type())));
+  if (dims.B == 0) return {v, c, s_hist};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
+    launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, dims, eps, s_hist, v, c);
+  });
+  return {v, c, s_hist};
+}
+
+std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tensor& grad_v_in,
+                                                                 const at::Tensor& votes_in,
+                                                                 const at::Tensor& s_hist_in, bool leaky,
+                                                                 bool detach, double eps) {
+  check_float_dtype(votes_in, "votes");
+  check_rank(votes_in, 4, "votes", "(B, I, J, D)");
+  const int64_t B = votes_in.size(0);
+  check_routing_backward_inputs(grad_v_in, s_hist_in, B, votes_in.size(2), votes_in.size(3));
+  check_eps(eps);
+  check_cuda(votes_in, "votes");
+  check_same_device(grad_v_in, votes_in, "grad_v", "votes");
+  const c10::cuda::CUDAGuard guard(votes_in.device());
+  const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
+  const at::Tensor votes = votes_in.contiguous();
+  const at::ScalarType acc = acc_dtype(votes.scalar_type());
+  const at::Tensor grad_v = grad_v_in.to(votes.scalar_type()).contiguous();
+  const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
+  at::Tensor grad_votes = at::empty_like(votes);
+  // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
+  at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
+
+  if (B > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
+      const BackwardBuffers<acc_t> buf =
+          launch_routing_backward(src, grad_v.const_data_ptr<scalar_t>(), s_hist, dims, detach, eps, grad_bias_items);
+      const int64_t n = grad_votes.numel();
+      if (n > 0) {
+        const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+        write_vote_grad_kernel<scalar_t, acc_t><<<blocks_for(n), kBlockThreads, 0, stream>>>(
+            buf.state, B, grad_votes.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+  return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(capsroute, CUDA, m) {
+  m.impl("dynamic_routing", &cuda::dynamic_routing_cuda);
+  m.impl("_dynamic_routing_backward", &cuda::dynamic_routing_backward_cuda);
+}
+
+}  // namespace capsroute
