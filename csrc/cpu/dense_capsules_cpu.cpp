@@ -49,15 +49,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
     const scalar_t* x = u.const_data_ptr<scalar_t>();
     const scalar_t* w = weight_t.const_data_ptr<scalar_t>();
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      cpu::ForwardScratch<acc_t> scratch(dims);
-      std::vector<acc_t> votes(dims.I * dims.jd());
-      for (int64_t n = begin; n < end; ++n) {
-        compute_votes(x + n * dims.I * Din, w, dims, Din, votes.data());
-        cpu::route_forward(votes.data(), b, dims, static_cast<acc_t>(eps), scratch,
-                           s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
-                           c.data_ptr<scalar_t>() + n * dims.I * dims.J);
-      }
+    cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        cpu::ForwardScratch<acc_t> scratch(dims);
+        std::vector<acc_t> votes(dims.I * dims.jd());
+        for (int64_t n = begin; n < end; ++n) {
+          compute_votes(x + n * dims.I * Din, w, dims, Din, votes.data());
+          cpu::route_forward<decltype(capsule_dim)::value>(
+              votes.data(), b, dims, static_cast<acc_t>(eps), scratch, s_hist.data_ptr<acc_t>() + n * iters * dims.jd(),
+              v.data_ptr<scalar_t>() + n * dims.jd(), c.data_ptr<scalar_t>() + n * dims.I * dims.J);
+        }
+      });
     });
   });
   return {v, c, s_hist};
@@ -88,28 +90,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
     const scalar_t* x = u.const_data_ptr<scalar_t>();
     const scalar_t* w = weight_t.const_data_ptr<scalar_t>();
     const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
-    at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      cpu::RoutingBackward<acc_t> backward(dims, static_cast<acc_t>(eps), detach);
-      std::vector<acc_t> votes(dims.I * JD), g_vote(JD);
-      for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        acc_t* g_w = grad_weight_parts.data_ptr<acc_t>() + chunk * dims.I * Din * JD;
-        for (int64_t n = chunk * B / chunks; n < (chunk + 1) * B / chunks; ++n) {
-          const scalar_t* xn = x + n * dims.I * Din;
-          compute_votes(xn, w, dims, Din, votes.data());
-          backward.run(votes.data(), g_v + n * JD, s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
-                       grad_bias_items.data_ptr<acc_t>() + n * JD);
-          scalar_t* g_un = grad_u.data_ptr<scalar_t>() + n * dims.I * Din;
-          for (int64_t i = 0; i < dims.I; ++i) {
-            backward.vote_grad_row(i, g_vote.data());
-            for (int64_t k = 0; k < Din; ++k) {
-              const int64_t row = (i * Din + k) * JD;
-              g_un[i * Din + k] = static_cast<scalar_t>(cpu::dot<scalar_t, acc_t, acc_t>(w + row, g_vote.data(), JD));
-              const acc_t xk = static_cast<acc_t>(xn[i * Din + k]);
-              for (int64_t jd = 0; jd < JD; ++jd) g_w[row + jd] += xk * g_vote[jd];
+    cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+      at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+        cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, static_cast<acc_t>(eps), detach);
+        std::vector<acc_t> votes(dims.I * JD), g_vote(JD);
+        for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+          acc_t* g_w = grad_weight_parts.data_ptr<acc_t>() + chunk * dims.I * Din * JD;
+          for (int64_t n = chunk * B / chunks; n < (chunk + 1) * B / chunks; ++n) {
+            const scalar_t* xn = x + n * dims.I * Din;
+            compute_votes(xn, w, dims, Din, votes.data());
+            backward.run(votes.data(), g_v + n * JD, s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
+                         grad_bias_items.data_ptr<acc_t>() + n * JD);
+            scalar_t* g_un = grad_u.data_ptr<scalar_t>() + n * dims.I * Din;
+            for (int64_t i = 0; i < dims.I; ++i) {
+              backward.vote_grad_row(i, g_vote.data());
+              for (int64_t k = 0; k < Din; ++k) {
+                const int64_t row = (i * Din + k) * JD;
+                g_un[i * Din + k] = static_cast<scalar_t>(cpu::dot<scalar_t, acc_t, acc_t>(w + row, g_vote.data(), JD));
+                const acc_t xk = static_cast<acc_t>(xn[i * Din + k]);
+                for (int64_t jd = 0; jd < JD; ++jd) g_w[row + jd] += xk * g_vote[jd];
+              }
             }
           }
         }
-      }
+      });
     });
   });
   at::Tensor grad_weight = grad_weight_parts.sum(0).permute({0, 2, 3, 1}).contiguous().to(u.scalar_type());

@@ -26,13 +26,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* u = votes.const_data_ptr<scalar_t>();
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      cpu::ForwardScratch<acc_t> scratch(dims);
-      for (int64_t n = begin; n < end; ++n) {
-        cpu::route_forward(u + n * dims.I * dims.jd(), b, dims, static_cast<acc_t>(eps), scratch,
-                           s_hist.data_ptr<acc_t>() + n * iters * dims.jd(),
-                           v.data_ptr<scalar_t>() + n * dims.jd(), c.data_ptr<scalar_t>() + n * dims.I * dims.J);
-      }
+    cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        cpu::ForwardScratch<acc_t> scratch(dims);
+        for (int64_t n = begin; n < end; ++n) {
+          cpu::route_forward<decltype(capsule_dim)::value>(
+              u + n * dims.I * dims.jd(), b, dims, static_cast<acc_t>(eps), scratch,
+              s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
+              c.data_ptr<scalar_t>() + n * dims.I * dims.J);
+        }
+      });
     });
   });
   return {v, c, s_hist};
@@ -59,19 +62,21 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* u = votes.const_data_ptr<scalar_t>();
     const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      cpu::RoutingBackward<acc_t> backward(dims, static_cast<acc_t>(eps), detach);
-      std::vector<acc_t> g_u(dims.jd());
-      for (int64_t n = begin; n < end; ++n) {
-        const scalar_t* un = u + n * dims.I * dims.jd();
-        backward.run(un, g_v + n * dims.jd(), s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
-                     grad_bias_items.data_ptr<acc_t>() + n * dims.jd());
-        scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();
-        for (int64_t i = 0; i < dims.I; ++i) {
-          backward.vote_grad_row(i, g_u.data());
-          std::copy(g_u.begin(), g_u.end(), g_un + i * dims.jd());
+    cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, static_cast<acc_t>(eps), detach);
+        std::vector<acc_t> g_u(dims.jd());
+        for (int64_t n = begin; n < end; ++n) {
+          backward.run(u + n * dims.I * dims.jd(), g_v + n * dims.jd(),
+                       s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
+                       grad_bias_items.data_ptr<acc_t>() + n * dims.jd());
+          scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();
+          for (int64_t i = 0; i < dims.I; ++i) {
+            backward.vote_grad_row(i, g_u.data());
+            std::copy(g_u.begin(), g_u.end(), g_un + i * dims.jd());
+          }
         }
-      }
+      });
     });
   });
   return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../common/math.h"
@@ -17,6 +18,25 @@ struct RoutingDims {
   bool leaky;
   int64_t jd() const { return J * D; }
 };
+
+// Calls f(std::integral_constant<int, D>) for the common capsule sizes, so that the loops over
+// a capsule's D values get a constant trip count (unrolled, vectorised), else with 0 (any D).
+template <typename F>
+void dispatch_capsule_dim(int64_t D, F&& f) {
+  switch (D) {
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
+
+// The capsule size: the compile-time kD when there is one.
+template <int kD>
+inline int64_t capsule_dim(const RoutingDims& d) {
+  return kD > 0 ? kD : d.D;
+}
 
 template <typename T, typename U, typename acc_t>
 inline acc_t dot(const T* a, const U* b, int64_t n) {
@@ -43,10 +63,10 @@ struct ForwardScratch {
   explicit ForwardScratch(const RoutingDims& d) : logits(d.I * d.J), coupling(d.J), v(d.jd()) {}
 };
 
-template <typename vote_t, typename bias_t, typename out_t, typename acc_t>
+template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
 void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, acc_t eps,
                    ForwardScratch<acc_t>& scratch, acc_t* s_hist, out_t* v_out, out_t* c_out) {
-  const int64_t I = d.I, J = d.J, D = d.D, JD = d.jd();
+  const int64_t I = d.I, J = d.J, D = capsule_dim<kD>(d), JD = J * D;
   acc_t* logits = scratch.logits.data();
   acc_t* c = scratch.coupling.data();
   acc_t* v = scratch.v.data();
@@ -81,7 +101,7 @@ void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, ac
 // and v^r; the vote gradient is then the small sum
 //   g_u_ij = sum_r c^r_ij gs^r_j + G^r_ij v^r_j,
 // evaluated per input capsule by vote_grad_row() so callers can contract it without storing it.
-template <typename acc_t>
+template <int kD, typename acc_t>
 class RoutingBackward {
  public:
   RoutingBackward(const RoutingDims& d, acc_t eps, bool detach)
@@ -92,7 +112,7 @@ class RoutingBackward {
   // u: (I, J, D) votes, g_v: (J, D), s_hist: (iters, J, D). Adds dL/dbias into g_bias (J, D).
   template <typename vote_t, typename grad_t>
   void run(const vote_t* u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias) {
-    const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd(), R = d_.iters;
+    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
     for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, v_hist_.data() + r * JD);
     recompute_coupling(u);
     for (int64_t k = 0; k < JD; ++k) gv_[k] = static_cast<acc_t>(g_v[k]);
@@ -127,7 +147,7 @@ class RoutingBackward {
 
   // The vote gradient of input capsule i, g_u_i (J * D values), into out.
   void vote_grad_row(int64_t i, acc_t* out) const {
-    const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd();
+    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
     std::fill(out, out + JD, acc_t(0));
     for (int64_t r = first_r_; r < d_.iters; ++r) {
       const acc_t* c = coupling_.data() + r * I * J + i * J;
@@ -145,7 +165,7 @@ class RoutingBackward {
   // c^r for every r in one pass over the votes, from b^{r+1} = b^r + <u, v^r>.
   template <typename vote_t>
   void recompute_coupling(const vote_t* u) {
-    const int64_t I = d_.I, J = d_.J, D = d_.D, JD = d_.jd(), R = d_.iters;
+    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
     for (int64_t i = 0; i < I; ++i) {
       const vote_t* ui = u + i * JD;
       std::fill(row_.begin(), row_.end(), acc_t(0));
@@ -160,7 +180,7 @@ class RoutingBackward {
   }
 
   void squash_vjp(const acc_t* s, const acc_t* g_v, acc_t* g_s) const {
-    const int64_t J = d_.J, D = d_.D;
+    const int64_t J = d_.J, D = capsule_dim<kD>(d_);
     for (int64_t j = 0; j < J; ++j) {
       const acc_t* sj = s + j * D;
       const acc_t* gj = g_v + j * D;
