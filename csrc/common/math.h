@@ -67,19 +67,4 @@ CAPSROUTE_HD SquashVjp<T> squash_vjp_coeffs(T q, T eps) {
   return {scale, radial};
 }
 
-// Coupling coefficients of one input capsule: c = softmax over the J logits, with an extra
-// zero logit when leaky (its share is dropped). c may alias logits.
-template <typename T>
-CAPSROUTE_HD void coupling_row(const T* logits, int64_t J, bool leaky, T* c) {
-  T max_logit = leaky ? T(0) : logits[0];
-  for (int64_t j = 0; j < J; ++j) max_logit = logits[j] > max_logit ? logits[j] : max_logit;
-  T denom = leaky ? acc_exp(-max_logit) : T(0);
-  for (int64_t j = 0; j < J; ++j) {
-    c[j] = acc_exp(logits[j] - max_logit);
-    denom += c[j];
-  }
-  const T inv_denom = T(1) / denom;
-  for (int64_t j = 0; j < J; ++j) c[j] *= inv_denom;
-}
-
 }  // namespace capsroute

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -18,6 +19,65 @@ struct RoutingDims {
   bool leaky;
   int64_t jd() const { return J * D; }
 };
+
+// exp(x) for x <= 0, the softmax arguments, without calls or branches so that loops over it
+// vectorise (libm's exp is a call per value): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its
+// Taylor series to float / double precision, times 2^n built from its exponent bits.
+// NaN stays NaN; x below the smallest normal's log gives that normal instead of 0, which
+// no sum of softmax terms (the largest of which is 1) can tell apart.
+template <typename T>
+inline T exp_nonpositive(T x);
+
+template <>
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;  // NaN: p is NaN already
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <>
+inline double exp_nonpositive(double x) {
+  x = x < -708.0 ? -708.0 : x;
+  const double n = (x * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0;
+  const double r = (x - n * 0.6931471803691238) - n * 1.9082149292705877e-10;
+  constexpr double kInverseFactorial[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
+                                            1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
+                                            1.0 / 479001600, 1.0 / 6227020800};
+  double p = kInverseFactorial[13];
+  for (int k = 12; k >= 0; --k) p = p * r + kInverseFactorial[k];
+  const int64_t bits = (static_cast<int64_t>(n == n ? n : 0.0) + 1023) << 52;
+  double scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Coupling coefficients of one input capsule: c = softmax over the J logits, with an extra
+// zero logit when leaky (its share is dropped). c may alias logits.
+template <typename T>
+inline void coupling_row(const T* logits, int64_t J, bool leaky, T* c) {
+  T max_logit = leaky ? T(0) : logits[0];
+  for (int64_t j = 0; j < J; ++j) max_logit = logits[j] > max_logit ? logits[j] : max_logit;
+  T denom = leaky ? exp_nonpositive(-max_logit) : T(0);
+#pragma omp simd reduction(+ : denom)
+  for (int64_t j = 0; j < J; ++j) {
+    c[j] = exp_nonpositive(logits[j] - max_logit);
+    denom += c[j];
+  }
+  const T inv_denom = T(1) / denom;
+  for (int64_t j = 0; j < J; ++j) c[j] *= inv_denom;
+}
 
 // Calls f(std::integral_constant<int, D>) for the common capsule sizes, so that the loops over
 // a capsule's D values get a constant trip count (unrolled, vectorised), else with 0 (any D).
