@@ -26,6 +26,7 @@ void compute_votes(const scalar_t* u, const scalar_t* weight_t, const cpu::Routi
     for (int64_t k = 0; k < Din; ++k) {
       const acc_t x = static_cast<acc_t>(u[i * Din + k]);
       const scalar_t* w = weight_t + (i * Din + k) * JD;
+#pragma omp simd
       for (int64_t jd = 0; jd < JD; ++jd) vi[jd] += x * static_cast<acc_t>(w[jd]);
     }
   }
@@ -108,6 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
                 const int64_t row = (i * Din + k) * JD;
                 g_un[i * Din + k] = static_cast<scalar_t>(cpu::dot<scalar_t, acc_t, acc_t>(w + row, g_vote.data(), JD));
                 const acc_t xk = static_cast<acc_t>(xn[i * Din + k]);
+                _Pragma("omp simd")  // (inside a macro argument: no #pragma)
                 for (int64_t jd = 0; jd < JD; ++jd) g_w[row + jd] += xk * g_vote[jd];
               }
             }
