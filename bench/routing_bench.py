@@ -1,0 +1,867 @@
+#!/usr/bin/env python
+"""Microbenchmarks of capsroute's routing ops against plain PyTorch (DESIGN.md section 4).
+
+For each op x shape x batch size, three implementations are measured in the same run on the same
+device, on the same random inputs:
+
+  capsroute  the fused op (capsroute.dynamic_routing / capsroute.dense_capsules)
+  eager      the plain PyTorch reference (capsroute.reference), run eagerly
+  compiled   torch.compile(reference fn), default mode; torch._dynamo is reset before each case so
+             every case gets its own static-shape compile. Compile time is excluded from the timings
+             (it happens in the warm-up) and reported on its own as compile_s (wall time of the first
+             forward+backward call, which compiles both graphs).
+
+What is measured (per implementation):
+
+  fwd_ms       median wall time of one forward call with inputs that require grad (as in training:
+               the autograd graph is recorded, then dropped; no backward).
+  fwd_bwd_ms   median wall time of forward + v.backward(grad) with a fixed random grad; input .grad
+               are reset to None (outside the clock) before each call, so they are freshly allocated.
+  peak_mb      peak memory of one forward+backward call, in MiB, above what was allocated before it
+               (inputs and the incoming grad). On CUDA: torch.cuda.reset_peak_memory_stats /
+               max_memory_allocated. On CPU there is no allocator statistic in torch, so the call is
+               run under torch.profiler with profile_memory=True and the allocation/free events
+               (the profiler's event tree, each with a signed alloc_size) are replayed in time order;
+               the peak of the running sum is the peak of live tensor bytes.
+  fwd_infer_ms (with --inference) median forward time under torch.no_grad().
+
+Timing: CUDA with CUDA events around each call, then synchronize (host launch overhead that the
+GPU waits on is therefore included, as a user would see it); CPU with time.perf_counter. Warm-up
+calls first. Each median is over --repeats calls, stopped early (after at least 3) once a
+measurement has taken --max-seconds.
+
+Floor model (per case; itemsize s bytes; "per element" = per batch element):
+
+  bandwidth   measured in the same run: a large tensor copy, (bytes read + bytes written) / time,
+              best of several.
+  peak        measured in the same run: a large square matmul in the benchmark dtype, 2 N^3 / time,
+              best of several (float32 matmuls follow torch's float32_matmul_precision, which is
+              "highest", i.e. no TF32, by default).
+  flops       routing, per element: iters weighted sums s_j = sum_i c_ij u_ij (2 I J D each) plus
+              (iters - 1) agreements <u_ij, v_j> (2 I J D each): R = 2 I J D (2 iters - 1).
+              Softmax and squash are O(I J) and O(J D) and are ignored.
+              dynamic_routing forward: B R.
+              dense_capsules forward:  B (2 I J D Din + R)  (the vote transform u_ij = W_ij u_i).
+              forward+backward: 3 x forward (each multiply-add has two operands to differentiate);
+              recomputation that an implementation chooses to do is not counted.
+  bytes       what must cross memory at least once:
+              dynamic_routing forward:  read votes (B I J D s), write v (B J D s).
+              dense_capsules forward:   read u (B I Din s) and weight (I J D Din s), write v.
+              forward+backward adds:    read grad_v (B J D s), write grad_votes (B I J D s), or
+                                        grad_u (B I Din s) and grad_weight (I J D Din s).
+              Inputs are counted once even though forward and backward are separate calls.
+  floor       floor_fwd_ms = max(bytes_fwd / bandwidth, flops_fwd / peak) and
+              floor_ms     = max(bytes_fwd_bwd / bandwidth, flops_fwd_bwd / peak),
+              i.e. floor_ms (the field of DESIGN.md 4) is the floor of forward+backward;
+              floor_x = fwd_bwd_ms / floor_ms and floor_fwd_x = fwd_ms / floor_fwd_ms.
+              When the working set fits in cache (small cases on a CPU) a time below the DRAM
+              floor (x < 1) is possible.
+
+Results are printed as a table and written as JSON (DESIGN.md section 4 fields plus extras) under
+bench/results/<device-slug>-<date>-<shortsha>.json. A case that runs out of memory is skipped and
+recorded with its reason instead of crashing the run.
+
+Library use: run_benchmarks(...) returns the report dict; format_table(report) and
+write_report(report, out) print and save it; make_inputs, get_impl, fwd_step/fwd_bwd_step,
+time_samples and peak_memory_mb are reused by bench/test_bench_routing.py.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # quiets kineto's "gpuGetDeviceCount failed" on GPU-less hosts
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+try:
+    import capsroute
+except ImportError:  # run as `python bench/routing_bench.py` from a checkout without PYTHONPATH
+    sys.path.insert(0, str(REPO))
+    import capsroute
+from capsroute import reference
+
+OPS = ("dynamic_routing", "dense_capsules")
+IMPLS = ("capsroute", "eager", "compiled")
+SHAPES = {  # DESIGN.md section 4
+    "mnist": dict(I=1152, J=10, D=16, Din=8),   # MNIST DigitCaps
+    "large": dict(I=4608, J=100, D=16, Din=8),
+}
+DEFAULT_BATCHES = {
+    "cpu": {"mnist": [32], "large": [8], None: [32]},
+    "cuda": {"mnist": [32, 128, 512, 2048], "large": [32, 128, 512, 2048], None: [32, 128, 512, 2048]},
+}
+DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"]}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
+VOTE_STD = 0.1      # dynamic_routing votes ~ N(0, 0.1^2): |s| ~ 1, so squash and the agreement matter
+WEIGHT_STD = 0.05   # dense_capsules weight ~ N(0, 0.05^2); u = squash(N(0, 1)) like primary capsules
+MiB = 2.0 ** 20
+
+
+# ----------------------------------------------------------------------------- cases and inputs
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape_name: str          # "mnist", "large" or "I,J,D,Din"
+    B: int
+    I: int
+    J: int
+    D: int
+    Din: int
+
+    def shape(self) -> dict:
+        s = {"B": self.B, "I": self.I, "J": self.J, "D": self.D}
+        if self.op == "dense_capsules":
+            s["Din"] = self.Din
+        return s
+
+    def label(self) -> str:
+        return f"{self.op} {self.shape_name} B={self.B}"
+
+
+def parse_shape(spec: str) -> tuple[str, dict]:
+    """'mnist' | 'large' | 'I,J,D,Din' (Din may be left out: 8) -> (name, dict(I, J, D, Din))."""
+    if spec in SHAPES:
+        return spec, dict(SHAPES[spec])
+    parts = [int(p) for p in re.split(r"[,x]", spec) if p]
+    if len(parts) not in (3, 4) or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"shape must be mnist, large or I,J,D[,Din]; got {spec!r}")
+    if len(parts) == 3:
+        parts.append(8)
+    return ",".join(map(str, parts)), dict(zip(("I", "J", "D", "Din"), parts))
+
+
+def make_cases(ops, shapes, batches, device_type: str) -> list[Case]:
+    cases = []
+    for op in ops:
+        for spec in shapes:
+            name, dims = parse_shape(spec)
+            bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
+            for B in bs:
+                cases.append(Case(op, name, B, **dims))
+    return cases
+
+
+def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
+    """Fresh random inputs (never zeros): (tuple of leaf tensors requiring grad, grad_v)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, std=1.0, cast=True):
+        x = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).mul_(std)
+        return x.to(dtype) if cast else x
+
+    if op == "dynamic_routing":
+        inputs = (randn(case.B, case.I, case.J, case.D, std=VOTE_STD),)
+    elif op == "dense_capsules":
+        u = reference.squash(randn(case.B, case.I, case.Din, cast=False)).to(dtype)
+        inputs = (u, randn(case.I, case.J, case.D, case.Din, std=WEIGHT_STD))
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    for t in inputs:
+        t.requires_grad_(True)
+    grad = randn(case.B, case.J, case.D)
+    return inputs, grad
+
+
+def get_impl(op: str, impl: str) -> Callable:
+    """The function to time, called as fn(*inputs, iters). 'compiled' gives a fresh torch.compile wrapper."""
+    if impl == "capsroute":
+        return getattr(capsroute, op)
+    if impl == "eager":
+        return getattr(reference, op)
+    if impl == "compiled":
+        return torch.compile(getattr(reference, op))
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def capsroute_supports(op: str, device: torch.device) -> bool:
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", key))
+    except Exception:
+        return True  # can't tell: try it
+
+
+# ----------------------------------------------------------------------------- steps and timers
+
+def fwd_step(fn, inputs, iters):
+    def step():
+        return fn(*inputs, iters)
+    return step
+
+
+def fwd_bwd_step(fn, inputs, grad, iters):
+    def step():
+        v = fn(*inputs, iters)
+        v.backward(grad)
+        return v
+    return step
+
+
+def clear_grads(inputs):
+    for t in inputs:
+        t.grad = None
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_samples(step: Callable, device: torch.device, *, repeats: int, before: Callable | None = None,
+                 min_repeats: int = 3, max_seconds: float = float("inf")) -> list[float]:
+    """Times `repeats` calls of step() (ms each). before() runs outside the clock before each call."""
+    times = []
+    started = time.perf_counter()
+    synchronize(device)
+    for k in range(repeats):
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            out = step()
+            times.append((time.perf_counter() - t0) * 1e3)
+        del out
+        if k + 1 >= min_repeats and time.perf_counter() - started > max_seconds:
+            break
+    return times
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silences file descriptor 2 (kineto prints profiler_start/stop lines there) for the block."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _walk(nodes):
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children)
+
+
+def cpu_peak_bytes(step: Callable) -> int:
+    """Peak of live CPU tensor bytes during step(), above what was live before it.
+
+    torch has no CPU allocator statistics, so the call runs under torch.profiler with
+    profile_memory=True and its allocation events (signed alloc_size: + allocate, - free) are
+    replayed in time order; the running sum starts at 0. The profiler only reports frees of blocks it
+    saw allocated, so freeing a tensor that existed before the call is not credited (the result is
+    then an upper bound); the benchmark steps free nothing older than themselves (input grads are
+    reset before the call). Checked on torch 2.14: allocate 10 MiB, allocate 4 MiB, free the 10,
+    allocate 2 MiB gives 14 MiB.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch._C._profiler import _EventType
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = step()
+    del out
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    allocs = sorted((n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
+    live = peak = 0
+    for n in allocs:
+        live += n.extra_fields.alloc_size
+        peak = max(peak, live)
+    return peak
+
+
+def peak_memory_mb(step: Callable, device: torch.device, before: Callable | None = None) -> float:
+    """Peak memory (MiB) of one step() above what was allocated before it."""
+    if before is not None:
+        before()
+    gc.collect()
+    if device.type == "cuda":
+        synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = step()
+        synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del out
+        return peak / MiB
+    return cpu_peak_bytes(step) / MiB
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())) or isinstance(e, MemoryError):
+        return True
+    msg = str(e)
+    return "out of memory" in msg or "can't allocate memory" in msg or "not enough memory" in msg
+
+
+def free_memory(device: torch.device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def estimated_bytes(case: Case, impl: str, itemsize: int) -> int:
+    """Rough upper estimate of what one fwd+bwd needs (inputs, grads, working set): used on CPU only,
+    to skip a case rather than meet the OOM killer (CUDA raises OutOfMemoryError, which is caught)."""
+    votes = case.B * case.I * case.J * case.D * itemsize
+    if case.op == "dynamic_routing":
+        inputs = votes
+    else:
+        inputs = (case.B * case.I * case.Din + case.I * case.J * case.D * case.Din) * itemsize
+    if impl == "capsroute":  # dense never materialises votes; its backward keeps a few weight-sized buffers
+        work = votes // 2 if case.op == "dynamic_routing" else 6 * case.I * case.J * case.D * case.Din * itemsize
+    else:
+        work = 8 * votes
+    return 2 * inputs + work
+
+
+# ----------------------------------------------------------------------------- the floor
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Copy bandwidth in GB/s (1e9 bytes/s): (bytes read + bytes written) / time, best of `repeats`."""
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    times = time_samples(lambda: dst.copy_(src), device, repeats=repeats, max_seconds=5.0)
+    return 2 * nbytes / (min(times) / 1e3) / 1e9
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float:
+    """Matmul throughput in TFLOP/s in `dtype`: 2 n^3 / time, best of `repeats`."""
+    if n is None:
+        if device.type == "cuda":
+            n = 8192
+        else:
+            n = 2048 if dtype in (torch.float32, torch.float64) else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        torch.mm(a, b)
+    times = time_samples(lambda: torch.mm(a, b), device, repeats=repeats,
+                         max_seconds=5.0 if device.type == "cuda" else 3.0)
+    return 2 * n ** 3 / (min(times) / 1e3) / 1e12
+
+
+def floor_model(case: Case, itemsize: int, iters: int) -> dict:
+    """Bytes that must move and flops that must be done (see the module docstring)."""
+    B, I, J, D, Din = case.B, case.I, case.J, case.D, case.Din
+    route = 2 * I * J * D * (2 * iters - 1)
+    out = B * J * D * itemsize
+    if case.op == "dynamic_routing":
+        inp = B * I * J * D * itemsize
+        flops_fwd = B * route
+    else:
+        inp = (B * I * Din + I * J * D * Din) * itemsize
+        flops_fwd = B * (2 * I * J * D * Din + route)
+    return {"bytes_fwd": inp + out, "flops_fwd": flops_fwd,
+            "bytes_fwd_bwd": inp + out + out + inp,  # + read grad_v, write input grads
+            "flops_fwd_bwd": 3 * flops_fwd}
+
+
+def floor_ms(nbytes: float, flops: float, bandwidth_gbs: float, peak_tflops: float) -> float:
+    return max(nbytes / (bandwidth_gbs * 1e9), flops / (peak_tflops * 1e12)) * 1e3
+
+
+# ----------------------------------------------------------------------------- one case
+
+def _snapshot(v, inputs, max_elems: int = 1 << 20) -> dict:
+    """Small copies of v and (strided samples of) the input grads, to check impls agree."""
+    snap = {"v": v.detach().flatten()[:: max(1, v.numel() // max_elems)].to(torch.float64, copy=True)}
+    for k, t in enumerate(inputs):
+        if t.grad is not None:
+            g = t.grad.flatten()
+            snap[f"grad{k}"] = g[:: max(1, g.numel() // max_elems)].to(torch.float64, copy=True)
+    return snap
+
+
+def _max_rel_err(snap: dict, ref: dict) -> float | None:
+    errs = []
+    for k, r in ref.items():
+        if k in snap and snap[k].shape == r.shape:
+            errs.append(((snap[k] - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
+    return max(errs) if errs else None
+
+
+def _dynamo_stats() -> dict:
+    """What torch.compile did for the case: graphs, graph breaks, and whether inductor's on-disk cache
+    served it (a warm cache makes compile_s much smaller than a cold compile)."""
+    try:
+        from torch._dynamo.utils import counters
+        hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get("autograd_cache_hit", 0)
+        return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+                "graph_breaks": int(sum(counters["graph_break"].values())),
+                "compile_cache": "hit" if hits else "miss"}
+    except Exception:  # noqa: BLE001  (private API: optional)
+        return {}
+
+
+def bench_impl(case: Case, impl: str, inputs, grad, *, iters: int, device: torch.device, repeats: int,
+               warmup: int, max_seconds: float, inference: bool, ref_snap: dict | None) -> tuple[dict, dict | None]:
+    """Measures one implementation on one case; returns (partial record, snapshot for checks)."""
+    rec: dict = {}
+    if impl == "compiled":
+        torch._dynamo.reset()
+        try:
+            from torch._dynamo.utils import counters
+            counters.clear()
+        except Exception:
+            pass
+    fn = get_impl(case.op, impl)
+    fwd = fwd_step(fn, inputs, iters)
+    fwd_bwd = fwd_bwd_step(fn, inputs, grad, iters)
+    before = lambda: clear_grads(inputs)  # noqa: E731
+
+    # Warm-up; the first call compiles (compiled) and gives the values checked against eager.
+    before()
+    t0 = time.perf_counter()
+    v = fwd_bwd()
+    synchronize(device)
+    first_s = time.perf_counter() - t0
+    snap = _snapshot(v, inputs)
+    del v
+    if impl == "compiled":
+        rec["compile_s"] = round(first_s, 3)
+        rec.update(_dynamo_stats())
+    if ref_snap is not None and impl != "eager":
+        rec["max_rel_err"] = _max_rel_err(snap, ref_snap)
+    for _ in range(max(0, warmup - 1)):
+        before()
+        del_me = fwd_bwd()
+        del del_me
+    for _ in range(max(1, warmup)):
+        del_me = fwd()
+        del del_me
+    clear_grads(inputs)
+
+    ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
+    rec["fwd_ms"] = statistics.median(ft)
+    rec["fwd_ms_min"] = min(ft)
+    bt = time_samples(fwd_bwd, device, repeats=repeats, before=before, max_seconds=max_seconds)
+    rec["fwd_bwd_ms"] = statistics.median(bt)
+    rec["fwd_bwd_ms_min"] = min(bt)
+    rec["repeats"] = [len(ft), len(bt)]
+    rec["peak_mb"] = peak_memory_mb(fwd_bwd, device, before)
+    clear_grads(inputs)
+    if inference:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            del_me = fwd()
+            synchronize(device)
+            if impl == "compiled":
+                rec["compile_infer_s"] = round(time.perf_counter() - t0, 3)
+            del del_me
+            for _ in range(max(1, warmup)):
+                del_me = fwd()
+                del del_me
+            it = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
+        rec["fwd_infer_ms"] = statistics.median(it)
+    return rec, snap
+
+
+def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: torch.device, repeats: int,
+               warmup: int, max_seconds: float, inference: bool, bandwidth_gbs: float, peak_tflops: float,
+               seed: int = 0, note: Callable[[str], None] = print, progress=None) -> list[dict]:
+    """All implementations on one case: a list of records (skipped ones carry 'skipped': reason)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    fm = floor_model(case, itemsize, iters)
+    f_fwd = floor_ms(fm["bytes_fwd"], fm["flops_fwd"], bandwidth_gbs, peak_tflops)
+    f_all = floor_ms(fm["bytes_fwd_bwd"], fm["flops_fwd_bwd"], bandwidth_gbs, peak_tflops)
+    bound = "memory" if fm["bytes_fwd_bwd"] / (bandwidth_gbs * 1e9) >= fm["flops_fwd_bwd"] / (peak_tflops * 1e12) \
+        else "compute"
+
+    def base(impl):
+        return {"op": case.op, "shape": case.shape(), "dtype": str(dtype).replace("torch.", ""), "impl": impl,
+                "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": f_all,
+                "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": f_fwd, "floor_bound": bound,
+                **fm}
+
+    records = []
+
+    def skip(impl, reason):
+        note(f"skipped {case.label()} {impl}: {reason}")
+        records.append({**base(impl), "skipped": reason})
+
+    avail = available_bytes(device)
+    too_big = {}
+    if device.type == "cpu" and avail is not None:  # CUDA raises OutOfMemoryError; the CPU may meet the OOM killer
+        for impl in impls:
+            need = estimated_bytes(case, impl, itemsize)
+            if need > 0.8 * avail:
+                too_big[impl] = f"estimated {need / 2**30:.1f} GiB > 80% of the {avail / 2**30:.1f} GiB available"
+        if len(too_big) == len(impls):
+            for impl in impls:
+                skip(impl, too_big[impl])
+            return records
+    try:
+        inputs, grad = make_inputs(case.op, case, dtype, device, seed)
+    except Exception as e:  # noqa: BLE001
+        if not is_oom(e):
+            raise
+        reason = "out of memory creating the inputs"
+        del e
+        free_memory(device)
+        for impl in impls:
+            skip(impl, reason)
+        return records
+
+    ref_snap = None
+    # eager first: its values are the reference the others are checked against
+    order = sorted(impls, key=lambda i: {"eager": 0, "capsroute": 1, "compiled": 2}[i])
+    for impl in order:
+        if progress is not None:
+            progress.set_postfix_str(f"{case.label()} {impl}")
+        if impl == "capsroute" and not capsroute_supports(case.op, device):
+            skip(impl, f"capsroute has no {device.type.upper()} kernel for {case.op} in this build")
+            continue
+        if impl in too_big:
+            skip(impl, too_big[impl])
+            continue
+        failure = None
+        try:
+            rec, snap = bench_impl(case, impl, inputs, grad, iters=iters, device=device, repeats=repeats,
+                                   warmup=warmup, max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
+        except Exception as e:  # noqa: BLE001
+            if is_oom(e):
+                failure = "out of memory"
+            else:
+                failure = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            del e
+        clear_grads(inputs)
+        free_memory(device)
+        if failure is not None:
+            skip(impl, failure)
+            continue
+        if impl == "eager":
+            ref_snap = snap
+        del snap
+        r = {**base(impl), **rec}
+        r["floor_x"] = r["fwd_bwd_ms"] / f_all if f_all > 0 else None
+        r["floor_fwd_x"] = r["fwd_ms"] / f_fwd if f_fwd > 0 else None
+        records.append(r)
+    del inputs, grad, ref_snap
+    free_memory(device)
+
+    # ratios against capsroute
+    caps = next((r for r in records if r["impl"] == "capsroute" and "skipped" not in r), None)
+    if caps is not None:
+        ratios = {}
+        for r in records:
+            if r["impl"] == "capsroute" or "skipped" in r:
+                continue
+            vs = {k: (r[k] / caps[k] if caps[k] else None) for k in ("fwd_ms", "fwd_bwd_ms", "peak_mb")}
+            r["vs_capsroute"] = {"fwd": vs["fwd_ms"], "fwd_bwd": vs["fwd_bwd_ms"], "peak_mb": vs["peak_mb"]}
+            ratios.update({f"{r['impl']}_fwd": vs["fwd_ms"], f"{r['impl']}_fwd_bwd": vs["fwd_bwd_ms"],
+                           f"{r['impl']}_peak_mb": vs["peak_mb"]})
+        caps["ratios"] = ratios
+    records.sort(key=lambda r: IMPLS.index(r["impl"]))
+    return records
+
+
+# ----------------------------------------------------------------------------- the run and the report
+
+def git_commit(repo: Path = REPO) -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def run_benchmarks(cases: list[Case], impls=IMPLS, *, device: torch.device, dtype=torch.float32, iters: int = 3,
+                   repeats: int = 10, warmup: int = 2, max_seconds: float = 10.0, inference: bool = False,
+                   seed: int = 0, progress: bool = True, on_case: Callable[[dict], None] | None = None) -> dict:
+    """Runs the cases and returns the report (the JSON document). on_case(report) is called after each case."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional for library use
+        tqdm = None
+    bar = tqdm(total=len(cases), disable=not progress, file=sys.stderr, unit="case") if tqdm else None
+    note = (bar.write if bar is not None else print)
+
+    load = _loadavg()  # before this process adds its own
+    if bar is not None:
+        bar.set_postfix_str("measuring the floor")
+    bandwidth = measure_bandwidth(device)
+    peak = measure_peak_tflops(device, dtype)
+    report = {
+        "kind": "bench", "device": device_name(device), "torch": torch.__version__, "commit": git_commit(),
+        "date": datetime.date.today().isoformat(), "results": [],
+        "complete": False, "dtype": str(dtype).replace("torch.", ""), "iters": iters,
+        "threads": torch.get_num_threads(), "cpu": cpu_model(), "cuda": torch.version.cuda,
+        "python": platform.python_version(), "capsroute": _build_info(),
+        "bandwidth_gbs": bandwidth, "peak_tflops": peak,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "repeats": repeats, "warmup": warmup, "max_seconds": max_seconds, "seed": seed,
+        "command": " ".join(sys.argv), "notes": [],
+    }
+
+    def record_note(msg):
+        report["notes"].append(msg)
+        note(msg)
+
+    report["loadavg_start"] = load
+    if device.type == "cpu" and load is not None and load > (os.cpu_count() or 1):
+        record_note(f"load average {load:.1f} > {os.cpu_count()} cores at the start: other processes compete for "
+                    f"the CPU; timings are unreliable, and biased against eager/compiled (many short parallel "
+                    f"regions suffer most from oversubscription). Try --threads 1 or an idle machine.")
+    for n, case in enumerate(cases):
+        recs = bench_case(case, impls, dtype=dtype, iters=iters, device=device, repeats=repeats, warmup=warmup,
+                          max_seconds=max_seconds, inference=inference, bandwidth_gbs=bandwidth,
+                          peak_tflops=peak, seed=seed + n, note=record_note, progress=bar)
+        for r in recs:
+            err = r.get("max_rel_err")
+            tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+            if err is not None and err > tol:
+                record_note(f"WARNING {case.label()} {r['impl']}: differs from eager by {err:.2e} (relative)")
+        report["results"].extend(recs)
+        if bar is not None:
+            bar.update(1)
+        if on_case is not None:
+            on_case(report)
+    if bar is not None:
+        bar.close()
+    report["loadavg_end"] = _loadavg()
+    report["complete"] = True
+    return report
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _build_info() -> dict:
+    try:
+        return capsroute.build_info()
+    except Exception:  # noqa: BLE001
+        return {"version": getattr(capsroute, "__version__", "?")}
+
+
+def _fmt(x, spec=".2f", none="-"):
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _fmt_ms(x):
+    if x is None:
+        return "-"
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}" if x < 100 else f"{x:.1f}"
+
+
+def format_table(report: dict) -> str:
+    """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's."""
+    head = ["op", "shape", "B", "impl", "fwd ms", "f+b ms", "peak MiB", "floor ms", "x floor",
+            "fwd vs caps", "f+b vs caps", "mem vs caps", "compile s", "rel err"]
+    rows = []
+    for r in report["results"]:
+        s = r["shape"]
+        shape = r.get("shape_name") or f"{s['I']},{s['J']},{s['D']}"
+        row = [r["op"], shape, str(s["B"]), r["impl"]]
+        if "skipped" in r:
+            rows.append(row + [f"skipped: {r['skipped']}"])
+            continue
+        vs = r.get("vs_capsroute", {})
+        peak = r["peak_mb"]
+        row += [_fmt_ms(r["fwd_ms"]), _fmt_ms(r["fwd_bwd_ms"]), _fmt(peak, ".3f" if peak is not None and peak < 1 else ".1f"),
+                _fmt_ms(r["floor_ms"]), _fmt(r.get("floor_x"), ".1f"),
+                *(_fmt(vs.get(k), ".2f") + ("x" if vs.get(k) is not None else "") for k in ("fwd", "fwd_bwd", "peak_mb")),
+                _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("max_rel_err"), ".0e")]
+        rows.append(row)
+    # skipped rows (4 cells + the reason) size only the first 4 columns
+    widths = [max([len(head[k])] + [len(row[k]) for row in rows if k < 4 or len(row) == len(head)])
+              for k in range(len(head))]
+    right = set(range(2, len(head)))
+
+    def line(cells):
+        out = []
+        for k, c in enumerate(cells):
+            if len(cells) != len(head) and k == len(cells) - 1 and k >= 4:
+                out.append(c)
+            else:
+                out.append(c.rjust(widths[k]) if k in right else c.ljust(widths[k]))
+        return "  ".join(out).rstrip()
+
+    title = (f"device {report['device']}  torch {report['torch']}  commit {report['commit'][:12]}  "
+             f"dtype {report['dtype']}  iters {report['iters']}  threads {report['threads']}"
+             + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else "") + "\n"
+             f"floor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak {report['peak_tflops']:.2f} "
+             f"TFLOP/s; floor ms and x floor are for forward+backward")
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([title, line(head), sep] + [line(r) for r in rows])
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def report_path(report: dict, out: str | os.PathLike) -> Path:
+    out = Path(out)
+    if out.suffix == ".json":
+        return out
+    sha = report["commit"]
+    short = sha[:7] + ("-dirty" if sha.endswith("-dirty") else "")
+    return out / f"{slug(report['device'])}-{report['date']}-{short}.json"
+
+
+def unique_path(path: Path) -> Path:
+    if not path.exists():
+        return path
+    for k in range(1, 1000):
+        p = path.with_name(f"{path.stem}-{k}{path.suffix}")
+        if not p.exists():
+            return p
+    return path
+
+
+def write_report(report: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="See bench/README.md for the columns and the floor model.")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--op", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--shape", nargs="+", default=None, metavar="mnist|large|I,J,D,Din",
+                   help="default: mnist on CPU; mnist and large on CUDA")
+    p.add_argument("--batch", nargs="+", type=int, default=None,
+                   help="batch sizes for every shape (default: 32 on CPU (8 for large); 32 128 512 2048 on CUDA)")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default: 10 CPU, 50 CUDA)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default: 2 CPU, 5 CUDA)")
+    p.add_argument("--max-seconds", type=float, default=10.0,
+                   help="stop a measurement after this long (at least 3 calls); default 10")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
+    p.add_argument("--inference", action="store_true", help="also time the forward under torch.no_grad()")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO / "bench" / "results"),
+                   help="directory (file named <device>-<date>-<sha>.json) or a .json path")
+    p.add_argument("--no-save", action="store_true", help="print the table only")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.iters < 1:
+        p.error("--iters must be >= 1")
+    device = resolve_device(args.device)
+    dtype = DTYPES[args.dtype]
+    impls = [i for i in args.impl if not (args.no_compile and i == "compiled")]
+    shapes = args.shape or DEFAULT_SHAPES[device.type]
+    try:
+        cases = make_cases(args.op, shapes, args.batch, device.type)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    repeats = args.repeats or (50 if device.type == "cuda" else 10)
+    warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 2)
+
+    path = None
+    if not args.no_save:
+        probe = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": git_commit()}
+        path = unique_path(report_path(probe, args.out))
+    save = (lambda rep: write_report(rep, path)) if path is not None else None
+    report = run_benchmarks(cases, impls, device=device, dtype=dtype, iters=args.iters, repeats=repeats,
+                            warmup=warmup, max_seconds=args.max_seconds, inference=args.inference,
+                            seed=args.seed, progress=not args.no_progress, on_case=save)
+    print(format_table(report))
+    for msg in report["notes"]:
+        print("note:", msg)
+    if path is not None:
+        write_report(report, path)
+        print(f"wrote {path}")
+    errors = [r for r in report["results"] if str(r.get("skipped", "")).startswith("error")]
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
