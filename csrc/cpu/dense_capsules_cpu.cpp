@@ -1,7 +1,8 @@
 // dense_capsules on the CPU: each thread computes one element's votes weight_ij @ u_i into a
 // slab of its own (I*J*D, cache-sized for typical shapes) and routes on it; the backward
-// recomputes the slab instead of keeping votes from the forward. The weight is used as
-// (I, Din, J*D) so that every vote and gradient loop runs over contiguous J*D rows.
+// recomputes the slab instead of keeping votes from the forward, then contracts the vote
+// gradients per input capsule. The votes are computed from the weight laid out as
+// (I, Din, J*D), so that their loops run over contiguous J*D rows.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -74,52 +75,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   check_routing_backward_inputs(grad_v_in, s_hist_in, B, weight_in.size(1), weight_in.size(2));
   const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const at::Tensor u = u_in.contiguous();
-  const at::Tensor weight_t = weight_by_input_dim(weight_in);
+  const at::Tensor weight = weight_in.contiguous();
+  const at::Tensor weight_t = weight_by_input_dim(weight);
   const at::ScalarType acc = acc_dtype(u.scalar_type());
   const at::Tensor grad_v = grad_v_in.to(u.scalar_type()).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   const int64_t JD = dims.jd();
   at::Tensor grad_u = at::empty_like(u);
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
-  // grad_weight sums over the batch: one partial per fixed chunk of the batch, added in chunk
-  // order, so the result does not depend on thread scheduling.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(B, at::get_num_threads()));
-  at::Tensor grad_weight_parts = at::zeros({chunks, dims.I, Din, dims.J, dims.D}, u.options().dtype(acc));
+  at::Tensor grad_weight = at::zeros(weight.sizes(), u.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    using State = cpu::BackwardState<acc_t>;
     const scalar_t* x = u.const_data_ptr<scalar_t>();
-    const scalar_t* w = weight_t.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    const scalar_t* w_t = weight_t.const_data_ptr<scalar_t>();
     const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
+    // The backward state of every element (about a third of the votes' size at iters = 3).
+    at::Tensor states = at::empty({B, State::numel(dims)}, u.options().dtype(acc));
+    acc_t* states_p = states.data_ptr<acc_t>();
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-      at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-        cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, static_cast<acc_t>(eps), detach);
-        std::vector<acc_t> votes(dims.I * JD), g_vote(JD);
-        for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-          acc_t* g_w = grad_weight_parts.data_ptr<acc_t>() + chunk * dims.I * Din * JD;
-          for (int64_t n = chunk * B / chunks; n < (chunk + 1) * B / chunks; ++n) {
-            const scalar_t* xn = x + n * dims.I * Din;
-            compute_votes(xn, w, dims, Din, votes.data());
-            backward.run(votes.data(), g_v + n * JD, s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
-                         grad_bias_items.data_ptr<acc_t>() + n * JD);
-            scalar_t* g_un = grad_u.data_ptr<scalar_t>() + n * dims.I * Din;
-            for (int64_t i = 0; i < dims.I; ++i) {
-              backward.vote_grad_row(i, g_vote.data());
+      using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
+      // 1. Routing backward per element, on votes recomputed into a per-thread slab.
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        Backward backward(dims, static_cast<acc_t>(eps), detach);
+        std::vector<acc_t> votes(dims.I * JD);
+        for (int64_t n = begin; n < end; ++n) {
+          compute_votes(x + n * dims.I * Din, w_t, dims, Din, votes.data());
+          backward.run(votes.data(), g_v + n * JD, s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
+                       grad_bias_items.data_ptr<acc_t>() + n * JD, State(states_p + n * State::numel(dims), dims));
+        }
+      });
+      // 2. Contract the vote gradients per input capsule: grad_u[n, i] = weight_i^T g_u[n, i] and
+      //    grad_weight[i] = sum_n g_u[n, i] u[n, i]^T, the batch summed in order (deterministic).
+      at::parallel_for(0, dims.I, 1, [&](int64_t begin, int64_t end) {
+        const Backward backward(dims, static_cast<acc_t>(eps), detach);
+        std::vector<acc_t> g_vote(JD), g_x(Din);
+        for (int64_t i = begin; i < end; ++i) {
+          const scalar_t* w_i = w + i * JD * Din;
+          acc_t* g_w_i = grad_weight.data_ptr<acc_t>() + i * JD * Din;
+          for (int64_t n = 0; n < B; ++n) {
+            backward.vote_grad_row(State(states_p + n * State::numel(dims), dims), i, g_vote.data());
+            const scalar_t* x_ni = x + (n * dims.I + i) * Din;
+            std::fill(g_x.begin(), g_x.end(), acc_t(0));
+            for (int64_t jd = 0; jd < JD; ++jd) {
+              const acc_t g = g_vote[jd];
+              const scalar_t* w_row = w_i + jd * Din;
+              acc_t* g_w_row = g_w_i + jd * Din;
+              _Pragma("omp simd")  // (inside a macro argument: no #pragma)
               for (int64_t k = 0; k < Din; ++k) {
-                const int64_t row = (i * Din + k) * JD;
-                g_un[i * Din + k] = static_cast<scalar_t>(cpu::dot<scalar_t, acc_t, acc_t>(w + row, g_vote.data(), JD));
-                const acc_t xk = static_cast<acc_t>(xn[i * Din + k]);
-                _Pragma("omp simd")  // (inside a macro argument: no #pragma)
-                for (int64_t jd = 0; jd < JD; ++jd) g_w[row + jd] += xk * g_vote[jd];
+                g_x[k] += static_cast<acc_t>(w_row[k]) * g;
+                g_w_row[k] += g * static_cast<acc_t>(x_ni[k]);
               }
             }
+            scalar_t* g_u_ni = grad_u.data_ptr<scalar_t>() + (n * dims.I + i) * Din;
+            for (int64_t k = 0; k < Din; ++k) g_u_ni[k] = static_cast<scalar_t>(g_x[k]);
           }
         }
       });
     });
   });
-  at::Tensor grad_weight = grad_weight_parts.sum(0).permute({0, 2, 3, 1}).contiguous().to(u.scalar_type());
-  return {grad_u, grad_weight, grad_bias_items.sum(0).to(u.scalar_type())};
+  return {grad_u, grad_weight.to(u.scalar_type()), grad_bias_items.sum(0).to(u.scalar_type())};
 }
 
 }  // namespace

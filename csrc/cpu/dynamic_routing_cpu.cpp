@@ -65,14 +65,15 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
         cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, static_cast<acc_t>(eps), detach);
-        std::vector<acc_t> g_u(dims.jd());
+        std::vector<acc_t> state_storage(cpu::BackwardState<acc_t>::numel(dims)), g_u(dims.jd());
+        const cpu::BackwardState<acc_t> state(state_storage.data(), dims);
         for (int64_t n = begin; n < end; ++n) {
           backward.run(u + n * dims.I * dims.jd(), g_v + n * dims.jd(),
                        s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
-                       grad_bias_items.data_ptr<acc_t>() + n * dims.jd());
+                       grad_bias_items.data_ptr<acc_t>() + n * dims.jd(), state);
           scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();
           for (int64_t i = 0; i < dims.I; ++i) {
-            backward.vote_grad_row(i, g_u.data());
+            backward.vote_grad_row(state, i, g_u.data());
             std::copy(g_u.begin(), g_u.end(), g_un + i * dims.jd());
           }
         }

@@ -161,36 +161,47 @@ void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, ac
 }
 
 // Backward of one element (see shared/notes/routing-math.md). run() walks the iterations
-// backwards and keeps, per iteration r, the coupling c^r, G^r = dL/db^{r+1}, gs^r = dL/ds^r
-// and v^r; the vote gradient is then the small sum
+// backwards and records, per iteration r, the coupling c^r, G^r = dL/db^{r+1}, gs^r = dL/ds^r
+// and v^r in a BackwardState; the vote gradient is then the small sum
 //   g_u_ij = sum_r c^r_ij gs^r_j + G^r_ij v^r_j,
 // evaluated per input capsule by vote_grad_row() so callers can contract it without storing it.
+template <typename acc_t>
+struct BackwardState {
+  // Elements of one state: v_hist and gs_hist (iters, J, D), coupling and g_logits (iters, I, J).
+  static int64_t numel(const RoutingDims& d) { return 2 * d.iters * (d.jd() + d.I * d.J); }
+
+  BackwardState(acc_t* storage, const RoutingDims& d)
+      : v_hist(storage), gs_hist(v_hist + d.iters * d.jd()), coupling(gs_hist + d.iters * d.jd()),
+        g_logits(coupling + d.iters * d.I * d.J) {}
+
+  acc_t *v_hist, *gs_hist, *coupling, *g_logits;
+};
+
 template <int kD, typename acc_t>
 class RoutingBackward {
  public:
   RoutingBackward(const RoutingDims& d, acc_t eps, bool detach)
-      : d_(d), eps_(eps), detach_(detach), first_r_(detach ? d.iters - 1 : 0),
-        v_hist_(d.iters * d.jd()), gs_hist_(d.iters * d.jd()), coupling_(d.iters * d.I * d.J),
-        g_logits_(detach ? 0 : d.iters * d.I * d.J), gv_(d.jd()), gv_next_(d.jd()), row_(d.J) {}
+      : d_(d), eps_(eps), detach_(detach), first_r_(detach ? d.iters - 1 : 0), gv_(d.jd()), gv_next_(d.jd()),
+        row_(d.J) {}
 
-  // u: (I, J, D) votes, g_v: (J, D), s_hist: (iters, J, D). Adds dL/dbias into g_bias (J, D).
+  // u: (I, J, D) votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
   template <typename vote_t, typename grad_t>
-  void run(const vote_t* u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias) {
+  void run(const vote_t* u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
-    for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, v_hist_.data() + r * JD);
-    recompute_coupling(u);
+    for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
+    recompute_coupling(u, st);
     for (int64_t k = 0; k < JD; ++k) gv_[k] = static_cast<acc_t>(g_v[k]);
-    if (!detach_) std::fill(g_logits_.begin() + (R - 1) * I * J, g_logits_.end(), acc_t(0));
+    std::fill(st.g_logits + (R - 1) * I * J, st.g_logits + R * I * J, acc_t(0));
     for (int64_t r = R - 1; r >= first_r_; --r) {
-      acc_t* gs = gs_hist_.data() + r * JD;
+      acc_t* gs = st.gs_hist + r * JD;
       squash_vjp(s_hist + r * JD, gv_.data(), gs);
       for (int64_t k = 0; k < JD; ++k) g_bias[k] += gs[k];
       if (r == 0 || detach_) break;  // b^0 = 0 is a constant; detach stops at the last s
       // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij u_ij.
       std::fill(gv_next_.begin(), gv_next_.end(), acc_t(0));
-      const acc_t* c = coupling_.data() + r * I * J;
-      const acc_t* g_next = g_logits_.data() + r * I * J;
-      acc_t* g_here = g_logits_.data() + (r - 1) * I * J;
+      const acc_t* c = st.coupling + r * I * J;
+      const acc_t* g_next = st.g_logits + r * I * J;
+      acc_t* g_here = st.g_logits + (r - 1) * I * J;
       for (int64_t i = 0; i < I; ++i) {
         const vote_t* ui = u + i * JD;
         acc_t weighted = 0;
@@ -212,16 +223,16 @@ class RoutingBackward {
   }
 
   // The vote gradient of input capsule i, g_u_i (J * D values), into out.
-  void vote_grad_row(int64_t i, acc_t* out) const {
+  void vote_grad_row(const BackwardState<acc_t>& st, int64_t i, acc_t* out) const {
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
     std::fill(out, out + JD, acc_t(0));
     for (int64_t r = first_r_; r < d_.iters; ++r) {
-      const acc_t* c = coupling_.data() + r * I * J + i * J;
-      const acc_t* g = detach_ ? nullptr : g_logits_.data() + r * I * J + i * J;
-      const acc_t* gs = gs_hist_.data() + r * JD;
-      const acc_t* v = v_hist_.data() + r * JD;
+      const acc_t* c = st.coupling + r * I * J + i * J;
+      const acc_t* g = st.g_logits + r * I * J + i * J;  // 0 at r = iters - 1, the only r with detach
+      const acc_t* gs = st.gs_hist + r * JD;
+      const acc_t* v = st.v_hist + r * JD;
       for (int64_t j = 0; j < J; ++j) {
-        const acc_t cj = c[j], gj = g ? g[j] : acc_t(0);
+        const acc_t cj = c[j], gj = g[j];
 #pragma omp simd
         for (int64_t k = j * D; k < (j + 1) * D; ++k) out[k] += cj * gs[k] + gj * v[k];
       }
@@ -231,17 +242,17 @@ class RoutingBackward {
  private:
   // c^r for every r in one pass over the votes, from b^{r+1} = b^r + <u, v^r>.
   template <typename vote_t>
-  void recompute_coupling(const vote_t* u) {
+  void recompute_coupling(const vote_t* u, const BackwardState<acc_t>& st) {
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
     for (int64_t i = 0; i < I; ++i) {
       const vote_t* ui = u + i * JD;
       std::fill(row_.begin(), row_.end(), acc_t(0));
       for (int64_t r = 0; r < R; ++r) {
         if (r > 0) {
-          const acc_t* v = v_hist_.data() + (r - 1) * JD;
+          const acc_t* v = st.v_hist + (r - 1) * JD;
           for (int64_t j = 0; j < J; ++j) row_[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
         }
-        if (r >= first_r_) coupling_row(row_.data(), J, d_.leaky, coupling_.data() + r * I * J + i * J);
+        if (r >= first_r_) coupling_row(row_.data(), J, d_.leaky, st.coupling + r * I * J + i * J);
       }
     }
   }
@@ -262,7 +273,7 @@ class RoutingBackward {
   acc_t eps_;
   bool detach_;
   int64_t first_r_;
-  std::vector<acc_t> v_hist_, gs_hist_, coupling_, g_logits_, gv_, gv_next_, row_;
+  std::vector<acc_t> gv_, gv_next_, row_;  // per-thread scratch
 };
 
 }  // namespace cpu
