@@ -54,8 +54,7 @@ inline void check_dynamic_routing_inputs(const at::Tensor& votes, const c10::opt
 }
 
 // u (B, I, Din), weight (I, J, D, Din)
-inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& weight,
-                                        const c10::optional<at::Tensor>& bias, int64_t iters, double eps) {
+inline void check_dense_shapes(const at::Tensor& u, const at::Tensor& weight) {
   check_float_dtype(u, "u");
   check_rank(u, 3, "u", "(B, I, Din)");
   check_rank(weight, 4, "weight", "(I, J, D, Din)");
@@ -65,6 +64,11 @@ inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& w
               " to match u of shape ", u.sizes(), ", got weight of shape ", weight.sizes());
   TORCH_CHECK(weight.size(1) >= 1 && weight.size(2) >= 1,
               "capsroute: weight must have J >= 1 outputs and D >= 1 dims, got shape ", weight.sizes());
+}
+
+inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& weight,
+                                        const c10::optional<at::Tensor>& bias, int64_t iters, double eps) {
+  check_dense_shapes(u, weight);
   check_bias(bias, u, weight.size(1), weight.size(2));
   check_routing_options(iters, eps);
 }
@@ -81,6 +85,21 @@ inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Te
               "capsroute: s_hist must have shape (", B, ", iters, ", J, ", ", D, "), got ", s_hist.sizes());
   TORCH_CHECK(grad_v.device() == s_hist.device(), "capsroute: grad_v is on ", grad_v.device(),
               " but s_hist is on ", s_hist.device());
+}
+
+inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& votes,
+                                                  const at::Tensor& s_hist, double eps) {
+  check_float_dtype(votes, "votes");
+  check_rank(votes, 4, "votes", "(B, I, J, D)");
+  check_routing_backward_inputs(grad_v, s_hist, votes.size(0), votes.size(2), votes.size(3));
+  check_eps(eps);
+}
+
+inline void check_dense_capsules_backward_inputs(const at::Tensor& grad_v, const at::Tensor& u,
+                                                 const at::Tensor& weight, const at::Tensor& s_hist, double eps) {
+  check_dense_shapes(u, weight);
+  check_routing_backward_inputs(grad_v, s_hist, u.size(0), weight.size(1), weight.size(2));
+  check_eps(eps);
 }
 
 inline at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }

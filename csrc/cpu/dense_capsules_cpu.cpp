@@ -70,9 +70,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const at::Tensor& grad_v_in, const at::Tensor& u_in,
                                                                            const at::Tensor& weight_in, const at::Tensor& s_hist_in,
                                                                            bool leaky, bool detach, double eps) {
-  check_dense_capsules_inputs(u_in, weight_in, c10::nullopt, 1, eps);
+  check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
   const int64_t B = u_in.size(0), Din = u_in.size(2);
-  check_routing_backward_inputs(grad_v_in, s_hist_in, B, weight_in.size(1), weight_in.size(2));
   const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const at::Tensor u = u_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();

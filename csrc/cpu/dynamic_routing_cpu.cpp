@@ -44,11 +44,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
 std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor& grad_v_in, const at::Tensor& votes_in,
                                                                 const at::Tensor& s_hist_in, bool leaky, bool detach,
                                                                 double eps) {
-  check_float_dtype(votes_in, "votes");
-  check_rank(votes_in, 4, "votes", "(B, I, J, D)");
+  check_dynamic_routing_backward_inputs(grad_v_in, votes_in, s_hist_in, eps);
   const int64_t B = votes_in.size(0);
-  check_routing_backward_inputs(grad_v_in, s_hist_in, B, votes_in.size(2), votes_in.size(3));
-  check_eps(eps);
   const cpu::RoutingDims dims{votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
   const at::Tensor votes = votes_in.contiguous();
   const at::ScalarType acc = acc_dtype(votes.scalar_type());

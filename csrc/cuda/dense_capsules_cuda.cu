@@ -79,9 +79,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
                                                                             const at::Tensor& weight_in,
                                                                             const at::Tensor& s_hist_in, bool leaky,
                                                                             bool detach, double eps) {
-  check_dense_capsules_inputs(u_in, weight_in, c10::nullopt, 1, eps);
+  check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
   const int64_t B = u_in.size(0), Din = u_in.size(2);
-  check_routing_backward_inputs(grad_v_in, s_hist_in, B, weight_in.size(1), weight_in.size(2));
   check_cuda(u_in, "u");
   check_same_device(grad_v_in, u_in, "grad_v", "u");
   const c10::cuda::CUDAGuard guard(u_in.device());

@@ -52,11 +52,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
                                                                  const at::Tensor& votes_in,
                                                                  const at::Tensor& s_hist_in, bool leaky,
                                                                  bool detach, double eps) {
-  check_float_dtype(votes_in, "votes");
-  check_rank(votes_in, 4, "votes", "(B, I, J, D)");
+  check_dynamic_routing_backward_inputs(grad_v_in, votes_in, s_hist_in, eps);
   const int64_t B = votes_in.size(0);
-  check_routing_backward_inputs(grad_v_in, s_hist_in, B, votes_in.size(2), votes_in.size(3));
-  check_eps(eps);
   check_cuda(votes_in, "votes");
   check_same_device(grad_v_in, votes_in, "grad_v", "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());

@@ -1,0 +1,51 @@
+"""A small CUDA workload for compute-sanitizer: every capsroute op, forward and backward, on odd
+shapes, every storage dtype and option (the shapes are small so memcheck/racecheck stay fast).
+Exits non-zero if an output is not finite or disagrees with the CPU backend."""
+import itertools
+import sys
+
+import torch
+
+import capsroute
+
+assert torch.cuda.is_available(), "needs a CUDA device"
+torch.manual_seed(0)
+failures = []
+
+
+def check(name, cuda_out, cpu_out, tol):
+    for k, (a, b) in enumerate(zip(cuda_out, cpu_out)):
+        a, b = a.double().cpu(), b.double()
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+        if not torch.isfinite(a).all() or err > tol:
+            failures.append(f"{name} output {k}: relative error {err:.2e}")
+
+
+def run(fn, inputs, grad):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    v = fn(*leaves)
+    return [v.detach()] + list(torch.autograd.grad(v, leaves, grad.to(v.dtype)))
+
+
+for dtype, (B, I, J, D, Din), leaky, detach in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+        [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)],
+        [False, True], [False, True]):
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
+    label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach}"
+    votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
+    bias = torch.randn(J, D, dtype=torch.float64) * 0.1
+    u = torch.randn(B, I, Din, dtype=torch.float64)
+    weight = torch.randn(I, J, D, Din, dtype=torch.float64) * 0.2
+    grad = torch.randn(B, J, D, dtype=torch.float64)
+    routing = lambda x, b: capsroute.dynamic_routing(x, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
+    dense = lambda x, w, b: capsroute.dense_capsules(x, w, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
+    for name, fn, inputs in [("dynamic_routing", routing, (votes, bias)), ("dense_capsules", dense, (u, weight, bias)),
+                             ("squash", capsroute.squash, (votes[:, 0],))]:
+        g = grad if name != "squash" else torch.randn_like(votes[:, 0])
+        cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
+        cpu_out = run(fn, [t.to(dtype).double() for t in inputs], g)  # CPU float64 on the same rounded values
+        check(f"{name} {label}", cuda_out, cpu_out, tol)
+torch.cuda.synchronize()
+print("\n".join(failures) or "all outputs finite and matching the CPU backend")
+sys.exit(1 if failures else 0)
