@@ -35,6 +35,7 @@ def test_bad_input_raises_a_clear_error(device, call, message):
         call(device)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device for a device mismatch")
 def test_device_mismatch():
     with pytest.raises(RuntimeError, match="bias is on"):
