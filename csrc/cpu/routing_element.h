@@ -117,15 +117,16 @@ inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc
   }
 }
 
-// Forward of one element. Each pass over the votes fuses the agreement update of iteration
-// r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all.
-// Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
+// Per-thread scratch of route_forward.
 template <typename acc_t>
 struct ForwardScratch {
   std::vector<acc_t> logits, coupling, v;
   explicit ForwardScratch(const RoutingDims& d) : logits(d.I * d.J), coupling(d.J), v(d.jd()) {}
 };
 
+// Forward of one element. Each pass over the votes fuses the agreement update of iteration
+// r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all.
+// Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
 template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
 void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, acc_t eps,
                    ForwardScratch<acc_t>& scratch, acc_t* s_hist, out_t* v_out, out_t* c_out) {
