@@ -128,3 +128,49 @@ torch.library.register_autograd("capsroute::dynamic_routing", _dynamic_routing_b
                                 setup_context=lambda ctx, inputs, output: _routing_setup(ctx, inputs, output, 1))
 torch.library.register_autograd("capsroute::dense_capsules", _dense_capsules_backward,
                                 setup_context=lambda ctx, inputs, output: _routing_setup(ctx, inputs, output, 2))
+
+
+# ---- EM routing ----
+
+def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
+               final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """EM routing for matrix capsules (Hinton et al. 2018): votes (B, I, J, H), a_in (B, I),
+    beta_u and beta_a (J,) -> (pose (B, J, H), a_out (B, J)).
+
+    Gradients are exact through every iteration w.r.t. votes, a_in, beta_u and beta_a. Sums over
+    inputs are divided by m_j + eps, so an output capsule that receives no mass stays finite.
+    """
+    pose, a_out, _ = _ops.em_routing(votes, a_in, beta_u, beta_a, iters, final_lambda, eps)
+    return pose, a_out
+
+
+@torch.library.register_fake("capsroute::em_routing")
+def _(votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
+    B, I, J, H = votes.shape
+    return (votes.new_empty(B, J, H), votes.new_empty(B, J),
+            votes.new_empty(B, iters, J, 2 * H + 1, dtype=_acc_dtype(votes.dtype)))
+
+
+@torch.library.register_fake("capsroute::_em_routing_backward")
+def _(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, final_lambda, eps):
+    return torch.empty_like(votes), torch.empty_like(a_in), torch.empty_like(beta_u), torch.empty_like(beta_a)
+
+
+def _em_setup(ctx, inputs, output):
+    votes, a_in, beta_u, beta_a, iters, final_lambda, eps = inputs
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(votes, a_in, beta_u, beta_a, output[2])
+    ctx.options = (final_lambda, eps)
+
+
+def _em_backward(ctx, grad_pose, grad_a_out, grad_stats):
+    votes, a_in, beta_u, beta_a, stats = ctx.saved_tensors
+    if grad_pose is None:
+        grad_pose = votes.new_zeros(stats.shape[0], stats.shape[2], votes.shape[3])
+    if grad_a_out is None:
+        grad_a_out = votes.new_zeros(stats.shape[0], stats.shape[2])
+    grads = _ops._em_routing_backward(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, *ctx.options)
+    return (*grads, None, None, None)
+
+
+torch.library.register_autograd("capsroute::em_routing", _em_backward, setup_context=_em_setup)

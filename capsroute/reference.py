@@ -3,6 +3,8 @@
 Written as a careful user would (einsum over whole tensors, no Python loops over capsules;
 the loop over routing iterations is inherent). Argument names and defaults match capsroute.
 """
+import math
+
 import torch
 from torch import Tensor
 
@@ -50,3 +52,30 @@ def dense_votes(u: Tensor, weight: Tensor) -> Tensor:
 def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
                    detach: bool = False, eps: float = 1e-8) -> Tensor:
     return dynamic_routing(dense_votes(u, weight), iters, bias=bias, leaky=leaky, detach=detach, eps=eps)
+
+
+def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
+               final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """EM routing (Hinton et al. 2018) as DESIGN.md 2.3: votes (B, I, J, H), a_in (B, I), beta_u and
+    beta_a (J,) -> pose (B, J, H), a_out (B, J). Sums over i are divided by m_j + eps, so a capsule
+    that receives no mass gets mean 0, variance eps and finite gradients."""
+    B, I, J, H = votes.shape
+    log_2pi = math.log(2 * math.pi)
+    R = votes.new_full((B, I, J), 1.0 / J)
+    for t in range(iters):
+        lam = final_lambda * (1 - 0.95 ** (t + 1))
+        # M-step
+        r = R * a_in.unsqueeze(-1)                                     # (B, I, J)
+        m = r.sum(1)                                                   # (B, J)
+        mass = (m + eps).unsqueeze(-1)
+        mu = torch.einsum("bij,bijh->bjh", r, votes) / mass            # (B, J, H)
+        diff = votes - mu.unsqueeze(1)
+        var = torch.einsum("bij,bijh->bjh", r, diff * diff) / mass + eps
+        cost = (beta_u.unsqueeze(-1) + 0.5 * torch.log(var)) * m.unsqueeze(-1)
+        logit = lam * (beta_a - cost.sum(-1))                          # (B, J)
+        if t == iters - 1:
+            return mu, torch.sigmoid(logit)
+        # E-step, in the log domain
+        log_p = -(diff * diff / (2 * var.unsqueeze(1)) + 0.5 * torch.log(var.unsqueeze(1)) + 0.5 * log_2pi).sum(-1)
+        R = torch.softmax(torch.nn.functional.logsigmoid(logit).unsqueeze(1) + log_p, dim=-1)
+    raise ValueError(f"iters must be >= 1, got {iters}")

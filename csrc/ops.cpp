@@ -25,4 +25,14 @@ TORCH_LIBRARY(capsroute, m) {
   m.def(
       "_dense_capsules_backward(Tensor grad_v, Tensor u, Tensor weight, Tensor s_hist, bool leaky,"
       " bool detach, float eps) -> (Tensor, Tensor, Tensor)");
+
+  // EM routing (matrix capsules). Returns (pose (B, J, H), a_out (B, J), stats (B, iters, J, 2H+1)
+  // in the accumulation dtype: per iteration the M-step's mean, variance and activation logit).
+  m.def(
+      "em_routing(Tensor votes, Tensor a_in, Tensor beta_u, Tensor beta_a, int iters, float final_lambda,"
+      " float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_votes, grad_a_in, grad_beta_u, grad_beta_a).
+  m.def(
+      "_em_routing_backward(Tensor grad_pose, Tensor grad_a_out, Tensor votes, Tensor a_in, Tensor beta_u,"
+      " Tensor beta_a, Tensor stats, float final_lambda, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
 }

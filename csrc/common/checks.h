@@ -87,6 +87,29 @@ inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Te
               " but s_hist is on ", s_hist.device());
 }
 
+// votes (B, I, J, H), a_in (B, I), beta_u (J,), beta_a (J,)
+inline void check_em_routing_inputs(const at::Tensor& votes, const at::Tensor& a_in, const at::Tensor& beta_u,
+                                    const at::Tensor& beta_a, int64_t iters, double final_lambda, double eps) {
+  check_float_dtype(votes, "votes");
+  check_rank(votes, 4, "votes", "(B, I, J, H)");
+  TORCH_CHECK(votes.size(2) >= 1 && votes.size(3) >= 1,
+              "capsroute: votes must have J >= 1 outputs and H >= 1 pose values, got shape ", votes.sizes());
+  check_same(a_in, votes, "a_in", "votes");
+  check_same(beta_u, votes, "beta_u", "votes");
+  check_same(beta_a, votes, "beta_a", "votes");
+  TORCH_CHECK(a_in.dim() == 2 && a_in.size(0) == votes.size(0) && a_in.size(1) == votes.size(1),
+              "capsroute: a_in must have shape (B, I) = (", votes.size(0), ", ", votes.size(1), "), got shape ",
+              a_in.sizes());
+  TORCH_CHECK(beta_u.dim() == 1 && beta_u.size(0) == votes.size(2),
+              "capsroute: beta_u must have shape (J,) = (", votes.size(2), ",), got shape ", beta_u.sizes());
+  TORCH_CHECK(beta_a.dim() == 1 && beta_a.size(0) == votes.size(2),
+              "capsroute: beta_a must have shape (J,) = (", votes.size(2), ",), got shape ", beta_a.sizes());
+  TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
+  TORCH_CHECK(std::isfinite(final_lambda), "capsroute: final_lambda must be finite, got ", final_lambda);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "capsroute: eps must be finite and > 0 (it floors the variance), got ",
+              eps);
+}
+
 inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& votes,
                                                   const at::Tensor& s_hist, double eps) {
   check_float_dtype(votes, "votes");
