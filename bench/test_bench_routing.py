@@ -3,22 +3,16 @@
 Forward+backward of capsroute and of the eager PyTorch reference, dynamic_routing and
 dense_capsules, at a small MNIST-like shape (B=8, I=1152, J=10, D=16, Din=8), on CPU and, when
 one is present, on CUDA. Not part of the test suite (tests/ is): kept light on purpose. For the
-full comparison (torch.compile baseline, memory, floor) use bench/routing_bench.py.
+full comparison (torch.compile baseline, memory, floor) use `capsroute bench`.
 
 Compare runs with e.g. `pytest bench/ --benchmark-only --benchmark-autosave` and
 `pytest-benchmark compare`.
 """
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("pytest_benchmark")
-pytest.importorskip("capsroute")
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # works under any pytest --import-mode
-import routing_bench as rb  # noqa: E402
+rb = pytest.importorskip("capsroute.bench")
 
 CASE = dict(shape_name="mnist-b8", B=8, I=1152, J=10, D=16, Din=8)
 DEVICES = [

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Microbenchmarks of capsroute's routing ops against plain PyTorch (DESIGN.md section 4).
 
 For each op x shape x batch size, three implementations are measured in the same run on the same
@@ -61,9 +60,10 @@ Results are printed as a table and written as JSON (DESIGN.md section 4 fields p
 bench/results/<device-slug>-<date>-<shortsha>.json. A case that runs out of memory is skipped and
 recorded with its reason instead of crashing the run.
 
-Library use: run_benchmarks(...) returns the report dict; format_table(report) and
-write_report(report, out) print and save it; make_inputs, get_impl, fwd_step/fwd_bwd_step,
-time_samples and peak_memory_mb are reused by bench/test_bench_routing.py.
+The command `capsroute bench` (capsroute/cli.py) is add_arguments and run below. Library use:
+run_benchmarks(...) returns the report dict; format_table(report) and write_report(report, out) print
+and save it; make_inputs, get_impl, fwd_step/fwd_bwd_step, time_samples and peak_memory_mb are reused
+by bench/test_bench_routing.py.
 """
 from __future__ import annotations
 
@@ -89,15 +89,13 @@ from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-try:
-    import capsroute
-except ImportError:  # run as `python bench/routing_bench.py` from a checkout without PYTHONPATH
-    sys.path.insert(0, str(REPO))
-    import capsroute
+import capsroute
 from capsroute import reference
 
-OPS = ("dynamic_routing", "dense_capsules")
+OPS = {  # op -> the short name that `--op` also accepts
+    "dynamic_routing": "dynamic",
+    "dense_capsules": "dense",
+}
 IMPLS = ("capsroute", "eager", "compiled")
 SHAPES = {  # DESIGN.md section 4
     "mnist": dict(I=1152, J=10, D=16, Din=8),   # MNIST DigitCaps
@@ -141,19 +139,28 @@ def parse_shape(spec: str) -> tuple[str, dict]:
     """'mnist' | 'large' | 'I,J,D,Din' (Din may be left out: 8) -> (name, dict(I, J, D, Din))."""
     if spec in SHAPES:
         return spec, dict(SHAPES[spec])
-    parts = [int(p) for p in re.split(r"[,x]", spec) if p]
-    if len(parts) not in (3, 4) or min(parts) < 1:
+    parts = [int(p) for p in re.split(r"[,x]", spec)] if re.fullmatch(r"\d+([,x]\d+){2,3}", spec) else []
+    if not parts or min(parts) < 1:
         raise argparse.ArgumentTypeError(f"shape must be mnist, large or I,J,D[,Din]; got {spec!r}")
     if len(parts) == 3:
         parts.append(8)
     return ",".join(map(str, parts)), dict(zip(("I", "J", "D", "Din"), parts))
 
 
+def op_name(name: str) -> str:
+    """An op's name from its name or short name (OPS)."""
+    for op, short in OPS.items():
+        if name in (op, short):
+            return op
+    raise argparse.ArgumentTypeError(f"unknown op {name!r}; choose from "
+                                     + ", ".join(f"{op} ({short})" for op, short in OPS.items()))
+
+
 def make_cases(ops, shapes, batches, device_type: str) -> list[Case]:
+    """shapes: parse_shape results."""
     cases = []
     for op in ops:
-        for spec in shapes:
-            name, dims = parse_shape(spec)
+        for name, dims in shapes:
             bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
             for B in bs:
                 cases.append(Case(op, name, B, **dims))
@@ -609,15 +616,29 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
 
 # ----------------------------------------------------------------------------- the run and the report
 
-def git_commit(repo: Path = REPO) -> str:
+def _git(*args, cwd=None) -> str | None:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_commit() -> str:
+    """HEAD of the checkout capsroute is imported from, + "-dirty" when tracked files differ from it;
+    "unknown" when capsroute is not imported from a checkout (a non-editable install)."""
+    root = Path(capsroute.__file__).resolve().parent.parent
+    if _git("rev-parse", "--show-toplevel", cwd=root) != str(root):
         return "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=root)
+    return _git("rev-parse", "HEAD", cwd=root) + ("-dirty" if dirty else "")
+
+
+def default_out() -> Path:
+    """bench/results/ of the capsroute checkout the current directory is in, else ./bench-results."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top and (Path(top) / "capsroute" / "bench.py").is_file():
+        return Path(top) / "bench" / "results"
+    return Path("bench-results")
 
 
 def device_name(device: torch.device) -> str:
@@ -803,19 +824,25 @@ def write_report(report: dict, path: Path) -> Path:
     return path
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See bench/README.md for the columns and the floor model.")
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    """The options of `capsroute bench`."""
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--op", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument("--op", nargs="+", type=op_name, default=list(OPS),
+                   help="ops to run, by name or short name: " + ", ".join(f"{op} ({short})" for op, short in OPS.items())
+                   + " (default: all)")
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--shape", nargs="+", default=None, metavar="mnist|large|I,J,D,Din",
+    p.add_argument("--shape", nargs="+", type=parse_shape, default=None, metavar="mnist|large|I,J,D,Din",
                    help="default: mnist on CPU; mnist and large on CUDA")
-    p.add_argument("--batch", nargs="+", type=int, default=None,
+    p.add_argument("--batch", nargs="+", type=_positive, default=None,
                    help="batch sizes for every shape (default: 32 on CPU (8 for large); 32 128 512 2048 on CUDA)")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=_positive, default=3)
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default: 10 CPU, 50 CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default: 2 CPU, 5 CUDA)")
     p.add_argument("--max-seconds", type=float, default=10.0,
@@ -824,31 +851,33 @@ def main(argv=None) -> int:
     p.add_argument("--inference", action="store_true", help="also time the forward under torch.no_grad()")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(REPO / "bench" / "results"),
-                   help="directory (file named <device>-<date>-<sha>.json) or a .json path")
-    p.add_argument("--no-save", action="store_true", help="print the table only")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory (file named <device>-<date>-<sha>.json) or a .json path (default: bench/results/ "
+                        "of the capsroute checkout the current directory is in, else ./bench-results)")
+    save = p.add_mutually_exclusive_group()
+    save.add_argument("--no-save", action="store_true", help="print the table only")
+    save.add_argument("--plot", action="store_true", help="also draw PNG figures next to the JSON (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
+    """`capsroute bench`: runs the cases, prints the table, writes the JSON (and with --plot the figures)."""
+    if args.plot:
+        from capsroute.plot import plot_report  # now rather than after the run if matplotlib is missing
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.iters < 1:
-        p.error("--iters must be >= 1")
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype]
     impls = [i for i in args.impl if not (args.no_compile and i == "compiled")]
-    shapes = args.shape or DEFAULT_SHAPES[device.type]
-    try:
-        cases = make_cases(args.op, shapes, args.batch, device.type)
-    except argparse.ArgumentTypeError as e:
-        p.error(str(e))
+    shapes = args.shape or [parse_shape(s) for s in DEFAULT_SHAPES[device.type]]
+    cases = make_cases(dict.fromkeys(args.op), shapes, args.batch, device.type)
     repeats = args.repeats or (50 if device.type == "cuda" else 10)
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 2)
 
     path = None
     if not args.no_save:
         probe = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": git_commit()}
-        path = unique_path(report_path(probe, args.out))
+        path = unique_path(report_path(probe, args.out or default_out()))
     save = (lambda rep: write_report(rep, path)) if path is not None else None
     report = run_benchmarks(cases, impls, device=device, dtype=dtype, iters=args.iters, repeats=repeats,
                             warmup=warmup, max_seconds=args.max_seconds, inference=args.inference,
@@ -859,9 +888,8 @@ def main(argv=None) -> int:
     if path is not None:
         write_report(report, path)
         print(f"wrote {path}")
+    if args.plot:
+        for png in plot_report(report, path):
+            print(f"wrote {png}")
     errors = [r for r in report["results"] if str(r.get("skipped", "")).startswith("error")]
     return 1 if errors else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The `capsroute` command (also `python -m capsroute.cli`).
+
+  capsroute bench ...            routing benchmark: capsroute vs the PyTorch reference, eager and compiled
+  capsroute plot RESULTS.json    redraw the benchmark's figures from saved results
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from capsroute import bench
+
+
+def plot(args: argparse.Namespace) -> int:
+    from capsroute.plot import plot_report
+
+    for path in args.results:
+        report = json.loads(path.read_text())
+        if report.get("kind") != "bench":
+            raise SystemExit(f"{path}: not a capsroute bench report")
+        for png in plot_report(report, path, args.out):
+            print(f"wrote {png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="capsroute", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = commands.add_parser("bench", help="routing benchmark", description=bench.__doc__.split("\n\n")[0],
+                            epilog="See bench/README.md for the columns and the floor model.")
+    bench.add_arguments(b)
+    b.set_defaults(run=bench.run)
+
+    pl = commands.add_parser("plot", help="figures from saved benchmark results",
+                             description="Draws the PNG figures of `capsroute bench --plot` from saved JSON results.")
+    pl.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json")
+    pl.add_argument("--out", type=Path, default=None, help="directory for the PNGs (default: next to each JSON)")
+    pl.set_defaults(run=plot)
+
+    args = p.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
