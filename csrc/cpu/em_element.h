@@ -1,0 +1,233 @@
+// EM routing (DESIGN.md 2.3) of one batch element on the CPU: the forward (M-step, E-step)
+// and the exact backward, shared by em_routing (votes given) and the fused pose variant.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace capsroute {
+namespace cpu {
+
+struct EmDims {
+  int64_t I, J, H, iters;
+  double final_lambda, eps;
+  int64_t stats_row() const { return 2 * H + 1; }  // mu (H), var (H), logit
+  double lambda(int64_t t) const { return final_lambda * (1.0 - std::pow(0.95, static_cast<double>(t + 1))); }
+};
+
+template <typename T>
+inline T log_sigmoid(T x) {
+  return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));
+}
+
+template <typename T>
+inline T sigmoid(T x) {
+  return x >= 0 ? T(1) / (T(1) + std::exp(-x)) : std::exp(x) / (T(1) + std::exp(x));
+}
+
+// One element: votes V (I, J, H), a_in (I), betas (J); statistics per iteration in `stats`
+// (iters, J, 2H + 1). All scratch is per thread.
+template <typename vote_t, typename acc_t>
+class EmElement {
+ public:
+  explicit EmElement(const EmDims& d) : d_(d), R_(d.I * d.J), mass_(d.J), norm_(d.J) {}
+
+  // The M-step of iteration t from the assignments in R_: writes mu, var, logit into st.
+  template <typename beta_t>
+  void m_step(const vote_t* V, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, int64_t t,
+              acc_t* st) {
+    const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H;
+    const acc_t eps = d_.eps;
+    acc_t* mu = st;
+    acc_t* var = st + JH;
+    acc_t* logit = st + 2 * JH;
+    std::fill(mass_.begin(), mass_.end(), acc_t(0));
+    std::fill(mu, mu + 2 * JH, acc_t(0));
+    for (int64_t i = 0; i < I; ++i) {
+      const acc_t a = static_cast<acc_t>(a_in[i]);
+      for (int64_t j = 0; j < J; ++j) {
+        const acc_t r = R_[i * J + j] * a;
+        mass_[j] += r;
+        const vote_t* v = V + (i * J + j) * H;
+        for (int64_t h = 0; h < H; ++h) mu[j * H + h] += r * static_cast<acc_t>(v[h]);
+      }
+    }
+    for (int64_t jh = 0; jh < JH; ++jh) mu[jh] /= mass_[jh / H] + eps;
+    // Second pass for the variance: sum r (V - mu)^2 is exact where sum r V^2 - m mu^2 cancels.
+    for (int64_t i = 0; i < I; ++i) {
+      const acc_t a = static_cast<acc_t>(a_in[i]);
+      for (int64_t j = 0; j < J; ++j) {
+        const acc_t r = R_[i * J + j] * a;
+        const vote_t* v = V + (i * J + j) * H;
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
+          var[j * H + h] += r * diff * diff;
+        }
+      }
+    }
+    const acc_t lam = d_.lambda(t);
+    for (int64_t j = 0; j < J; ++j) {
+      acc_t cost = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        acc_t& vr = var[j * H + h];
+        vr = vr / (mass_[j] + eps) + eps;
+        cost += (static_cast<acc_t>(beta_u[j]) + acc_t(0.5) * std::log(vr)) * mass_[j];
+      }
+      logit[j] = lam * (static_cast<acc_t>(beta_a[j]) - cost);
+    }
+  }
+
+  // The E-step after iteration t (statistics st): R_ = softmax_j(log a_j + log p_ij), in the log domain.
+  void e_step(const vote_t* V, const acc_t* st) {
+    const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H;
+    const acc_t* mu = st;
+    const acc_t* var = st + JH;
+    const acc_t* logit = st + 2 * JH;
+    const acc_t half_log_2pi = acc_t(0.9189385332046727);
+    for (int64_t j = 0; j < J; ++j) {
+      acc_t norm = log_sigmoid(logit[j]);
+      for (int64_t h = 0; h < H; ++h) norm -= acc_t(0.5) * std::log(var[j * H + h]) + half_log_2pi;
+      norm_[j] = norm;
+    }
+    for (int64_t i = 0; i < I; ++i) {
+      acc_t* Ri = R_.data() + i * J;
+      acc_t max_log = -INFINITY;
+      for (int64_t j = 0; j < J; ++j) {
+        const vote_t* v = V + (i * J + j) * H;
+        acc_t log_p = norm_[j];
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
+          log_p -= diff * diff / (acc_t(2) * var[j * H + h]);
+        }
+        Ri[j] = log_p;
+        max_log = log_p > max_log ? log_p : max_log;
+      }
+      acc_t denom = 0;
+      for (int64_t j = 0; j < J; ++j) denom += (Ri[j] = std::exp(Ri[j] - max_log));
+      for (int64_t j = 0; j < J; ++j) Ri[j] /= denom;
+    }
+  }
+
+  void reset_assignments() { std::fill(R_.begin(), R_.end(), acc_t(1) / acc_t(d_.J)); }
+  const std::vector<acc_t>& assignments() const { return R_; }
+
+ private:
+  EmDims d_;
+  std::vector<acc_t> R_, mass_, norm_;
+};
+
+// Backward of one element: from the saved statistics st (iters, J, 2H + 1), the gradients of
+// pose (J, H) and a_out (J), adds the gradients of V into g_V (I, J, H), of a_in into g_a (I)
+// and of the betas into g_beta_u, g_beta_a (J). All scratch is per thread.
+template <typename vote_t, typename acc_t>
+class EmBackward {
+ public:
+  explicit EmBackward(const EmDims& d)
+      : d_(d), em_(d), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
+        g_logit_(d.J), mass_(d.J), g_mass_(d.J) {}
+
+  template <typename beta_t>
+  void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
+           const acc_t* g_a_out, acc_t* g_V, acc_t* g_a, acc_t* g_beta_u, acc_t* g_beta_a) {
+    const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row();
+    const acc_t e = static_cast<acc_t>(d_.eps);
+    std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_, &g_logit = g_logit_,  // short names
+                       &mass = mass_, &g_mass = g_mass_;
+    // R^t for every iteration, from the saved statistics.
+    em_.reset_assignments();
+    for (int64_t t = 0; t < iters; ++t) {
+      std::copy(em_.assignments().begin(), em_.assignments().end(), R_hist.begin() + t * I * J);
+      if (t < iters - 1) em_.e_step(Vn, st + t * J * row);
+    }
+    // Gradients reaching the last M-step's outputs.
+    const acc_t* last = st + (iters - 1) * J * row;
+    std::copy(g_pose, g_pose + JH, g_mu.begin());
+    std::fill(g_var.begin(), g_var.end(), acc_t(0));
+    for (int64_t j = 0; j < J; ++j) {
+      const acc_t s = sigmoid(last[2 * JH + j]);
+      g_logit[j] = g_a_out[j] * s * (1 - s);
+    }
+    for (int64_t t = iters - 1; t >= 0; --t) {
+      const acc_t* mu = st + t * J * row;
+      const acc_t* var = mu + JH;
+      const acc_t* logit = mu + 2 * JH;
+      if (t < iters - 1) {
+        // E-step t: R^{t+1}_ij = softmax_j(L_ij), L_ij = log sigmoid(logit_j) + log p_ij.
+        std::fill(g_mu.begin(), g_mu.end(), acc_t(0));
+        std::fill(g_var.begin(), g_var.end(), acc_t(0));
+        std::fill(g_logit.begin(), g_logit.end(), acc_t(0));
+        const acc_t* R_next = R_hist.data() + (t + 1) * I * J;
+        for (int64_t i = 0; i < I; ++i) {
+          acc_t weighted = 0;
+          for (int64_t j = 0; j < J; ++j) weighted += R_next[i * J + j] * g_R[i * J + j];
+          for (int64_t j = 0; j < J; ++j) {
+            const acc_t g_L = R_next[i * J + j] * (g_R[i * J + j] - weighted);
+            g_logit[j] += g_L * (1 - sigmoid(logit[j]));  // d log sigmoid(x) / dx = 1 - sigmoid(x)
+            const vote_t* v = Vn + (i * J + j) * H;
+            acc_t* gv = g_V + (i * J + j) * H;
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t inv_var = 1 / var[j * H + h];
+              const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
+              gv[h] -= g_L * diff * inv_var;
+              g_mu[j * H + h] += g_L * diff * inv_var;
+              g_var[j * H + h] += g_L * acc_t(0.5) * inv_var * (diff * diff * inv_var - 1);
+            }
+          }
+        }
+      }
+      // M-step t: r = R^t a, m = sum_i r, M = m + eps, mu = sum_i r V / M,
+      // var = sum_i r (V - mu)^2 / M + eps, logit = lam (beta_a - sum_h (beta_u + ln(var) / 2) m).
+      const acc_t* R = R_hist.data() + t * I * J;
+      std::fill(mass.begin(), mass.end(), acc_t(0));
+      for (int64_t i = 0; i < I; ++i)
+        for (int64_t j = 0; j < J; ++j) mass[j] += R[i * J + j] * static_cast<acc_t>(a[i]);
+      const acc_t lam = d_.lambda(t);
+      for (int64_t j = 0; j < J; ++j) {
+        const acc_t g_cost = -lam * g_logit[j];  // the same for every h
+        g_beta_a[j] += lam * g_logit[j];
+        g_beta_u[j] += g_cost * static_cast<acc_t>(H) * mass[j];
+        acc_t g_m = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          g_var[j * H + h] += g_cost * acc_t(0.5) * mass[j] / var[j * H + h];
+          g_m += g_cost * (static_cast<acc_t>(bu[j]) + acc_t(0.5) * std::log(var[j * H + h]));
+        }
+        g_mass[j] = g_m;
+      }
+      // var0 = var - eps also depends on mu through sum_i r (V - mu) = eps mu: fold that into g_mu.
+      for (int64_t jh = 0; jh < JH; ++jh) {
+        const acc_t M = mass[jh / H] + e;
+        g_mu[jh] -= g_var[jh] * 2 * e * mu[jh] / M;
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        const acc_t ai = static_cast<acc_t>(a[i]);
+        acc_t g_ai = 0;
+        for (int64_t j = 0; j < J; ++j) {
+          const acc_t M = mass[j] + e;
+          const acc_t r = R[i * J + j] * ai;
+          const vote_t* v = Vn + (i * J + j) * H;
+          acc_t* gv = g_V + (i * J + j) * H;
+          acc_t g_r = g_mass[j];
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
+            const acc_t var0 = var[j * H + h] - e;
+            g_r += (g_mu[j * H + h] * diff + g_var[j * H + h] * (diff * diff - var0)) / M;
+            gv[h] += r * (g_mu[j * H + h] + 2 * g_var[j * H + h] * diff) / M;
+          }
+          g_R[i * J + j] = g_r * ai;
+          g_ai += g_r * R[i * J + j];
+        }
+        g_a[i] += g_ai;
+      }
+    }
+  }
+
+ private:
+  EmDims d_;
+  EmElement<vote_t, acc_t> em_;
+  std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, mass_, g_mass_;
+};
+
+}  // namespace cpu
+}  // namespace capsroute
