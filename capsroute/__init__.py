@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # registers the capsroute:: operators
-from .ops import dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, squash
+from .ops import dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, em_routing_pose, squash
 
 
 def build_info():
@@ -14,4 +14,4 @@ def build_info():
     return info
 
 
-__all__ = ["build_info", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "squash"]
+__all__ = ["build_info", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "squash"]

@@ -163,14 +163,63 @@ def _em_setup(ctx, inputs, output):
     ctx.options = (final_lambda, eps)
 
 
+def _zeros_if_none(grad_pose, grad_a_out, stats, H):
+    """Autograd passes None for an output that got no gradient; the backward ops want zeros."""
+    B, J = stats.shape[0], stats.shape[2]
+    if grad_pose is None:
+        grad_pose = stats.new_zeros(B, J, H)
+    if grad_a_out is None:
+        grad_a_out = stats.new_zeros(B, J)
+    return grad_pose, grad_a_out
+
+
 def _em_backward(ctx, grad_pose, grad_a_out, grad_stats):
     votes, a_in, beta_u, beta_a, stats = ctx.saved_tensors
-    if grad_pose is None:
-        grad_pose = votes.new_zeros(stats.shape[0], stats.shape[2], votes.shape[3])
-    if grad_a_out is None:
-        grad_a_out = votes.new_zeros(stats.shape[0], stats.shape[2])
+    grad_pose, grad_a_out = _zeros_if_none(grad_pose, grad_a_out, stats, votes.shape[3])
     grads = _ops._em_routing_backward(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, *ctx.options)
     return (*grads, None, None, None)
 
 
 torch.library.register_autograd("capsroute::em_routing", _em_backward, setup_context=_em_setup)
+
+
+def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
+                    final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """em_routing over votes_ij = pose_i @ weight_ij (4x4 matrices), computed on the fly and never
+    stored: pose (B, I, 4, 4) or (B, I, 16), weight (I, J, 4, 4). Returns (pose (B, J, 16), a_out (B, J)),
+    with gradients w.r.t. pose, weight, a_in, beta_u and beta_a."""
+    if pose.dim() == 3 and pose.shape[-1] == 16:
+        pose = pose.unflatten(-1, (4, 4))
+    pose_out, a_out, _ = _ops.em_routing_pose(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps)
+    return pose_out, a_out
+
+
+@torch.library.register_fake("capsroute::em_routing_pose")
+def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
+    B, J = pose.shape[0], weight.shape[1]
+    return (pose.new_empty(B, J, 16), pose.new_empty(B, J),
+            pose.new_empty(B, iters, J, 33, dtype=_acc_dtype(pose.dtype)))
+
+
+@torch.library.register_fake("capsroute::_em_routing_pose_backward")
+def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
+    return (torch.empty_like(pose), torch.empty_like(weight), torch.empty_like(a_in), torch.empty_like(beta_u),
+            torch.empty_like(beta_a))
+
+
+def _em_pose_setup(ctx, inputs, output):
+    pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps = inputs
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(pose, weight, a_in, beta_u, beta_a, output[2])
+    ctx.options = (final_lambda, eps)
+
+
+def _em_pose_backward(ctx, grad_pose_out, grad_a_out, grad_stats):
+    pose, weight, a_in, beta_u, beta_a, stats = ctx.saved_tensors
+    grad_pose_out, grad_a_out = _zeros_if_none(grad_pose_out, grad_a_out, stats, 16)
+    grads = _ops._em_routing_pose_backward(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats,
+                                           *ctx.options)
+    return (*grads, None, None, None)
+
+
+torch.library.register_autograd("capsroute::em_routing_pose", _em_pose_backward, setup_context=_em_pose_setup)

@@ -79,3 +79,15 @@ def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iter
         log_p = -(diff * diff / (2 * var.unsqueeze(1)) + 0.5 * torch.log(var.unsqueeze(1)) + 0.5 * log_2pi).sum(-1)
         R = torch.softmax(torch.nn.functional.logsigmoid(logit).unsqueeze(1) + log_p, dim=-1)
     raise ValueError(f"iters must be >= 1, got {iters}")
+
+
+def pose_votes(pose: Tensor, weight: Tensor) -> Tensor:
+    """votes_ij = pose_i @ weight_ij: pose (B, I, 4, 4), weight (I, J, 4, 4) -> (B, I, J, 16)."""
+    return (pose.unsqueeze(2) @ weight).flatten(-2)
+
+
+def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
+                    final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """em_routing over votes pose_i @ weight_ij; pose (B, I, 4, 4) or (B, I, 16)."""
+    pose = pose.reshape(pose.shape[0], pose.shape[1], 4, 4)
+    return em_routing(pose_votes(pose, weight), a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps)

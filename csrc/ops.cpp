@@ -35,4 +35,15 @@ TORCH_LIBRARY(capsroute, m) {
   m.def(
       "_em_routing_backward(Tensor grad_pose, Tensor grad_a_out, Tensor votes, Tensor a_in, Tensor beta_u,"
       " Tensor beta_a, Tensor stats, float final_lambda, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // EM routing over votes_ij = pose_i @ weight_ij (4x4 matrices), never materialised in memory:
+  // pose (B, I, 4, 4), weight (I, J, 4, 4). Returns what em_routing returns (H = 16).
+  m.def(
+      "em_routing_pose(Tensor pose, Tensor weight, Tensor a_in, Tensor beta_u, Tensor beta_a, int iters,"
+      " float final_lambda, float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_pose, grad_weight, grad_a_in, grad_beta_u, grad_beta_a).
+  m.def(
+      "_em_routing_pose_backward(Tensor grad_pose_out, Tensor grad_a_out, Tensor pose, Tensor weight,"
+      " Tensor a_in, Tensor beta_u, Tensor beta_a, Tensor stats, float final_lambda, float eps)"
+      " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

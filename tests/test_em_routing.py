@@ -10,9 +10,10 @@ from conftest import TOLERANCE, assert_rel_close, randn
 
 
 @pytest.fixture
-def device(device):
-    if device == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key("capsroute::em_routing", "CUDA"):
-        pytest.skip("capsroute has no CUDA kernel for em_routing yet")
+def device(device, request):
+    op = "em_routing_pose" if "pose" in request.node.name else "em_routing"
+    if device == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", "CUDA"):
+        pytest.skip(f"capsroute has no CUDA kernel for {op} yet")
     return device
 
 
@@ -177,3 +178,60 @@ def test_property_matches_reference(B, I, J, H, iters, scale, seed):
     ours, ref = run_both(make_inputs(B, I, J, H, generator=g, vote_scale=scale), iters)
     for name, a, e in zip(NAMES, ours, ref):
         assert_rel_close(a, e, 1e-8, name)
+
+
+# ---- the fused pose variant: votes_ij = pose_i @ weight_ij ----
+
+def make_pose_inputs(B, I, J, dtype=torch.float64, device="cpu"):
+    pose = randn(B, I, 4, 4, dtype=dtype, device=device, requires_grad=True)
+    weight = randn(I, J, 4, 4, dtype=dtype, device=device, scale=0.5, requires_grad=True)
+    _, a_in, beta_u, beta_a = make_inputs(B, I, J, 16, dtype=dtype, device=device)
+    return pose, weight, a_in, beta_u, beta_a
+
+
+def run_pose_both(inputs, iters=3):
+    B, J = inputs[0].shape[0], inputs[1].shape[1]
+    grads = (torch.randn(B, J, 16, dtype=torch.float64, device=inputs[0].device),
+             torch.randn(B, J, dtype=torch.float64, device=inputs[0].device))
+    out = []
+    for impl, xs in ((capsroute, inputs), (reference, tuple(t.detach().double().requires_grad_() for t in inputs))):
+        pose, a_out = impl.em_routing_pose(*xs, iters)
+        loss = (pose * grads[0].to(pose.dtype)).sum() + (a_out * grads[1].to(a_out.dtype)).sum()
+        out.append((pose, a_out) + torch.autograd.grad(loss, xs))
+    return out
+
+
+POSE_NAMES = ["pose", "a_out", "grad_pose", "grad_weight", "grad_a_in", "grad_beta_u", "grad_beta_a"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("B,I,J", [(3, 37, 7), (1, 5, 1), (20, 9, 32)])
+def test_pose_variant_matches_reference(device, dtype, B, I, J):
+    ours, ref = run_pose_both(make_pose_inputs(B, I, J, dtype=dtype, device=device))
+    for name, a, e in zip(POSE_NAMES, ours, ref):
+        assert a.dtype == dtype
+        assert_rel_close(a, e, TOLERANCE[dtype] * (10 if dtype == torch.float32 else 1), name)
+
+
+def test_pose_variant_takes_flat_poses(device):
+    pose, *rest = make_pose_inputs(2, 6, 3, device=device)
+    flat, square = capsroute.em_routing_pose(pose.flatten(-2), *rest), capsroute.em_routing_pose(pose, *rest)
+    for a, b in zip(flat, square):
+        assert torch.equal(a, b)
+
+
+def test_pose_variant_gradcheck_and_opcheck(device):
+    inputs = make_pose_inputs(2, 3, 2, device=device)
+    assert torch.autograd.gradcheck(lambda *x: capsroute.em_routing_pose(*x, 2, final_lambda=0.5), inputs,
+                                    fast_mode=False)
+    torch.library.opcheck(torch.ops.capsroute.em_routing_pose.default, (*inputs, 3, 0.01, 1e-6))
+
+
+def test_pose_variant_bad_input(device):
+    pose, weight, a_in, beta_u, beta_a = (t.detach() for t in make_pose_inputs(2, 5, 3, device=device))
+    with pytest.raises(RuntimeError, match=r"pose must have shape \(B, I, 4, 4\)"):
+        capsroute.em_routing_pose(pose[..., :3], weight, a_in, beta_u, beta_a)
+    with pytest.raises(RuntimeError, match=r"weight must have shape \(I, J, 4, 4\) with I = 5"):
+        capsroute.em_routing_pose(pose, weight[:4], a_in, beta_u, beta_a)
+    with pytest.raises(RuntimeError, match=r"a_in must have shape \(B, I\) = \(2, 5\)"):
+        capsroute.em_routing_pose(pose, weight, a_in[:1], beta_u, beta_a)

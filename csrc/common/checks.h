@@ -87,27 +87,64 @@ inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Te
               " but s_hist is on ", s_hist.device());
 }
 
-// votes (B, I, J, H), a_in (B, I), beta_u (J,), beta_a (J,)
+// a_in (B, I), beta_u (J,), beta_a (J,) and the options of EM routing; ref is the input they
+// must share a device and dtype with (votes or pose).
+inline void check_em_common(const at::Tensor& ref, const char* ref_name, int64_t B, int64_t I, int64_t J,
+                            const at::Tensor& a_in, const at::Tensor& beta_u, const at::Tensor& beta_a, int64_t iters,
+                            double final_lambda, double eps) {
+  check_same(a_in, ref, "a_in", ref_name);
+  check_same(beta_u, ref, "beta_u", ref_name);
+  check_same(beta_a, ref, "beta_a", ref_name);
+  TORCH_CHECK(a_in.dim() == 2 && a_in.size(0) == B && a_in.size(1) == I, "capsroute: a_in must have shape (B, I) = (",
+              B, ", ", I, "), got shape ", a_in.sizes());
+  TORCH_CHECK(beta_u.dim() == 1 && beta_u.size(0) == J, "capsroute: beta_u must have shape (J,) = (", J,
+              ",), got shape ", beta_u.sizes());
+  TORCH_CHECK(beta_a.dim() == 1 && beta_a.size(0) == J, "capsroute: beta_a must have shape (J,) = (", J,
+              ",), got shape ", beta_a.sizes());
+  TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
+  TORCH_CHECK(std::isfinite(final_lambda), "capsroute: final_lambda must be finite, got ", final_lambda);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "capsroute: eps must be finite and > 0 (it floors the variance), got ",
+              eps);
+}
+
+// votes (B, I, J, H)
 inline void check_em_routing_inputs(const at::Tensor& votes, const at::Tensor& a_in, const at::Tensor& beta_u,
                                     const at::Tensor& beta_a, int64_t iters, double final_lambda, double eps) {
   check_float_dtype(votes, "votes");
   check_rank(votes, 4, "votes", "(B, I, J, H)");
   TORCH_CHECK(votes.size(2) >= 1 && votes.size(3) >= 1,
               "capsroute: votes must have J >= 1 outputs and H >= 1 pose values, got shape ", votes.sizes());
-  check_same(a_in, votes, "a_in", "votes");
-  check_same(beta_u, votes, "beta_u", "votes");
-  check_same(beta_a, votes, "beta_a", "votes");
-  TORCH_CHECK(a_in.dim() == 2 && a_in.size(0) == votes.size(0) && a_in.size(1) == votes.size(1),
-              "capsroute: a_in must have shape (B, I) = (", votes.size(0), ", ", votes.size(1), "), got shape ",
-              a_in.sizes());
-  TORCH_CHECK(beta_u.dim() == 1 && beta_u.size(0) == votes.size(2),
-              "capsroute: beta_u must have shape (J,) = (", votes.size(2), ",), got shape ", beta_u.sizes());
-  TORCH_CHECK(beta_a.dim() == 1 && beta_a.size(0) == votes.size(2),
-              "capsroute: beta_a must have shape (J,) = (", votes.size(2), ",), got shape ", beta_a.sizes());
-  TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
-  TORCH_CHECK(std::isfinite(final_lambda), "capsroute: final_lambda must be finite, got ", final_lambda);
-  TORCH_CHECK(std::isfinite(eps) && eps > 0, "capsroute: eps must be finite and > 0 (it floors the variance), got ",
-              eps);
+  check_em_common(votes, "votes", votes.size(0), votes.size(1), votes.size(2), a_in, beta_u, beta_a, iters,
+                  final_lambda, eps);
+}
+
+// pose (B, I, 4, 4), weight (I, J, 4, 4)
+inline void check_em_routing_pose_inputs(const at::Tensor& pose, const at::Tensor& weight, const at::Tensor& a_in,
+                                         const at::Tensor& beta_u, const at::Tensor& beta_a, int64_t iters,
+                                         double final_lambda, double eps) {
+  check_float_dtype(pose, "pose");
+  TORCH_CHECK(pose.dim() == 4 && pose.size(2) == 4 && pose.size(3) == 4,
+              "capsroute: pose must have shape (B, I, 4, 4), got shape ", pose.sizes());
+  check_same(weight, pose, "weight", "pose");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == pose.size(1) && weight.size(1) >= 1 && weight.size(2) == 4 &&
+                  weight.size(3) == 4,
+              "capsroute: weight must have shape (I, J, 4, 4) with I = ", pose.size(1), " and J >= 1, got shape ",
+              weight.sizes());
+  check_em_common(pose, "pose", pose.size(0), pose.size(1), weight.size(1), a_in, beta_u, beta_a, iters,
+                  final_lambda, eps);
+}
+
+// What an EM routing backward gets besides the forward's inputs: grad_pose (B, J, H),
+// grad_a_out (B, J) and the saved stats (B, iters, J, 2H + 1).
+inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const at::Tensor& stats,
+                                     int64_t B, int64_t J, int64_t H) {
+  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == B && stats.size(2) == J && stats.size(3) == 2 * H + 1,
+              "capsroute: stats must have shape (B, iters, J, 2H + 1) = (", B, ", iters, ", J, ", ", 2 * H + 1,
+              "), got ", stats.sizes());
+  TORCH_CHECK(grad_pose.sizes() == at::IntArrayRef({B, J, H}), "capsroute: grad_pose must have shape (", B, ", ", J,
+              ", ", H, "), got ", grad_pose.sizes());
+  TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, J}), "capsroute: grad_a_out must have shape (", B, ", ", J,
+              "), got ", grad_a_out.sizes());
 }
 
 inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& votes,

@@ -110,6 +110,22 @@ class EmElement {
     }
   }
 
+  // The whole forward of one element: statistics of every iteration into st (iters, J, 2H + 1),
+  // the last means into pose_out (J, H) and the activations into a_out (J).
+  template <typename beta_t, typename out_t>
+  void forward(const vote_t* V, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, acc_t* st,
+               out_t* pose_out, out_t* a_out) {
+    const int64_t JH = d_.J * d_.H, row = d_.J * d_.stats_row();
+    reset_assignments();
+    for (int64_t t = 0; t < d_.iters; ++t) {
+      m_step(V, a_in, beta_u, beta_a, t, st + t * row);
+      if (t < d_.iters - 1) e_step(V, st + t * row);
+    }
+    const acc_t* last = st + (d_.iters - 1) * row;
+    for (int64_t jh = 0; jh < JH; ++jh) pose_out[jh] = static_cast<out_t>(last[jh]);
+    for (int64_t j = 0; j < d_.J; ++j) a_out[j] = static_cast<out_t>(sigmoid(last[2 * JH + j]));
+  }
+
   void reset_assignments() { std::fill(R_.begin(), R_.end(), acc_t(1) / acc_t(d_.J)); }
   const std::vector<acc_t>& assignments() const { return R_; }
 

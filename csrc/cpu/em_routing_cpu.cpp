@@ -19,7 +19,6 @@ namespace {
 using cpu::EmBackward;
 using cpu::EmDims;
 using cpu::EmElement;
-using cpu::sigmoid;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& votes_in, const at::Tensor& a_in_in,
                                                               const at::Tensor& beta_u_in, const at::Tensor& beta_a_in,
@@ -43,18 +42,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       EmElement<scalar_t, acc_t> em(dims);
       for (int64_t n = begin; n < end; ++n) {
-        const scalar_t* Vn = V + n * dims.I * JH;
-        acc_t* st = stats.data_ptr<acc_t>() + n * stats_numel;
-        em.reset_assignments();
-        for (int64_t t = 0; t < iters; ++t) {
-          acc_t* st_t = st + t * dims.J * dims.stats_row();
-          em.m_step(Vn, a + n * dims.I, bu, ba, t, st_t);
-          if (t < iters - 1) em.e_step(Vn, st_t);
-        }
-        const acc_t* last = st + (iters - 1) * dims.J * dims.stats_row();
-        for (int64_t jh = 0; jh < JH; ++jh) pose.data_ptr<scalar_t>()[n * JH + jh] = static_cast<scalar_t>(last[jh]);
-        for (int64_t j = 0; j < dims.J; ++j)
-          a_out.data_ptr<scalar_t>()[n * dims.J + j] = static_cast<scalar_t>(sigmoid(last[2 * JH + j]));
+        em.forward(V + n * dims.I * JH, a + n * dims.I, bu, ba, stats.data_ptr<acc_t>() + n * stats_numel,
+                   pose.data_ptr<scalar_t>() + n * JH, a_out.data_ptr<scalar_t>() + n * dims.J);
       }
     });
   });
@@ -65,18 +54,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
     const at::Tensor& grad_pose_in, const at::Tensor& grad_a_out_in, const at::Tensor& votes_in,
     const at::Tensor& a_in_in, const at::Tensor& beta_u_in, const at::Tensor& beta_a_in, const at::Tensor& stats_in,
     double final_lambda, double eps) {
-  const int64_t iters = stats_in.dim() == 4 ? stats_in.size(1) : 0;
+  const int64_t B = votes_in.size(0), iters = stats_in.dim() == 4 ? stats_in.size(1) : 0;
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
-  const int64_t B = votes_in.size(0);
+  check_em_backward_inputs(grad_pose_in, grad_a_out_in, stats_in, B, votes_in.size(2), votes_in.size(3));
   const EmDims dims{votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda, eps};
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, row = dims.stats_row();
-  TORCH_CHECK(stats_in.size(0) == B && stats_in.size(2) == J && stats_in.size(3) == row,
-              "capsroute: stats must have shape (B, iters, J, 2H+1) = (", B, ", iters, ", J, ", ", row, "), got ",
-              stats_in.sizes());
-  TORCH_CHECK(grad_pose_in.sizes() == at::IntArrayRef({B, J, H}), "capsroute: grad_pose must have shape (", B, ", ",
-              J, ", ", H, "), got ", grad_pose_in.sizes());
-  TORCH_CHECK(grad_a_out_in.sizes() == at::IntArrayRef({B, J}), "capsroute: grad_a_out must have shape (", B, ", ",
-              J, "), got ", grad_a_out_in.sizes());
   const at::ScalarType acc = acc_dtype(votes_in.scalar_type());
   const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
