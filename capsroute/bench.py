@@ -41,6 +41,9 @@ Floor model (per case; itemsize s bytes; "per element" = per batch element):
               Softmax and squash are O(I J) and O(J D) and are ignored.
               dynamic_routing forward: B R.
               dense_capsules forward:  B (2 I J D Din + R)  (the vote transform u_ij = W_ij u_i).
+              em_routing forward: B I J H (5 iters + 4 (iters - 1)) (M-step mean and variance per
+              iteration, E-step log densities but after the last); em_routing_pose adds 128 I J per
+              element for the 4x4 products pose_i @ W_ij.
               forward+backward: 3 x forward (each multiply-add has two operands to differentiate);
               recomputation that an implementation chooses to do is not counted.
   bytes       what must cross memory at least once:
@@ -95,17 +98,23 @@ from capsroute import reference
 OPS = {  # op -> the short name that `--op` also accepts
     "dynamic_routing": "dynamic",
     "dense_capsules": "dense",
+    "em_routing": "em",
+    "em_routing_pose": "em-pose",
 }
+EM_OPS = ("em_routing", "em_routing_pose")
 IMPLS = ("capsroute", "eager", "compiled")
-SHAPES = {  # DESIGN.md section 4
+SHAPES = {  # DESIGN.md section 4; for EM ops D is the pose size H (16: 4x4 matrices)
     "mnist": dict(I=1152, J=10, D=16, Din=8),   # MNIST DigitCaps
     "large": dict(I=4608, J=100, D=16, Din=8),
+    "em-class": dict(I=512, J=10, D=16, Din=16),   # EM class capsules
+    "em-conv": dict(I=288, J=32, D=16, Din=16),    # EM conv capsules: 3*3*32 inputs, B = batch x 36 positions
 }
 DEFAULT_BATCHES = {
-    "cpu": {"mnist": [32], "large": [8], None: [32]},
-    "cuda": {"mnist": [32, 128, 512, 2048], "large": [32, 128, 512, 2048], None: [32, 128, 512, 2048]},
+    "cpu": {"mnist": [32], "large": [8], "em-class": [16], "em-conv": [2 * 36], None: [32]},
+    "cuda": {"mnist": [32, 128, 512, 2048], "large": [32, 128, 512, 2048], "em-class": [64, 256],
+             "em-conv": [64 * 36], None: [32, 128, 512, 2048]},
 }
-DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"]}
+DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"], "em": ["em-class", "em-conv"]}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
 VOTE_STD = 0.1      # dynamic_routing votes ~ N(0, 0.1^2): |s| ~ 1, so squash and the agreement matter
@@ -126,6 +135,8 @@ class Case:
     Din: int
 
     def shape(self) -> dict:
+        if self.op in EM_OPS:
+            return {"B": self.B, "I": self.I, "J": self.J, "H": self.D}
         s = {"B": self.B, "I": self.I, "J": self.J, "D": self.D}
         if self.op == "dense_capsules":
             s["Din"] = self.Din
@@ -141,7 +152,7 @@ def parse_shape(spec: str) -> tuple[str, dict]:
         return spec, dict(SHAPES[spec])
     parts = [int(p) for p in re.split(r"[,x]", spec)] if re.fullmatch(r"\d+([,x]\d+){2,3}", spec) else []
     if not parts or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"shape must be mnist, large or I,J,D[,Din]; got {spec!r}")
+        raise argparse.ArgumentTypeError(f"shape must be one of {', '.join(SHAPES)} or I,J,D[,Din]; got {spec!r}")
     if len(parts) == 3:
         parts.append(8)
     return ",".join(map(str, parts)), dict(zip(("I", "J", "D", "Din"), parts))
@@ -157,10 +168,17 @@ def op_name(name: str) -> str:
 
 
 def make_cases(ops, shapes, batches, device_type: str) -> list[Case]:
-    """shapes: parse_shape results."""
+    """shapes: parse_shape results, or None for each op's default shapes."""
     cases = []
     for op in ops:
-        for name, dims in shapes:
+        if shapes is None:
+            names = DEFAULT_SHAPES["em" if op in EM_OPS else device_type]
+            op_shapes = [parse_shape(name) for name in names]
+        else:
+            op_shapes = shapes
+        for name, dims in op_shapes:
+            if op == "em_routing_pose" and dims["D"] != 16:
+                raise argparse.ArgumentTypeError(f"em_routing_pose needs 4x4 poses (H = 16), got shape {name}")
             bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
             for B in bs:
                 cases.append(Case(op, name, B, **dims))
@@ -180,12 +198,20 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
     elif op == "dense_capsules":
         u = reference.squash(randn(case.B, case.I, case.Din, cast=False)).to(dtype)
         inputs = (u, randn(case.I, case.J, case.D, case.Din, std=WEIGHT_STD))
+    elif op in EM_OPS:
+        activations = (torch.rand(case.B, case.I, generator=gen, device=device).to(dtype),
+                       randn(case.J, std=0.5), randn(case.J, std=0.5))  # a_in, beta_u, beta_a
+        if op == "em_routing":
+            inputs = (randn(case.B, case.I, case.J, case.D),) + activations
+        else:
+            inputs = (randn(case.B, case.I, 4, 4), randn(case.I, case.J, 4, 4, std=0.5)) + activations
     else:
         raise ValueError(f"unknown op {op!r}")
     for t in inputs:
         t.requires_grad_(True)
-    grad = randn(case.B, case.J, case.D)
-    return inputs, grad
+    if op in EM_OPS:  # gradients of (pose, a_out)
+        return inputs, (randn(case.B, case.J, case.D), randn(case.B, case.J))
+    return inputs, randn(case.B, case.J, case.D)
 
 
 def get_impl(op: str, impl: str) -> Callable:
@@ -216,10 +242,15 @@ def fwd_step(fn, inputs, iters):
 
 
 def fwd_bwd_step(fn, inputs, grad, iters):
+    """Forward + backward; returns the (first) output. grad is a tensor or, for ops with several
+    outputs (EM routing: pose, a_out), a tuple."""
     def step():
-        v = fn(*inputs, iters)
-        v.backward(grad)
-        return v
+        out = fn(*inputs, iters)
+        if isinstance(out, tuple):
+            torch.autograd.backward(out, grad)
+            return out[0]
+        out.backward(grad)
+        return out
     return step
 
 
@@ -358,7 +389,7 @@ def estimated_bytes(case: Case, impl: str, itemsize: int) -> int:
     """Rough upper estimate of what one fwd+bwd needs (inputs, grads, working set): used on CPU only,
     to skip a case rather than meet the OOM killer (CUDA raises OutOfMemoryError, which is caught)."""
     votes = case.B * case.I * case.J * case.D * itemsize
-    if case.op == "dynamic_routing":
+    if case.op in ("dynamic_routing", "em_routing"):
         inputs = votes
     else:
         inputs = (case.B * case.I * case.Din + case.I * case.J * case.D * case.Din) * itemsize
@@ -404,7 +435,16 @@ def floor_model(case: Case, itemsize: int, iters: int) -> dict:
     B, I, J, D, Din = case.B, case.I, case.J, case.D, case.Din
     route = 2 * I * J * D * (2 * iters - 1)
     out = B * J * D * itemsize
-    if case.op == "dynamic_routing":
+    if case.op in EM_OPS:
+        # per iteration: the mean (2 I J H) and variance (3 I J H) of the M-step, and but for the
+        # last, the E-step's log densities (4 I J H); pose @ weight adds 2 * 64 per (i, j).
+        em = I * J * D * (5 * iters + 4 * (iters - 1))
+        if case.op == "em_routing":
+            inp, flops_fwd = (B * I * J * D + B * I) * itemsize, B * em
+        else:
+            inp, flops_fwd = (B * I * 16 + I * J * 16 + B * I) * itemsize, B * (128 * I * J + em)
+        out = B * J * (D + 1) * itemsize
+    elif case.op == "dynamic_routing":
         inp = B * I * J * D * itemsize
         flops_fwd = B * route
     else:
@@ -838,8 +878,9 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="ops to run, by name or short name: " + ", ".join(f"{op} ({short})" for op, short in OPS.items())
                    + " (default: all)")
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--shape", nargs="+", type=parse_shape, default=None, metavar="mnist|large|I,J,D,Din",
-                   help="default: mnist on CPU; mnist and large on CUDA")
+    p.add_argument("--shape", nargs="+", type=parse_shape, default=None, metavar="NAME|I,J,D[,Din]",
+                   help=f"named shapes: {', '.join(SHAPES)} (for EM ops D is the pose size H); default: mnist on "
+                        "CPU, mnist and large on CUDA for the dynamic-routing ops, em-class and em-conv for EM")
     p.add_argument("--batch", nargs="+", type=_positive, default=None,
                    help="batch sizes for every shape (default: 32 on CPU (8 for large); 32 128 512 2048 on CUDA)")
     p.add_argument("--iters", type=_positive, default=3)
@@ -869,7 +910,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype]
     impls = [i for i in args.impl if not (args.no_compile and i == "compiled")]
-    shapes = args.shape or [parse_shape(s) for s in DEFAULT_SHAPES[device.type]]
+    shapes = args.shape  # None: each op's default shapes
     cases = make_cases(dict.fromkeys(args.op), shapes, args.batch, device.type)
     repeats = args.repeats or (50 if device.type == "cuda" else 10)
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 2)
