@@ -1,0 +1,411 @@
+// EM routing kernels (DESIGN.md 2.3): the forward (M-step, E-step) and the exact backward of
+// csrc/cpu/em_element.h, step by step, with the same saved statistics.
+//
+// The kernels are templated on a vote source, as in routing_kernels.cuh (MemoryVotes reads
+// votes (B, I, J, H) from memory; a fused pose variant can compute them instead):
+//   using acc_type = ...;                                    // accumulation type
+//   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jh) const;
+// returning vote V[b, i, j, h] with jh = j * H + h.
+//
+// Structure (one thread block of kBlockThreads threads per batch element b, grid-stride over
+// B; everything that scales with I, J or H lives in global-memory workspaces in the
+// accumulation dtype, so any size works and no shared memory is needed):
+//   * "column owner": thread t owns the flat (j, h) columns jh = t, t + blockDim, ... and sums
+//     over i in order (mean, variance and their gradients); a warp reads coalesced vote rows.
+//   * "capsule": thread t owns capsules j = t, t + blockDim, ... (cost, activation logit,
+//     E-step normaliser, mass and the beta gradients).
+//   * "warp per row": warp w handles input rows i = w, w + nwarps, ...; lane l handles
+//     j = l, l + 32, ... of that row (E-step softmax, its VJP, the M-step's per-row terms) and
+//     only touches its own (i, j) entries, so a row needs warp reductions but no barrier.
+// Every loop bound is uniform per warp (rows) or per block (iterations), and every phase that
+// reads what other threads wrote is preceded by __syncthreads(). Every sum runs in a fixed
+// order (no atomics): results are deterministic. Sums over i run in the CPU's order; sums over
+// j within a row are warp butterflies.
+//
+// Saved statistics, stats (B, iters, J, 2H + 1) in the accumulation dtype, laid out as the CPU
+// writes them: per element and iteration t one block of J (2H + 1) values,
+// mu (J*H) | var (J*H) | logit (J).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "../common/em_math.h"
+#include "../common/math.h"
+#include "utils.cuh"
+
+namespace capsroute {
+namespace cuda {
+
+struct EmKernelDims {
+  int64_t B, I, J, H, iters;
+  double final_lambda;
+  __host__ __device__ int64_t stats_block() const { return J * (2 * H + 1); }  // per element and iteration
+};
+
+// ---- device helpers ----
+
+// The part of ln a_j + ln p_ij that does not depend on i:
+// ln sigmoid(logit_j) - sum_h (ln var_jh / 2 + ln(2 pi) / 2).
+template <typename acc_t>
+__device__ __forceinline__ acc_t em_e_step_norm(acc_t logit, const acc_t* var_j, int64_t H) {
+  acc_t norm = em_log_sigmoid(logit);
+  for (int64_t h = 0; h < H; ++h) norm -= acc_t(0.5) * acc_log(var_j[h]) + em_half_log_2pi<acc_t>();
+  return norm;
+}
+
+// E-step of one input row: R_ij = softmax_j(norm_j - sum_h (V_ijh - mu_jh)^2 / (2 var_jh)), in
+// the log domain. Called by a whole warp; lane l writes Ri[j] for j = l, l + 32, ... only.
+template <typename Source>
+__device__ __forceinline__ void warp_em_e_step_row(const Source& src, int64_t b, int64_t i, int64_t J, int64_t H,
+                                                   const typename Source::acc_type* mu,
+                                                   const typename Source::acc_type* var,
+                                                   const typename Source::acc_type* norm,
+                                                   typename Source::acc_type* Ri, int lane) {
+  using acc_t = typename Source::acc_type;
+  acc_t max_log = neg_infinity(acc_t(0));
+  for (int64_t j = lane; j < J; j += kWarpSize) {
+    acc_t log_p = norm[j];
+    for (int64_t h = 0; h < H; ++h) {
+      const acc_t diff = src(b, i, j * H + h) - mu[j * H + h];
+      log_p -= diff * diff / (acc_t(2) * var[j * H + h]);
+    }
+    Ri[j] = log_p;
+    max_log = log_p > max_log ? log_p : max_log;
+  }
+  max_log = warp_max(max_log);
+  acc_t denom = 0;
+  for (int64_t j = lane; j < J; j += kWarpSize) denom += (Ri[j] = acc_exp(Ri[j] - max_log));
+  denom = warp_sum(denom);
+  for (int64_t j = lane; j < J; j += kWarpSize) Ri[j] /= denom;
+}
+
+// ---- forward ----
+
+// Per element b, slices of: R (B, I, J) the running assignments, mass (B, J), norm (B, J).
+template <typename acc_t>
+struct EmForwardWorkspace {
+  acc_t* R;
+  acc_t* mass;
+  acc_t* norm;
+};
+
+// Writes stats (B, iters, J, 2H + 1), pose (B, J, H) = the last means and a_out (B, J).
+// a_in (B, I), beta_u and beta_a (J,), all contiguous.
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    em_forward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
+                      const EmKernelDims dims, const typename Source::acc_type eps,
+                      const EmForwardWorkspace<typename Source::acc_type> ws, typename Source::acc_type* stats,
+                      scalar_t* pose, scalar_t* a_out) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, iters = dims.iters, block = dims.stats_block();
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    acc_t* R = ws.R + b * I * J;
+    acc_t* mass = ws.mass + b * J;
+    acc_t* norm = ws.norm + b * J;
+    const scalar_t* a = a_in + b * I;
+    acc_t* st = stats + b * iters * block;
+
+    for (int64_t ij = tid; ij < I * J; ij += nthreads) R[ij] = acc_t(1) / acc_t(J);  // R^0 = 1/J
+    __syncthreads();
+
+    for (int64_t t = 0; t < iters; ++t) {
+      acc_t* mu = st + t * block;
+      acc_t* var = mu + JH;
+      acc_t* logit = mu + 2 * JH;
+      // M-step, column owners: m_j = sum_i r_ij, mu_jh = sum_i r_ij V_ijh / (m_j + eps), then a
+      // second pass var_jh = sum_i r_ij (V_ijh - mu_jh)^2 / (m_j + eps) + eps, r_ij = R_ij a_i.
+      for (int64_t jh = tid; jh < JH; jh += nthreads) {
+        const int64_t j = jh / H;
+        acc_t m = 0, sum = 0;
+        for (int64_t i = 0; i < I; ++i) {
+          const acc_t r = R[i * J + j] * static_cast<acc_t>(a[i]);
+          m += r;
+          sum += r * src(b, i, jh);
+        }
+        const acc_t M = m + eps;
+        const acc_t mean = sum / M;
+        acc_t sq = 0;
+        for (int64_t i = 0; i < I; ++i) {
+          const acc_t r = R[i * J + j] * static_cast<acc_t>(a[i]);
+          const acc_t diff = src(b, i, jh) - mean;
+          sq += r * diff * diff;
+        }
+        mu[jh] = mean;
+        var[jh] = sq / M + eps;
+        if (jh == j * H) mass[j] = m;
+      }
+      __syncthreads();  // var and mass complete
+      // Capsules: cost, activation logit and (before an E-step) the E-step normaliser.
+      const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
+      for (int64_t j = tid; j < J; j += nthreads) {
+        const acc_t m = mass[j], bu = static_cast<acc_t>(beta_u[j]);
+        acc_t cost = 0;
+        for (int64_t h = 0; h < H; ++h) cost += (bu + acc_t(0.5) * acc_log(var[j * H + h])) * m;
+        const acc_t lg = lam * (static_cast<acc_t>(beta_a[j]) - cost);
+        logit[j] = lg;
+        if (t < iters - 1) norm[j] = em_e_step_norm(lg, var + j * H, H);
+      }
+      __syncthreads();  // logit and norm complete; the M-step's reads of R are over
+      if (t < iters - 1) {
+        // E-step, warp per row: R^{t+1}, in place.
+        for (int64_t i = warp; i < I; i += nwarps) warp_em_e_step_row(src, b, i, J, H, mu, var, norm, R + i * J, lane);
+        __syncthreads();  // R^{t+1} complete before the next M-step reads it
+      }
+    }
+    const acc_t* last = st + (iters - 1) * block;
+    for (int64_t jh = tid; jh < JH; jh += nthreads) pose[b * JH + jh] = static_cast<scalar_t>(last[jh]);
+    for (int64_t j = tid; j < J; j += nthreads) a_out[b * J + j] = static_cast<scalar_t>(em_sigmoid(last[2 * JH + j]));
+    __syncthreads();  // end of element
+  }
+}
+
+// Allocates the workspaces and launches the forward on the current stream (B > 0).
+template <typename Source, typename scalar_t>
+void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
+                       const EmKernelDims& dims, double eps, at::Tensor& stats, at::Tensor& pose,
+                       at::Tensor& a_out) {
+  using acc_t = typename Source::acc_type;
+  const auto acc_options = stats.options();
+  at::Tensor R = at::empty({dims.B, dims.I, dims.J}, acc_options);
+  at::Tensor mass = at::empty({dims.B, dims.J}, acc_options);
+  at::Tensor norm = at::empty({dims.B, dims.J}, acc_options);
+  const EmForwardWorkspace<acc_t> ws{R.mutable_data_ptr<acc_t>(), mass.mutable_data_ptr<acc_t>(),
+                                     norm.mutable_data_ptr<acc_t>()};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  em_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
+      src, a_in, beta_u, beta_a, dims, static_cast<acc_t>(eps), ws, stats.mutable_data_ptr<acc_t>(),
+      pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The workspaces go back to the caching allocator on this stream: later work on the stream
+  // runs after the kernel, so reusing them is safe.
+}
+
+// ---- backward ----
+
+// Per element b, slices of:
+//   R_hist  (B, iters, I, J)  R^t of every iteration, recomputed from the saved statistics
+//   g_R     (B, I, J)         dL/dR^t; the E-step overwrites it with dL/dL_ij, L the E-step logits
+//   norm    (B, iters, J)     E-step normaliser of the statistics of iteration t (t < iters - 1)
+//   g_mu, g_var (B, J, H)     dL/dmu^t, dL/dvar^t
+//   g_logit, mass, g_mass (B, J)
+template <typename acc_t>
+struct EmBackwardWorkspace {
+  acc_t* R_hist;
+  acc_t* g_R;
+  acc_t* norm;
+  acc_t* g_mu;
+  acc_t* g_var;
+  acc_t* g_logit;
+  acc_t* mass;
+  acc_t* g_mass;
+};
+
+// What the backward writes, in the accumulation dtype: g_V (B, I, J, H), g_a (B, I) and the
+// per-element beta gradients g_beta (B, 2, J) = [beta_u | beta_a] (summed over b by the caller).
+template <typename acc_t>
+struct EmGrads {
+  acc_t* g_V;
+  acc_t* g_a;
+  acc_t* g_beta;
+};
+
+// EmBackward::run of csrc/cpu/em_element.h for every element. a_in (B, I), beta_u (J,),
+// stats (B, iters, J, 2H + 1), grad_pose (B, J, H) and grad_a_out (B, J), all contiguous.
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    em_backward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u,
+                       const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
+                       const typename Source::acc_type* grad_a_out, const EmKernelDims dims,
+                       const typename Source::acc_type eps, const EmBackwardWorkspace<typename Source::acc_type> ws,
+                       const EmGrads<typename Source::acc_type> out) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, IJ = I * J, iters = dims.iters;
+  const int64_t block = dims.stats_block();
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    const scalar_t* a = a_in + b * I;
+    const acc_t* st = stats + b * iters * block;
+    acc_t* R_hist = ws.R_hist + b * iters * IJ;
+    acc_t* g_R = ws.g_R + b * IJ;
+    acc_t* norm = ws.norm + b * iters * J;
+    acc_t* g_mu = ws.g_mu + b * JH;
+    acc_t* g_var = ws.g_var + b * JH;
+    acc_t* g_logit = ws.g_logit + b * J;
+    acc_t* mass = ws.mass + b * J;
+    acc_t* g_mass = ws.g_mass + b * J;
+    acc_t* g_V = out.g_V + b * I * JH;
+    acc_t* g_a = out.g_a + b * I;
+    acc_t* g_beta_u = out.g_beta + b * 2 * J;
+    acc_t* g_beta_a = g_beta_u + J;
+
+    // 1. Zero the accumulators, R^0 = 1/J, the E-step normalisers of iterations 0 .. iters-2,
+    //    and the gradients reaching the last M-step's outputs (flat loops).
+    for (int64_t idx = tid; idx < I * JH; idx += nthreads) g_V[idx] = 0;
+    for (int64_t i = tid; i < I; i += nthreads) g_a[i] = 0;
+    for (int64_t ij = tid; ij < IJ; ij += nthreads) R_hist[ij] = acc_t(1) / acc_t(J);
+    for (int64_t tj = tid; tj < (iters - 1) * J; tj += nthreads) {
+      const int64_t t = tj / J, j = tj - t * J;
+      const acc_t* st_t = st + t * block;
+      norm[tj] = em_e_step_norm(st_t[2 * JH + j], st_t + JH + j * H, H);
+    }
+    const acc_t* last = st + (iters - 1) * block;
+    for (int64_t jh = tid; jh < JH; jh += nthreads) {
+      g_mu[jh] = grad_pose[b * JH + jh];
+      g_var[jh] = 0;
+    }
+    for (int64_t j = tid; j < J; j += nthreads) {
+      const acc_t s = em_sigmoid(last[2 * JH + j]);
+      g_logit[j] = grad_a_out[b * J + j] * s * (1 - s);
+      g_beta_u[j] = 0;
+      g_beta_a[j] = 0;
+    }
+    __syncthreads();  // norm complete
+
+    // 2. R^{t+1} = E-step of the statistics of iteration t, for every t < iters - 1 (warp per row).
+    for (int64_t i = warp; i < I; i += nwarps) {
+      for (int64_t t = 0; t + 1 < iters; ++t) {
+        const acc_t* mu = st + t * block;
+        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, norm + t * J, R_hist + ((t + 1) * I + i) * J, lane);
+      }
+    }
+    __syncthreads();  // R_hist complete
+
+    // 3. Walk the iterations backwards.
+    for (int64_t t = iters - 1; t >= 0; --t) {
+      const acc_t* mu = st + t * block;
+      const acc_t* var = mu + JH;
+      const acc_t* logit = mu + 2 * JH;
+      const acc_t* R = R_hist + t * IJ;
+      if (t < iters - 1) {
+        // E-step t: R^{t+1}_ij = softmax_j(L_ij), L_ij = log sigmoid(logit_j) + log p_ij.
+        const acc_t* R_next = R_hist + (t + 1) * IJ;
+        // Warp per row: g_L = R^{t+1} (g_R - <R^{t+1}_i, g_R_i>) into g_R, and g_V -= g_L (V - mu) / var.
+        for (int64_t i = warp; i < I; i += nwarps) {
+          acc_t weighted = 0;
+          for (int64_t j = lane; j < J; j += kWarpSize) weighted += R_next[i * J + j] * g_R[i * J + j];
+          weighted = warp_sum(weighted);
+          for (int64_t j = lane; j < J; j += kWarpSize) {
+            const int64_t ij = i * J + j;
+            const acc_t g_L = R_next[ij] * (g_R[ij] - weighted);
+            g_R[ij] = g_L;
+            acc_t* gv = g_V + ij * H;
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t inv_var = 1 / var[j * H + h];
+              const acc_t diff = src(b, i, j * H + h) - mu[j * H + h];
+              gv[h] -= g_L * diff * inv_var;
+            }
+          }
+        }
+        __syncthreads();  // g_L complete
+        // Column owners: g_mu, g_var (and g_logit, by the h = 0 owner) summed over i.
+        for (int64_t jh = tid; jh < JH; jh += nthreads) {
+          const int64_t j = jh / H;
+          const bool first = jh == j * H;
+          const acc_t inv_var = 1 / var[jh], mean = mu[jh];
+          const acc_t d_log_sigmoid = 1 - em_sigmoid(logit[j]);  // d log sigmoid(x) / dx
+          acc_t gm = 0, gvar = 0, gl = 0;
+          for (int64_t i = 0; i < I; ++i) {
+            const acc_t g_L = g_R[i * J + j];
+            const acc_t diff = src(b, i, jh) - mean;
+            gm += g_L * diff * inv_var;
+            gvar += g_L * acc_t(0.5) * inv_var * (diff * diff * inv_var - 1);
+            if (first) gl += g_L * d_log_sigmoid;
+          }
+          g_mu[jh] = gm;
+          g_var[jh] = gvar;
+          if (first) g_logit[j] = gl;
+        }
+        __syncthreads();  // g_mu, g_var, g_logit complete
+      }
+      // M-step t: r = R^t a, m = sum_i r, M = m + eps, mu = sum_i r V / M,
+      // var = sum_i r (V - mu)^2 / M + eps, logit = lam (beta_a - sum_h (beta_u + ln(var) / 2) m).
+      // Capsules: m, the beta gradients, g_var += d cost / d var, g_mass, and the eps-term of
+      // var0 = var - eps through sum_i r (V - mu) = eps mu folded into g_mu.
+      const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
+      for (int64_t j = tid; j < J; j += nthreads) {
+        acc_t m = 0;
+        for (int64_t i = 0; i < I; ++i) m += R[i * J + j] * static_cast<acc_t>(a[i]);
+        const acc_t g_cost = -lam * g_logit[j];  // the same for every h
+        g_beta_a[j] += lam * g_logit[j];
+        g_beta_u[j] += g_cost * static_cast<acc_t>(H) * m;
+        const acc_t bu = static_cast<acc_t>(beta_u[j]);
+        acc_t g_m = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          g_var[j * H + h] += g_cost * acc_t(0.5) * m / var[j * H + h];
+          g_m += g_cost * (bu + acc_t(0.5) * acc_log(var[j * H + h]));
+        }
+        const acc_t M = m + eps;
+        for (int64_t h = 0; h < H; ++h) g_mu[j * H + h] -= g_var[j * H + h] * 2 * eps * mu[j * H + h] / M;
+        mass[j] = m;
+        g_mass[j] = g_m;
+      }
+      __syncthreads();  // mass, g_mass, g_mu, g_var complete
+      // Warp per row: g_V += r (g_mu + 2 g_var (V - mu)) / M, g_R = dL/dR^t, g_a += sum_j g_r R.
+      for (int64_t i = warp; i < I; i += nwarps) {
+        const acc_t ai = static_cast<acc_t>(a[i]);
+        acc_t g_ai = 0;
+        for (int64_t j = lane; j < J; j += kWarpSize) {
+          const int64_t ij = i * J + j;
+          const acc_t M = mass[j] + eps;
+          const acc_t r = R[ij] * ai;
+          acc_t* gv = g_V + ij * H;
+          acc_t g_r = g_mass[j];
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t jh = j * H + h;
+            const acc_t diff = src(b, i, jh) - mu[jh];
+            const acc_t var0 = var[jh] - eps;
+            g_r += (g_mu[jh] * diff + g_var[jh] * (diff * diff - var0)) / M;
+            gv[h] += r * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
+          }
+          g_R[ij] = g_r * ai;
+          g_ai += g_r * R[ij];
+        }
+        g_ai = warp_sum(g_ai);
+        if (lane == 0) g_a[i] += g_ai;
+      }
+      __syncthreads();  // g_R of R^t complete before the E-step t - 1 reads it
+    }
+  }
+}
+
+// Allocates the workspaces and launches the backward on the current stream (B > 0). stats,
+// grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
+// g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous).
+template <typename Source, typename scalar_t>
+void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const at::Tensor& stats,
+                        const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmKernelDims& dims,
+                        double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
+  using acc_t = typename Source::acc_type;
+  const int64_t B = dims.B, I = dims.I, J = dims.J, H = dims.H, R = dims.iters;
+  const auto acc_options = stats.options();
+  at::Tensor R_hist = at::empty({B, R, I, J}, acc_options);
+  at::Tensor g_R = at::empty({B, I, J}, acc_options);
+  at::Tensor norm = at::empty({B, R, J}, acc_options);
+  at::Tensor g_mu = at::empty({B, J, H}, acc_options);
+  at::Tensor g_var = at::empty({B, J, H}, acc_options);
+  at::Tensor g_logit = at::empty({B, J}, acc_options);
+  at::Tensor mass = at::empty({B, J}, acc_options);
+  at::Tensor g_mass = at::empty({B, J}, acc_options);
+  const EmBackwardWorkspace<acc_t> ws{R_hist.mutable_data_ptr<acc_t>(),  g_R.mutable_data_ptr<acc_t>(),
+                                      norm.mutable_data_ptr<acc_t>(),    g_mu.mutable_data_ptr<acc_t>(),
+                                      g_var.mutable_data_ptr<acc_t>(),   g_logit.mutable_data_ptr<acc_t>(),
+                                      mass.mutable_data_ptr<acc_t>(),    g_mass.mutable_data_ptr<acc_t>()};
+  const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
+                           g_beta.mutable_data_ptr<acc_t>()};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  em_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
+      src, a_in, beta_u, stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
+      grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), ws, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cuda
+}  // namespace capsroute
