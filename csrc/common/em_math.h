@@ -1,6 +1,6 @@
 // Math of EM routing (DESIGN.md 2.3) shared by the CPU and CUDA backends: plain arithmetic on
-// the accumulation type (float for float/half/bfloat16 storage, double for double), written
-// exactly as csrc/cpu/em_element.h writes it so that both backends compute the same thing.
+// the accumulation type (float for float/half/bfloat16 storage, double for double), so that
+// both backends compute the same thing.
 #pragma once
 
 #include <cmath>

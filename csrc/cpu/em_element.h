@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/em_math.h"
+
 namespace capsroute {
 namespace cpu {
 
@@ -14,18 +16,8 @@ struct EmDims {
   int64_t I, J, H, iters;
   double final_lambda, eps;
   int64_t stats_row() const { return 2 * H + 1; }  // mu (H), var (H), logit
-  double lambda(int64_t t) const { return final_lambda * (1.0 - std::pow(0.95, static_cast<double>(t + 1))); }
+  double lambda(int64_t t) const { return em_lambda(final_lambda, t); }
 };
-
-template <typename T>
-inline T log_sigmoid(T x) {
-  return x >= 0 ? -std::log1p(std::exp(-x)) : x - std::log1p(std::exp(x));
-}
-
-template <typename T>
-inline T sigmoid(T x) {
-  return x >= 0 ? T(1) / (T(1) + std::exp(-x)) : std::exp(x) / (T(1) + std::exp(x));
-}
 
 // One element: votes V (I, J, H), a_in (I), betas (J); statistics per iteration in `stats`
 // (iters, J, 2H + 1). All scratch is per thread.
@@ -85,9 +77,9 @@ class EmElement {
     const acc_t* mu = st;
     const acc_t* var = st + JH;
     const acc_t* logit = st + 2 * JH;
-    const acc_t half_log_2pi = acc_t(0.9189385332046727);
+    const acc_t half_log_2pi = em_half_log_2pi<acc_t>();
     for (int64_t j = 0; j < J; ++j) {
-      acc_t norm = log_sigmoid(logit[j]);
+      acc_t norm = em_log_sigmoid(logit[j]);
       for (int64_t h = 0; h < H; ++h) norm -= acc_t(0.5) * std::log(var[j * H + h]) + half_log_2pi;
       norm_[j] = norm;
     }
@@ -123,7 +115,7 @@ class EmElement {
     }
     const acc_t* last = st + (d_.iters - 1) * row;
     for (int64_t jh = 0; jh < JH; ++jh) pose_out[jh] = static_cast<out_t>(last[jh]);
-    for (int64_t j = 0; j < d_.J; ++j) a_out[j] = static_cast<out_t>(sigmoid(last[2 * JH + j]));
+    for (int64_t j = 0; j < d_.J; ++j) a_out[j] = static_cast<out_t>(em_sigmoid(last[2 * JH + j]));
   }
 
   void reset_assignments() { std::fill(R_.begin(), R_.end(), acc_t(1) / acc_t(d_.J)); }
@@ -162,7 +154,7 @@ class EmBackward {
     std::copy(g_pose, g_pose + JH, g_mu.begin());
     std::fill(g_var.begin(), g_var.end(), acc_t(0));
     for (int64_t j = 0; j < J; ++j) {
-      const acc_t s = sigmoid(last[2 * JH + j]);
+      const acc_t s = em_sigmoid(last[2 * JH + j]);
       g_logit[j] = g_a_out[j] * s * (1 - s);
     }
     for (int64_t t = iters - 1; t >= 0; --t) {
@@ -180,7 +172,7 @@ class EmBackward {
           for (int64_t j = 0; j < J; ++j) weighted += R_next[i * J + j] * g_R[i * J + j];
           for (int64_t j = 0; j < J; ++j) {
             const acc_t g_L = R_next[i * J + j] * (g_R[i * J + j] - weighted);
-            g_logit[j] += g_L * (1 - sigmoid(logit[j]));  // d log sigmoid(x) / dx = 1 - sigmoid(x)
+            g_logit[j] += g_L * (1 - em_sigmoid(logit[j]));  // d log sigmoid(x) / dx = 1 - sigmoid(x)
             const vote_t* v = Vn + (i * J + j) * H;
             acc_t* gv = g_V + (i * J + j) * H;
             for (int64_t h = 0; h < H; ++h) {
