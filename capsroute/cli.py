@@ -1,20 +1,28 @@
 """The `capsroute` command (also `python -m capsroute.cli`).
 
   capsroute bench ...            routing benchmark: capsroute vs the PyTorch reference, eager and compiled
-  capsroute plot RESULTS.json    redraw the benchmark's figures from saved results
+  capsroute train ...            train CapsNet or MatrixCapsNet on MNIST / Fashion-MNIST
+  capsroute plot PATH ...        redraw figures: of saved benchmark results (a JSON) or of a training run (its folder)
 """
 import argparse
 import json
 import sys
 from pathlib import Path
 
-from capsroute import bench
+from capsroute import bench, train
 
 
 def plot(args: argparse.Namespace) -> int:
     from capsroute.plot import plot_report
+    from capsroute.train_plot import plot_run
 
     for path in args.results:
+        if path.is_dir():
+            if not (path / "metrics.json").exists():
+                raise SystemExit(f"{path}: not a capsroute train run (no metrics.json)")
+            for png in plot_run(path):
+                print(f"wrote {png}")
+            continue
         report = json.loads(path.read_text())
         if report.get("kind") != "bench":
             raise SystemExit(f"{path}: not a capsroute bench report")
@@ -33,9 +41,15 @@ def main(argv=None) -> int:
     bench.add_arguments(b)
     b.set_defaults(run=bench.run)
 
-    pl = commands.add_parser("plot", help="figures from saved benchmark results",
-                             description="Draws the PNG figures of `capsroute bench --plot` from saved JSON results.")
-    pl.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json")
+    t = commands.add_parser("train", help="train a capsule network", description=train.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_arguments(t)
+    t.set_defaults(run=train.run)
+
+    pl = commands.add_parser("plot", help="figures from saved benchmark results or training runs",
+                             description="Draws the PNG figures of `capsroute bench --plot` from saved JSON results, "
+                                         "or of a `capsroute train` run from its folder.")
+    pl.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json|RUN_DIR")
     pl.add_argument("--out", type=Path, default=None, help="directory for the PNGs (default: next to each JSON)")
     pl.set_defaults(run=plot)
 

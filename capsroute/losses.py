@@ -1,0 +1,38 @@
+"""Losses of the two capsule papers."""
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def margin_loss(lengths: Tensor, labels: Tensor, m_pos: float = 0.9, m_neg: float = 0.1,
+                down_weight: float = 0.5) -> Tensor:
+    """Sabour et al. 2017, eq. 4: sum_k T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2,
+    averaged over the batch. lengths (N, classes), labels (N,)."""
+    target = F.one_hot(labels, lengths.shape[-1]).to(lengths.dtype)
+    present = target * F.relu(m_pos - lengths) ** 2
+    absent = down_weight * (1 - target) * F.relu(lengths - m_neg) ** 2
+    return (present + absent).sum(-1).mean()
+
+
+def reconstruction_loss(reconstructions: Tensor, images: Tensor, scale: float = 0.0005) -> Tensor:
+    """Sum of squared pixel errors per image, scaled down (0.0005 in the paper) so it does not
+    dominate the margin loss; averaged over the batch."""
+    diff = reconstructions.float() - images.flatten(1).float()
+    return scale * (diff * diff).sum(-1).mean()
+
+
+def spread_loss(activations: Tensor, labels: Tensor, margin: float) -> Tensor:
+    """Hinton et al. 2018: sum over wrong classes i of max(0, margin - (a_t - a_i))^2, averaged over the batch."""
+    a_target = activations.gather(1, labels[:, None])
+    gaps = F.relu(margin - (a_target - activations)) ** 2
+    wrong = 1 - F.one_hot(labels, activations.shape[-1]).to(gaps.dtype)
+    return (gaps * wrong).sum(-1).mean()
+
+
+def spread_margin(step: int, ramp_steps: int, start: float = 0.2, end: float = 0.9) -> float:
+    """The spread-loss margin schedule: linear from `start` to `end` over `ramp_steps`, then held."""
+    if ramp_steps <= 0:
+        return end
+    return start + (end - start) * min(1.0, step / ramp_steps)
+
+
+__all__ = ["margin_loss", "reconstruction_loss", "spread_loss", "spread_margin"]

@@ -1,0 +1,438 @@
+"""`capsroute train`: train CapsNet or MatrixCapsNet on MNIST or Fashion-MNIST.
+
+  capsroute train --model capsnet --data-dir ../shared/data/mnist --epochs 30
+  torchrun --nproc-per-node 4 -m capsroute.train --model capsnet ...      (one process per GPU)
+
+Everything a run writes goes to --out (default runs/<model>-<dataset>): metrics.csv and
+metrics.json after every epoch, checkpoint.pt (written atomically after every epoch, on Ctrl-C
+and at --max-steps), result.json at the end (the DESIGN.md "train" record) and the PNG figures.
+`--resume DIR` continues exactly where the checkpoint stopped: same step, optimizer, scheduler
+and data order (the order and the augmentation are functions of the seed, epoch and step).
+"""
+import argparse
+import ast
+import csv
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import data
+from .losses import margin_loss, reconstruction_loss, spread_loss, spread_margin
+from .models import MODELS, CapsNet
+from .nn import BACKENDS
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# A resumed run keeps its own arguments (model, data, optimizer, seed...) except these: taken from
+# the new command line always, or only when given there.
+RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download"}
+RESUME_OVERRIDES = {"epochs", "device", "data_dir"}
+METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
+                 "epoch_seconds", "images_per_sec"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), default="capsnet")
+    p.add_argument("--model-config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="constructor arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
+    p.add_argument("--dataset", choices=sorted(data.DATASETS), default="mnist")
+    p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
+                   help="folder with the IDX .gz files (default: $CAPSROUTE_DATA or ./data)")
+    p.add_argument("--download", action="store_true", help="download missing files (checksums verified)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=128, help="per process")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    p.add_argument("--lr-decay", type=float, default=0.96, help="multiplied into the learning rate every --decay-steps")
+    p.add_argument("--decay-steps", type=int, default=2000)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--shift", type=int, default=2, help="random shift augmentation in pixels (0: none)")
+    p.add_argument("--margin-ramp-epochs", type=float, default=5.0,
+                   help="MatrixCapsNet: epochs over which the spread-loss margin grows from 0.2 to 0.9")
+    p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision (autocast)")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="fused",
+                   help="fused capsroute kernels, or the plain PyTorch reference")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-subset", type=int, default=None, help="use the first N training images")
+    p.add_argument("--test-subset", type=int, default=None, help="use the first N test images")
+    p.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
+    p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<model>-<dataset>)")
+    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue the run in this folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
+
+
+def parse_model_config(items: list[str]) -> dict:
+    config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--model-config: expected KEY=VALUE, got {item!r}")
+        try:
+            config[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            config[key] = value
+    return config
+
+
+@dataclasses.dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device_kind: str) -> "Distributed":
+        """Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPUs, gloo on CPUs."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return cls()
+        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+        return cls(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+
+    def sum(self, values: list[float], device: torch.device) -> list[float]:
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+
+def pick_device(name: str, ddp: Distributed | None = None) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ddp.local_rank if ddp else 0)
+    return device
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def save_atomically(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_json_atomically(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class StoppedBetweenSteps(KeyboardInterrupt):
+    """Ctrl-C, taken after a whole training step."""
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, ddp: Distributed, device: torch.device):
+        self.args, self.ddp, self.device = args, ddp, device
+        torch.manual_seed(args.seed)
+        self.train_images, self.train_labels = self._load("train", args.train_subset)
+        self.test_images, self.test_labels = self._load("test", args.test_subset)
+        config = parse_model_config(args.model_config)
+        if args.model == "capsnet":
+            config.setdefault("image_size", self.train_images.shape[-1])
+        self.model = MODELS[args.model](backend=args.backend, **config).to(device)
+        self.net = nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        # Exponential decay, applied smoothly every step: lr * decay ** (step / decay_steps).
+        self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, args.lr_decay ** (1 / args.decay_steps))
+        self.amp_dtype = AMP_DTYPES[args.amp]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype is torch.float16)
+        self.steps_per_epoch = len(range(0, self._shard_length(len(self.train_labels)), args.batch_size))
+        self.epoch, self.step_in_epoch, self.step = 0, 0, 0
+        # This epoch's sums so far (loss * n, correct, n, seconds): kept in checkpoints so that a
+        # resumed epoch reports the same metrics as an uninterrupted one.
+        self.epoch_sums = [0.0, 0.0, 0.0, 0.0]
+        self.history: list[dict] = []
+        self.stop_requested = False
+
+    def _load(self, split: str, subset: int | None):
+        images, labels = data.load_dataset(self.args.dataset, self.args.data_dir, split,
+                                           download=self.args.download and self.ddp.main)
+        return images[:subset], labels[:subset]
+
+    def _shard_length(self, n: int) -> int:
+        return -(-n // self.ddp.world_size)
+
+    def autocast(self):
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def loss(self, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model, CapsNet):
+            return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
+        ramp_steps = round(self.args.margin_ramp_epochs * self.steps_per_epoch)
+        return spread_loss(out.activations.float(), labels, spread_margin(self.step, ramp_steps))
+
+    def _batches(self, images, labels, epoch: int, *, train: bool, skip: int = 0):
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
+        return data.batches(images, labels, self.args.batch_size, shuffle=train, generator=generator,
+                            rank=self.ddp.rank, world_size=self.ddp.world_size, skip=skip)
+
+    def _augment(self, images: torch.Tensor) -> torch.Tensor:
+        if self.args.shift == 0:
+            return images
+        # A function of (seed, step) alone, so a resumed run augments exactly as an uninterrupted one.
+        generator = torch.Generator().manual_seed((self.args.seed * 1_000_003 + self.step) * 7919 + self.ddp.rank)
+        return data.shift_augment(images, self.args.shift, generator=generator)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step,
+                "epoch_sums": self.epoch_sums, "history": self.history, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.step_in_epoch, self.step = state["epoch"], state["step_in_epoch"], state["step"]
+        self.epoch_sums, self.history = state["epoch_sums"], state["history"]
+        torch.set_rng_state(state["torch_rng"])
+
+    def save_checkpoint(self) -> None:
+        if self.ddp.main:
+            save_atomically(self.state(), self.args.out / "checkpoint.pt")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train_epoch(self, progress) -> dict:
+        self.net.train()
+        sums = torch.tensor(self.epoch_sums[:3], dtype=torch.float64, device=self.device)  # loss * n, correct, n
+        start = time.perf_counter() - self.epoch_sums[3]
+        try:
+            for images, labels in self._batches(self.train_images, self.train_labels, self.epoch, train=True,
+                                                skip=self.step_in_epoch):
+                images = self._augment(images).to(self.device, non_blocking=True)
+                labels = labels.to(self.device, non_blocking=True)
+                with self.autocast():
+                    out = self.net(images, labels)
+                    loss = self.loss(out, images, labels)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.scheduler.step()
+                with torch.no_grad():
+                    n = labels.numel()
+                    sums += torch.stack([loss.detach().double() * n, (out.scores.argmax(-1) == labels).sum().double(),
+                                         torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+                self.step += 1
+                self.step_in_epoch += 1
+                progress.update(1)
+                if self.step_in_epoch % 10 == 0 or self.step_in_epoch == self.steps_per_epoch:
+                    loss_sum, correct, seen = sums.tolist()
+                    rate = seen * self.ddp.world_size / (time.perf_counter() - start)
+                    progress.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.4f}",
+                                         img_s=f"{rate:.0f}")
+                if self._interrupted():
+                    raise StoppedBetweenSteps
+                if self.args.max_steps is not None and self.step >= self.args.max_steps:
+                    break
+        finally:  # also on Ctrl-C: the checkpoint then carries this epoch's sums so far
+            self.epoch_sums = sums.tolist() + [time.perf_counter() - start]
+        loss_sum, correct, seen = self.ddp.sum(self.epoch_sums[:3], self.device)
+        elapsed = self.epoch_sums[3]
+        return {"train_loss": loss_sum / max(seen, 1), "train_accuracy": correct / max(seen, 1),
+                "epoch_seconds": elapsed, "images_per_sec": seen / elapsed if elapsed > 0 else 0.0}
+
+    def _interrupted(self) -> bool:
+        """Ctrl-C is taken between steps only, so the checkpoint is always a whole step; under
+        torch.distributed every rank stops after the same step."""
+        if self.ddp.world_size == 1:
+            return self.stop_requested
+        flag = torch.tensor([float(self.stop_requested)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.stop_requested = True
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.net.eval()
+        loss_sum = correct = seen = 0.0
+        # Evaluate on unique test images: no padding to equal shards here.
+        shard = slice(self.ddp.rank, None, self.ddp.world_size)
+        images_all, labels_all = self.test_images[shard], self.test_labels[shard]
+        for start in range(0, len(labels_all), self.args.batch_size):
+            images = images_all[start:start + self.args.batch_size].to(self.device).float().div_(255)
+            labels = labels_all[start:start + self.args.batch_size].to(self.device)
+            with self.autocast():
+                out = self.model(images)
+                loss_sum += self.loss(out, images, labels).item() * labels.numel()
+            correct += (out.scores.argmax(-1) == labels).sum().item()
+            seen += labels.numel()
+        loss_sum, correct, seen = self.ddp.sum([loss_sum, correct, seen], self.device)
+        accuracy = correct / max(seen, 1)
+        return {"test_loss": loss_sum / max(seen, 1), "test_accuracy": accuracy, "test_error": 1 - accuracy}
+
+    def fit(self) -> dict | None:
+        from tqdm import tqdm
+
+        args = self.args
+        total_steps = args.epochs * self.steps_per_epoch
+        if args.max_steps is not None:
+            total_steps = min(total_steps, args.max_steps)
+        progress = tqdm(total=total_steps, initial=self.step, disable=args.no_progress or not self.ddp.main,
+                        unit="step", dynamic_ncols=True)
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        try:
+            while self.epoch < args.epochs:
+                if args.max_steps is not None and self.step >= args.max_steps:
+                    break
+                progress.set_description(f"epoch {self.epoch + 1}/{args.epochs}")
+                train = self.train_epoch(progress)
+                if self.step_in_epoch < self.steps_per_epoch:  # stopped by --max-steps inside the epoch
+                    break
+                metrics = {"epoch": self.epoch + 1, "step": self.step, "lr": self.scheduler.get_last_lr()[0],
+                           **train, **self.evaluate()}
+                self.history.append(metrics)
+                self.epoch, self.step_in_epoch, self.epoch_sums = self.epoch + 1, 0, [0.0, 0.0, 0.0, 0.0]
+                if self.ddp.main:
+                    self.write_metrics()
+                    progress.write(f"epoch {metrics['epoch']}: train loss {metrics['train_loss']:.4f} "
+                                   f"acc {metrics['train_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} "
+                                   f"error {100 * metrics['test_error']:.2f}% | {metrics['epoch_seconds']:.1f} s, "
+                                   f"{metrics['images_per_sec']:.0f} img/s")
+                self.save_checkpoint()
+        except KeyboardInterrupt as e:
+            progress.close()
+            if isinstance(e, StoppedBetweenSteps):
+                self.save_checkpoint()
+                message = f"interrupted at step {self.step}; checkpoint written"
+            else:  # a second Ctrl-C, possibly inside a step: keep the last whole checkpoint
+                message = "interrupted again; the last checkpoint is kept"
+            if self.ddp.main:
+                print(f"\n{message}. Continue with: capsroute train --resume {args.out}", file=sys.stderr)
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+        progress.close()
+        self.save_checkpoint()
+        if self.epoch < args.epochs:
+            if self.ddp.main:
+                print(f"stopped at step {self.step} (--max-steps); continue with --resume {args.out}")
+            return None
+        return self.finish()
+
+    def write_metrics(self) -> None:
+        out = self.args.out
+        with open(out / "metrics.csv.tmp", "w", newline="") as f:
+            writer = csv.DictWriter(f, METRIC_FIELDS)
+            writer.writeheader()
+            writer.writerows({k: row[k] for k in METRIC_FIELDS} for row in self.history)
+        os.replace(out / "metrics.csv.tmp", out / "metrics.csv")
+        write_json_atomically({"run": self.run_info(), "epochs": self.history}, out / "metrics.json")
+
+    def run_info(self) -> dict:
+        args = self.args
+        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device,
+                "devices": self.ddp.world_size, "torch": torch.__version__, "commit": git_commit(),
+                "backend": args.backend, "amp": args.amp, "batch_size": args.batch_size * self.ddp.world_size,
+                "model_config": parse_model_config(args.model_config),
+                "command": "capsroute train " + " ".join(sys.argv[1:])}
+
+    def finish(self) -> dict:
+        last = self.history[-1]
+        seconds = [m["epoch_seconds"] for m in self.history]
+        result = {**self.run_info(), "epochs": len(self.history), "sec_per_epoch": sum(seconds) / len(seconds),
+                  "images_per_sec": sum(m["images_per_sec"] for m in self.history) / len(self.history),
+                  "test_error": last["test_error"], "test_accuracy": last["test_accuracy"],
+                  "date": time.strftime("%Y-%m-%d")}
+        if self.ddp.main:
+            write_json_atomically(result, self.args.out / "result.json")
+            print(f"test accuracy {100 * last['test_accuracy']:.2f}% (error {100 * last['test_error']:.2f}%), "
+                  f"{result['sec_per_epoch']:.1f} s/epoch; files in {self.args.out}")
+            if not self.args.no_plots:
+                from .train_plot import plot_run
+
+                for png in plot_run(self.args.out, model=self.model, images=self.test_images[:64]):
+                    print(f"wrote {png}")
+        return result
+
+
+def resolve_run_dir(args: argparse.Namespace) -> dict | None:
+    """Sets args.out; with --resume, loads the checkpoint and restores the run's arguments."""
+    if args.resume is None:
+        args.out = args.out or Path("runs") / f"{args.model}-{args.dataset}"
+        return None
+    path = args.resume / "checkpoint.pt" if args.resume.is_dir() else args.resume
+    if not path.exists():
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    defaults = vars(defaults.parse_args([]))
+    given = vars(args)
+    for key, saved in state["args"].items():
+        overridden = key in RESUME_OVERRIDES and given[key] != defaults[key]
+        if key in given and key not in RESUME_FROM_COMMAND_LINE and not overridden:
+            given[key] = saved
+    args.data_dir = Path(args.data_dir)
+    args.out = args.resume = path.parent
+    return state
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="capsroute train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    state = resolve_run_dir(args)
+    ddp = Distributed.from_env(pick_device(args.device).type)
+    try:
+        device = pick_device(args.device, ddp)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            trainer = Trainer(args, ddp, device)
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
+        if state is not None:
+            trainer.load_state(state)
+        elif ddp.main:
+            args.out.mkdir(parents=True, exist_ok=True)
+        try:
+            trainer.fit()
+        except KeyboardInterrupt:
+            return 130
+        return 0
+    finally:
+        if ddp.world_size > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

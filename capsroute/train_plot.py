@@ -1,0 +1,128 @@
+"""Figures of a `capsroute train` run, as PNG files in its folder (matplotlib, Agg).
+
+  curves.png          loss and test error per epoch
+  reconstructions.png test digits (top) and the decoder's reconstruction from their class capsule (bottom)
+  perturbations.png   Sabour et al. 2017, fig. 4: each row tweaks one dimension of the class
+                      capsule by -0.25 .. 0.25 and shows what the decoder draws
+The last two need a CapsNet (the network with a decoder).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from .models import MODELS, CapsNet
+
+PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
+
+
+def _new_figure(size) -> Figure:
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_curves(history: list[dict], path: Path, title: str) -> Path:
+    fig = _new_figure((11, 4.2))
+    loss_ax, error_ax = fig.subplots(1, 2)
+    epochs = [m["epoch"] for m in history]
+    loss_ax.plot(epochs, [m["train_loss"] for m in history], "o-", label="train")
+    loss_ax.plot(epochs, [m["test_loss"] for m in history], "o-", label="test")
+    loss_ax.set(xlabel="epoch", ylabel="loss", yscale="log")
+    loss_ax.legend()
+    error_ax.plot(epochs, [100 * (1 - m["train_accuracy"]) for m in history], "o-", label="train (augmented)")
+    error_ax.plot(epochs, [100 * m["test_error"] for m in history], "o-", label="test")
+    error_ax.set(xlabel="epoch", ylabel="error, %", yscale="log")
+    error_ax.legend()
+    for ax in (loss_ax, error_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _show(ax, image: torch.Tensor) -> None:
+    ax.imshow(image.float(), cmap="gray", vmin=0, vmax=1)
+    ax.set_axis_off()
+
+
+@torch.no_grad()
+def plot_reconstructions(model: CapsNet, images: torch.Tensor, path: Path, count: int = 16) -> Path:
+    model.eval()
+    images = images[:count]
+    out = model(images)
+    side = model.image_shape[-1]
+    fig = _new_figure((count * 0.8, 2))
+    axes = fig.subplots(2, count, squeeze=False)
+    for k in range(count):
+        _show(axes[0, k], images[k, 0])
+        _show(axes[1, k], out.reconstructions[k].view(-1, side, side)[0])
+        axes[0, k].set_title(str(out.lengths[k].argmax().item()), fontsize="small")
+    fig.suptitle("test images (top, predicted class) and reconstructions from the class capsule (bottom)")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+@torch.no_grad()
+def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
+    model.eval()
+    out = model(image[None])
+    cls = out.lengths[0].argmax()
+    capsule = out.capsules[0, cls]
+    dims, steps = capsule.numel(), len(PERTURBATIONS)
+    # Every (dimension, step) pair at once: one decoder batch of dims * steps capsules.
+    tweaked = out.capsules.repeat(dims * steps, 1, 1)
+    offsets = PERTURBATIONS.to(capsule)
+    for d in range(dims):
+        tweaked[d * steps:(d + 1) * steps, cls, d] += offsets
+    drawn = model.reconstruct(tweaked, cls.repeat(dims * steps))
+    side = model.image_shape[-1]
+    fig = _new_figure((steps * 0.7, dims * 0.7))
+    axes = fig.subplots(dims, steps, squeeze=False)
+    for d in range(dims):
+        for k in range(steps):
+            _show(axes[d, k], drawn[d * steps + k].view(-1, side, side)[0])
+    fig.suptitle(f"class {cls.item()}: each row adds -0.25 .. 0.25 to one of the {dims} capsule dimensions")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _load_model(run_dir: Path):
+    state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    from .train import parse_model_config
+
+    args = state["args"]
+    config = parse_model_config(args["model_config"])
+    model = MODELS[args["model"]](backend=args["backend"], **config)
+    model.load_state_dict(state["model"])
+    return model, args
+
+
+def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None) -> list[Path]:
+    """Draws the run's figures into run_dir; returns their paths. Without `model` the network is
+    loaded from run_dir/checkpoint.pt and the test images from the run's dataset."""
+    run_dir = Path(run_dir)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    run = metrics["run"]
+    title = f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, commit {run['commit']}"
+    written = [plot_curves(metrics["epochs"], run_dir / "curves.png", title)]
+    if model is None:
+        model, args = _load_model(run_dir)
+        if isinstance(model, CapsNet):
+            from . import data
+
+            images, _ = data.load_dataset(args["dataset"], Path(args["data_dir"]), "test")
+            images = images[:64]
+    if isinstance(model, CapsNet):
+        model = copy.deepcopy(model).float().cpu()
+        images = images.float().div(255) if images.dtype == torch.uint8 else images.float()
+        written.append(plot_reconstructions(model, images, run_dir / "reconstructions.png"))
+        written.append(plot_perturbations(model, images[0], run_dir / "perturbations.png"))
+    return written
