@@ -46,6 +46,27 @@ for dtype, (B, I, J, D, Din), leaky, detach in itertools.product(
         cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
         cpu_out = run(fn, [t.to(dtype).double() for t in inputs], g)  # CPU float64 on the same rounded values
         check(f"{name} {label}", cuda_out, cpu_out, tol)
+
+# EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
+for dtype, (B, I, J, H), iters in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+        [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]):
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
+    votes = torch.randn(B, I, J, H, dtype=torch.float64)
+    a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+    a_in[:, ::4] = 0  # inputs without mass take the guarded paths
+    betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
+    grads = torch.randn(B, J, H, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
+
+    def em(*xs):
+        leaves = [t.detach().clone().requires_grad_() for t in xs]
+        pose, a_out = capsroute.em_routing(*leaves, iters, final_lambda=0.5)
+        loss = (pose.double() * grads[0].to(pose.device)).sum() + (a_out.double() * grads[1].to(a_out.device)).sum()
+        return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+
+    inputs = (votes, a_in, *betas)
+    check(f"em_routing {dtype} B={B} I={I} J={J} H={H} iters={iters}", em(*[t.to("cuda", dtype) for t in inputs]),
+          em(*[t.to(dtype).double() for t in inputs]), tol)
 torch.cuda.synchronize()
 print("\n".join(failures) or "all outputs finite and matching the CPU backend")
 sys.exit(1 if failures else 0)
