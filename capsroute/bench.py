@@ -1,4 +1,5 @@
-"""Microbenchmarks of capsroute's routing ops against plain PyTorch (DESIGN.md section 4).
+"""Microbenchmarks of capsroute's routing ops, and of training steps of the two capsule networks,
+against plain PyTorch (DESIGN.md section 4).
 
 For each op x shape x batch size, three implementations are measured in the same run on the same
 device, on the same random inputs:
@@ -59,6 +60,31 @@ Floor model (per case; itemsize s bytes; "per element" = per batch element):
               When the working set fits in cache (small cases on a CPU) a time below the DRAM
               floor (x < 1) is possible.
 
+Model ops (capsnet, matrixcapsnet): a whole training step of capsroute.models.CapsNet /
+MatrixCapsNet on random images in [0, 1) of shape (B, 1, 28, 28) and random labels, the same for
+the three implementations, each starting from the same weights (one seed):
+
+  capsroute  the model with backend="fused"
+  eager      the same model with backend="reference" (capsroute.nn.set_backend)
+  compiled   torch.compile(the reference-backend model): the whole forward, default mode, one graph
+             (the loss, backward and optimizer step run as usual; compile_s as above)
+
+  fwd_ms       median time of model(images, labels) in training mode with grad (graph dropped).
+  fwd_bwd_ms   median time of one training step: forward, loss (CapsNet: margin + reconstruction;
+               MatrixCapsNet: spread loss, margin 0.2), loss.backward() and Adam's step();
+               optimizer.zero_grad(set_to_none=True) runs before each call, outside the clock.
+  peak_mb      peak memory of one training step above what was allocated before it (parameters,
+               Adam state and images, recorded as state_mb).
+  images_per_s B / fwd_bwd_ms. floor_ms is null (no floor model).
+  max_rel_err  the first two losses (before and after one Adam step) and strided samples of the
+               first step's parameter gradients, against eager's (loss_rel_err, grad_rel_err); the
+               warning threshold is 10x the routing ops' (rounding grows through a whole network).
+  --dtype float16 / bfloat16 trains float32 parameters under torch.autocast (as `capsroute train
+  --amp`, without a GradScaler); float64 casts the model.
+  --max-batch (CUDA): model_max_batch finds, per model op and impl, the largest power-of-two batch
+  up to a cap for which one training step fits in GPU memory (doubling from 1 until the first
+  torch.OutOfMemoryError; memory is freed between tries).
+
 Results are printed as a table and written as JSON (DESIGN.md section 4 fields plus extras) under
 bench/results/<device-slug>-<date>-<shortsha>.json. A case that runs out of memory is skipped and
 recorded with its reason instead of crashing the run.
@@ -66,7 +92,7 @@ recorded with its reason instead of crashing the run.
 The command `capsroute bench` (capsroute/cli.py) is add_arguments and run below. Library use:
 run_benchmarks(...) returns the report dict; format_table(report) and write_report(report, out) print
 and save it; make_inputs, get_impl, fwd_step/fwd_bwd_step, time_samples and peak_memory_mb are reused
-by bench/test_bench_routing.py.
+by bench/test_bench_routing.py. bench_model_case, model_max_batch and find_max_batch are the model ops'.
 """
 from __future__ import annotations
 
@@ -76,6 +102,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # quiets kineto's "gpuGetDeviceC
 
 import argparse
 import contextlib
+import copy
 import datetime
 import gc
 import json
@@ -94,6 +121,8 @@ import torch
 
 import capsroute
 from capsroute import reference
+from capsroute.losses import margin_loss, reconstruction_loss, spread_loss
+from capsroute.nn import set_backend
 
 OPS = {  # op -> the short name that `--op` also accepts
     "dynamic_routing": "dynamic",
@@ -102,6 +131,11 @@ OPS = {  # op -> the short name that `--op` also accepts
     "em_routing_pose": "em-pose",
 }
 EM_OPS = ("em_routing", "em_routing_pose")
+MODEL_OPS = {  # a whole training step of a model of capsroute.models; the short name is the same
+    "capsnet": "capsnet",
+    "matrixcapsnet": "matrixcapsnet",
+}
+ALL_OPS = {**OPS, **MODEL_OPS}
 IMPLS = ("capsroute", "eager", "compiled")
 SHAPES = {  # DESIGN.md section 4; for EM ops D is the pose size H (16: 4x4 matrices)
     "mnist": dict(I=1152, J=10, D=16, Din=8),   # MNIST DigitCaps
@@ -114,6 +148,15 @@ DEFAULT_BATCHES = {
     "cuda": {"mnist": [32, 128, 512, 2048], "large": [32, 128, 512, 2048], "em-class": [64, 256],
              "em-conv": [64 * 36], None: [32, 128, 512, 2048]},
 }
+MODEL_BATCHES = {"cpu": [16], "cuda": [32, 128, 512]}
+MODEL_IMAGE = (1, 28, 28)   # MNIST-sized images (C, H, W)
+MODEL_SHAPE_NAME = "1x28x28"
+MODEL_BACKENDS = {"capsroute": "fused", "eager": "reference", "compiled": "reference"}
+MODEL_KERNELS = {"capsnet": ("squash", "dense_capsules"), "matrixcapsnet": ("em_routing_pose", "em_routing")}
+MODEL_LR = 1e-3             # Adam, as `capsroute train`
+SPREAD_MARGIN = 0.2         # MatrixCapsNet's spread loss at the start of its margin schedule
+MAX_BATCH_CAP = 2 ** 15     # --max-batch without a value
+MODEL_TOL_FACTOR = 10       # model ops warn at 10x the routing ops' max_rel_err tolerance (1e-2 for float32)
 DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"], "em": ["em-class", "em-conv"]}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -135,6 +178,8 @@ class Case:
     Din: int
 
     def shape(self) -> dict:
+        if self.op in MODEL_OPS:
+            return {"B": self.B, "model": self.op}
         if self.op in EM_OPS:
             return {"B": self.B, "I": self.I, "J": self.J, "H": self.D}
         s = {"B": self.B, "I": self.I, "J": self.J, "D": self.D}
@@ -158,19 +203,27 @@ def parse_shape(spec: str) -> tuple[str, dict]:
     return ",".join(map(str, parts)), dict(zip(("I", "J", "D", "Din"), parts))
 
 
+def _op_list() -> str:
+    return ", ".join(f"{op} ({short})" if short != op else op for op, short in ALL_OPS.items())
+
+
 def op_name(name: str) -> str:
-    """An op's name from its name or short name (OPS)."""
-    for op, short in OPS.items():
+    """An op's name from its name or short name (OPS, MODEL_OPS)."""
+    for op, short in ALL_OPS.items():
         if name in (op, short):
             return op
-    raise argparse.ArgumentTypeError(f"unknown op {name!r}; choose from "
-                                     + ", ".join(f"{op} ({short})" for op, short in OPS.items()))
+    raise argparse.ArgumentTypeError(f"unknown op {name!r}; choose from {_op_list()}")
 
 
 def make_cases(ops, shapes, batches, device_type: str) -> list[Case]:
-    """shapes: parse_shape results, or None for each op's default shapes."""
+    """shapes: parse_shape results, or None for each op's default shapes. Model ops (MODEL_OPS) have
+    no shape (MNIST-sized images): shapes do not apply to them, batches (else MODEL_BATCHES) do."""
     cases = []
     for op in ops:
+        if op in MODEL_OPS:
+            for B in batches or MODEL_BATCHES[device_type]:
+                cases.append(Case(op, MODEL_SHAPE_NAME, B, 0, 0, 0, 0))
+            continue
         if shapes is None:
             names = DEFAULT_SHAPES["em" if op in EM_OPS else device_type]
             op_shapes = [parse_shape(name) for name in names]
@@ -618,10 +671,7 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
             rec, snap = bench_impl(case, impl, inputs, grad, iters=iters, device=device, repeats=repeats,
                                    warmup=warmup, max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
         except Exception as e:  # noqa: BLE001
-            if is_oom(e):
-                failure = "out of memory"
-            else:
-                failure = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            failure = _failure(e)
             del e
         clear_grads(inputs)
         free_memory(device)
@@ -638,7 +688,20 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
     del inputs, grad, ref_snap
     free_memory(device)
 
-    # ratios against capsroute
+    _add_ratios(records)
+    records.sort(key=lambda r: IMPLS.index(r["impl"]))
+    return records
+
+
+def _failure(e: BaseException) -> str:
+    """The 'skipped' reason for an exception raised while measuring."""
+    if is_oom(e):
+        return "out of memory"
+    return f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
+def _add_ratios(records: list[dict]):
+    """vs_capsroute on each other impl's record, and the same numbers as 'ratios' on capsroute's."""
     caps = next((r for r in records if r["impl"] == "capsroute" and "skipped" not in r), None)
     if caps is not None:
         ratios = {}
@@ -650,8 +713,321 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
             ratios.update({f"{r['impl']}_fwd": vs["fwd_ms"], f"{r['impl']}_fwd_bwd": vs["fwd_bwd_ms"],
                            f"{r['impl']}_peak_mb": vs["peak_mb"]})
         caps["ratios"] = ratios
+
+
+# ----------------------------------------------------------------------------- model ops: a training step
+
+def _model_precision(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype of the parameters and images, autocast dtype or None): float32 / float64 train in that
+    dtype; float16 / bfloat16 train float32 parameters under torch.autocast, as `capsroute train --amp`
+    (without a GradScaler)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32, dtype
+    return dtype, None
+
+
+def _autocast(device: torch.device, amp: torch.dtype | None):
+    return torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+
+
+def make_model(op: str, *, iters: int = 3, seed: int = 0) -> torch.nn.Module:
+    """The model of a model op (fused backend, training mode), initialised from `seed` on the CPU, so
+    every impl and device starts from the same weights; the global RNG is left as it was."""
+    from capsroute.models import MODELS
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MODELS[op](iters=iters, backend="fused")
+    return model.train()
+
+
+def make_model_inputs(B: int, device, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images in [0, 1) of shape (B, 1, 28, 28) and random labels in [0, 10)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    images = torch.rand(B, *MODEL_IMAGE, generator=gen, device=device).to(_model_precision(dtype)[0])
+    labels = torch.randint(0, 10, (B,), generator=gen, device=device)
+    return images, labels
+
+
+def model_loss(op: str, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The training loss of capsroute train: CapsNet margin + reconstruction loss, MatrixCapsNet spread
+    loss (at the margin its schedule starts from)."""
+    if op == "capsnet":
+        return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
+    return spread_loss(out.activations.float(), labels, SPREAD_MARGIN)
+
+
+def get_model_impl(base: torch.nn.Module, impl: str, device: torch.device, dtype: torch.dtype):
+    """(model, fn, optimizer) for one impl: a copy of `base` (same weights) on the device with the impl's
+    routing backend (MODEL_BACKENDS); fn is the model, or for 'compiled' torch.compile(model) (the whole
+    forward, default mode); Adam over the model's parameters."""
+    model = copy.deepcopy(base).to(device=device, dtype=_model_precision(dtype)[0])
+    set_backend(model, MODEL_BACKENDS[impl])
+    model.train()
+    fn = torch.compile(model) if impl == "compiled" else model
+    return model, fn, torch.optim.Adam(model.parameters(), lr=MODEL_LR)
+
+
+def model_fwd_step(fn, images, labels, device: torch.device, amp=None):
+    def step():
+        with _autocast(device, amp):
+            return fn(images, labels)
+    return step
+
+
+def train_step(op: str, fn, optimizer, images, labels, device: torch.device, amp=None):
+    """One training step: forward, loss, backward, optimizer.step(); returns the loss (detached).
+    Gradients are reset (optimizer.zero_grad(set_to_none=True)) before each call, outside the clock."""
+    def step():
+        with _autocast(device, amp):
+            out = fn(images, labels)
+            loss = model_loss(op, out, images, labels)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    return step
+
+
+def model_supported(op: str, device: torch.device) -> bool:
+    return all(capsroute_supports(k, device) for k in MODEL_KERNELS[op])
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# Generous estimates of a training step's working set per image (float32; the CPU guard only): 1.5-5x the
+# peaks measured on the CPU at B=8 and 64 (CapsNet ~2.5 MiB eager, ~0.7 fused; MatrixCapsNet ~38 eager,
+# ~32 compiled, ~0.9 fused).
+PER_IMAGE_MB = {
+    ("capsnet", "capsroute"): 4, ("capsnet", "eager"): 12, ("capsnet", "compiled"): 12,
+    ("matrixcapsnet", "capsroute"): 4, ("matrixcapsnet", "eager"): 60, ("matrixcapsnet", "compiled"): 60,
+}
+
+
+def model_estimated_bytes(case: Case, impl: str, itemsize: int, params: int) -> int:
+    """Rough upper estimate of one training step's memory: parameters, gradients, Adam's two moments
+    (4 copies of the parameters) and the working set (PER_IMAGE_MB per image)."""
+    scale = max(itemsize, 4) / 4
+    return int((4 * params * 4 + case.B * PER_IMAGE_MB[case.op, impl] * MiB) * scale)
+
+
+def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, labels, *, dtype: torch.dtype,
+                     device: torch.device, repeats: int, warmup: int, max_seconds: float, inference: bool,
+                     ref_snap: dict | None) -> tuple[dict, dict]:
+    """Measures one impl of a model op at one batch size; returns (partial record, snapshot for checks).
+
+    The first two training steps are warm-up calls whose losses (before and after one Adam step) and
+    first-step parameter gradients are the snapshot compared with eager's."""
+    rec: dict = {}
+    if impl == "compiled":
+        torch._dynamo.reset()
+        try:
+            from torch._dynamo.utils import counters
+            counters.clear()
+        except Exception:
+            pass
+    amp = _model_precision(dtype)[1]
+    model, fn, optimizer = get_model_impl(base, impl, device, dtype)
+    fwd = model_fwd_step(fn, images, labels, device, amp)
+    step = train_step(case.op, fn, optimizer, images, labels, device, amp)
+    before = lambda: optimizer.zero_grad(set_to_none=True)  # noqa: E731
+
+    before()
+    t0 = time.perf_counter()
+    loss0 = step()
+    synchronize(device)
+    first_s = time.perf_counter() - t0
+    snap = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.flatten()
+            snap[f"grad:{name}"] = g[:: max(1, g.numel() // (1 << 20))].to(torch.float64, copy=True)
+    before()
+    loss1 = step()
+    losses = [loss0.item(), loss1.item()]
+    del loss0, loss1
+    snap["loss"] = torch.tensor(losses, dtype=torch.float64)
+    rec["losses"] = losses
+    if impl == "compiled":
+        rec["compile_s"] = round(first_s, 3)
+        rec.update(_dynamo_stats())
+    if ref_snap is not None and impl != "eager":
+        rec["max_rel_err"] = _max_rel_err(snap, ref_snap)
+        rec["loss_rel_err"] = _max_rel_err({"loss": snap["loss"]}, {"loss": ref_snap["loss"]})
+        rec["grad_rel_err"] = _max_rel_err({k: v for k, v in snap.items() if k != "loss"},
+                                           {k: v for k, v in ref_snap.items() if k != "loss"})
+    for _ in range(max(0, warmup - 2)):
+        before()
+        del_me = step()
+        del del_me
+    for _ in range(max(1, warmup)):
+        del_me = fwd()
+        del del_me
+    before()
+
+    ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
+    rec["fwd_ms"] = statistics.median(ft)
+    rec["fwd_ms_min"] = min(ft)
+    bt = time_samples(step, device, repeats=repeats, before=before, max_seconds=max_seconds)
+    rec["fwd_bwd_ms"] = statistics.median(bt)
+    rec["fwd_bwd_ms_min"] = min(bt)
+    rec["repeats"] = [len(ft), len(bt)]
+    rec["images_per_s"] = case.B / (rec["fwd_bwd_ms"] / 1e3) if rec["fwd_bwd_ms"] > 0 else None
+    rec["peak_mb"] = peak_memory_mb(step, device, before)
+    before()
+    # what is allocated before a step (and so not in peak_mb): parameters, Adam state, images and labels
+    state = [t for st in optimizer.state.values() for t in st.values()]
+    rec["state_mb"] = (_tensor_bytes(model.parameters()) + _tensor_bytes(state) + _tensor_bytes((images, labels))) / MiB
+    if inference:
+        model.eval()
+        try:
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                del_me = fwd()
+                synchronize(device)
+                if impl == "compiled":
+                    rec["compile_infer_s"] = round(time.perf_counter() - t0, 3)
+                del del_me
+                for _ in range(max(1, warmup)):
+                    del_me = fwd()
+                    del del_me
+                it = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
+            rec["fwd_infer_ms"] = statistics.median(it)
+        finally:
+            model.train()
+    return rec, snap
+
+
+def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: torch.device, repeats: int,
+                     warmup: int, max_seconds: float, inference: bool, seed: int = 0,
+                     note: Callable[[str], None] = print, progress=None) -> list[dict]:
+    """All implementations of a model op at one batch size (bench_case for a whole training step)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    base_model = make_model(case.op, iters=iters, seed=seed)
+    params = sum(p.numel() for p in base_model.parameters())
+    amp = _model_precision(dtype)[1]
+
+    def base(impl):
+        return {"op": case.op, "shape": case.shape(), "dtype": str(dtype).replace("torch.", ""), "impl": impl,
+                "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": None,
+                "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": None, "params": params,
+                "optimizer": "Adam", "amp": None if amp is None else str(amp).replace("torch.", "")}
+
+    records = []
+
+    def skip(impl, reason):
+        note(f"skipped {case.label()} {impl}: {reason}")
+        records.append({**base(impl), "skipped": reason})
+
+    avail = available_bytes(device)
+    too_big = {}
+    if device.type == "cpu" and avail is not None:
+        for impl in impls:
+            need = model_estimated_bytes(case, impl, itemsize, params)
+            if need > 0.8 * avail:
+                too_big[impl] = f"estimated {need / 2**30:.1f} GiB > 80% of the {avail / 2**30:.1f} GiB available"
+    try:
+        images, labels = make_model_inputs(case.B, device, dtype, seed)
+    except Exception as e:  # noqa: BLE001
+        if not is_oom(e):
+            raise
+        del e
+        free_memory(device)
+        for impl in impls:
+            skip(impl, "out of memory creating the inputs")
+        return records
+
+    ref_snap = None
+    order = sorted(impls, key=lambda i: {"eager": 0, "capsroute": 1, "compiled": 2}[i])
+    for impl in order:
+        if progress is not None:
+            progress.set_postfix_str(f"{case.label()} {impl}")
+        if impl == "capsroute" and not model_supported(case.op, device):
+            skip(impl, f"capsroute has no {device.type.upper()} kernel for {'/'.join(MODEL_KERNELS[case.op])} "
+                       "in this build")
+            continue
+        if impl in too_big:
+            skip(impl, too_big[impl])
+            continue
+        failure = None
+        try:
+            rec, snap = bench_model_impl(case, impl, base_model, images, labels, dtype=dtype, device=device,
+                                         repeats=repeats, warmup=warmup, max_seconds=max_seconds,
+                                         inference=inference, ref_snap=ref_snap)
+        except Exception as e:  # noqa: BLE001
+            failure = _failure(e)
+            del e
+        free_memory(device)
+        if failure is not None:
+            skip(impl, failure)
+            continue
+        if impl == "eager":
+            ref_snap = snap
+        del snap
+        records.append({**base(impl), **rec, "floor_x": None, "floor_fwd_x": None})
+    del images, labels, ref_snap, base_model
+    free_memory(device)
+    _add_ratios(records)
     records.sort(key=lambda r: IMPLS.index(r["impl"]))
     return records
+
+
+def find_max_batch(step: Callable[[int], object], cap: int = MAX_BATCH_CAP, *,
+                   free: Callable[[], None] = lambda: None) -> tuple[int | None, list[tuple[int, bool]]]:
+    """The largest power of two b <= cap for which step(b) runs without running out of memory.
+
+    Tries b = 1, 2, 4, ... and stops at the first that raises an out-of-memory error (is_oom:
+    torch.OutOfMemoryError, MemoryError); free() runs after every try, whether it fit or not. Other
+    errors propagate. Returns (b, or None when even 1 does not fit; the tries as (b, fitted))."""
+    best, tries = None, []
+    b = 1
+    while b <= cap:
+        try:
+            step(b)
+            fitted = True
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            fitted = False
+            del e
+        free()
+        tries.append((b, fitted))
+        if not fitted:
+            break
+        best = b
+        b *= 2
+    return best, tries
+
+
+def model_max_batch(op: str, impl: str, *, device: torch.device, dtype: torch.dtype, iters: int = 3, seed: int = 0,
+                    cap: int = MAX_BATCH_CAP) -> dict:
+    """find_max_batch for one training step (fresh Adam state each try, so its memory counts) of one
+    impl of a model op. For 'compiled' one torch.compile wrapper serves every try (torch recompiles
+    with a dynamic batch size after the second size, as it would for a training loop that changes it)."""
+    if impl == "compiled":
+        torch._dynamo.reset()
+    amp = _model_precision(dtype)[1]
+    model, fn, _ = get_model_impl(make_model(op, iters=iters, seed=seed), impl, device, dtype)
+
+    def step(b):
+        try:
+            images, labels = make_model_inputs(b, device, dtype, seed)
+            optimizer = torch.optim.Adam(model.parameters(), lr=MODEL_LR)
+            train_step(op, fn, optimizer, images, labels, device, amp)()
+            synchronize(device)
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    try:
+        best, tries = find_max_batch(step, cap, free=lambda: free_memory(device))
+    finally:
+        del model, fn
+        free_memory(device)
+    return {"op": op, "impl": impl, "dtype": str(dtype).replace("torch.", ""), "max_batch": best, "cap": cap,
+            "capped": bool(tries and tries[-1][1]),  # every try fitted: the largest may be above the cap
+            "tries": [b for b, _ in tries], "search_s": round(time.perf_counter() - t0, 1)}
 
 
 # ----------------------------------------------------------------------------- the run and the report
@@ -711,8 +1087,11 @@ def resolve_device(spec: str) -> torch.device:
 
 def run_benchmarks(cases: list[Case], impls=IMPLS, *, device: torch.device, dtype=torch.float32, iters: int = 3,
                    repeats: int = 10, warmup: int = 2, max_seconds: float = 10.0, inference: bool = False,
-                   seed: int = 0, progress: bool = True, on_case: Callable[[dict], None] | None = None) -> dict:
-    """Runs the cases and returns the report (the JSON document). on_case(report) is called after each case."""
+                   seed: int = 0, progress: bool = True, on_case: Callable[[dict], None] | None = None,
+                   max_batch: int | None = None) -> dict:
+    """Runs the cases and returns the report (the JSON document). on_case(report) is called after each case.
+    max_batch (CUDA, model ops): after the cases, search each model op's and impl's largest power-of-two
+    batch up to this cap (model_max_batch) into report["max_batch"] and each matching record's "max_batch"."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is optional for library use
@@ -721,10 +1100,12 @@ def run_benchmarks(cases: list[Case], impls=IMPLS, *, device: torch.device, dtyp
     note = (bar.write if bar is not None else print)
 
     load = _loadavg()  # before this process adds its own
-    if bar is not None:
-        bar.set_postfix_str("measuring the floor")
-    bandwidth = measure_bandwidth(device)
-    peak = measure_peak_tflops(device, dtype)
+    bandwidth = peak = None
+    if any(case.op not in MODEL_OPS for case in cases):  # model ops have no floor
+        if bar is not None:
+            bar.set_postfix_str("measuring the floor")
+        bandwidth = measure_bandwidth(device)
+        peak = measure_peak_tflops(device, dtype)
     report = {
         "kind": "bench", "device": device_name(device), "torch": torch.__version__, "commit": git_commit(),
         "date": datetime.date.today().isoformat(), "results": [],
@@ -746,25 +1127,75 @@ def run_benchmarks(cases: list[Case], impls=IMPLS, *, device: torch.device, dtyp
         record_note(f"load average {load:.1f} > {os.cpu_count()} cores at the start: other processes compete for "
                     f"the CPU; timings are unreliable, and biased against eager/compiled (many short parallel "
                     f"regions suffer most from oversubscription). Try --threads 1 or an idle machine.")
+    model_ops = list(dict.fromkeys(case.op for case in cases if case.op in MODEL_OPS))
+    if max_batch is not None:
+        if device.type != "cuda":
+            record_note(f"--max-batch is CUDA-only (it searches for the largest batch that fits in GPU memory); "
+                        f"not run on {device.type}")
+            max_batch = None
+        elif not model_ops:
+            record_note("--max-batch applies to the model ops (capsnet, matrixcapsnet) only; none was asked for")
+            max_batch = None
     for n, case in enumerate(cases):
-        recs = bench_case(case, impls, dtype=dtype, iters=iters, device=device, repeats=repeats, warmup=warmup,
-                          max_seconds=max_seconds, inference=inference, bandwidth_gbs=bandwidth,
-                          peak_tflops=peak, seed=seed + n, note=record_note, progress=bar)
+        if case.op in MODEL_OPS:
+            # one seed per model op (not per case): every batch size trains the same initial weights
+            recs = bench_model_case(case, impls, dtype=dtype, iters=iters, device=device, repeats=repeats,
+                                    warmup=warmup, max_seconds=max_seconds, inference=inference,
+                                    seed=seed, note=record_note, progress=bar)
+        else:
+            recs = bench_case(case, impls, dtype=dtype, iters=iters, device=device, repeats=repeats, warmup=warmup,
+                              max_seconds=max_seconds, inference=inference, bandwidth_gbs=bandwidth,
+                              peak_tflops=peak, seed=seed + n, note=record_note, progress=bar)
         for r in recs:
             err = r.get("max_rel_err")
             tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+            if case.op in MODEL_OPS:  # a whole network (three stacked EM layers) amplifies rounding differences
+                tol *= MODEL_TOL_FACTOR
             if err is not None and err > tol:
-                record_note(f"WARNING {case.label()} {r['impl']}: differs from eager by {err:.2e} (relative)")
+                what = "loss / gradients differ" if case.op in MODEL_OPS else "differs"
+                record_note(f"WARNING {case.label()} {r['impl']}: {what} from eager by {err:.2e} (relative)")
         report["results"].extend(recs)
         if bar is not None:
             bar.update(1)
         if on_case is not None:
             on_case(report)
+    if max_batch is not None:
+        add_max_batches(report, model_ops, impls, device=device, dtype=dtype, iters=iters, seed=seed, cap=max_batch,
+                        note=record_note, progress=bar, on_case=on_case)
     if bar is not None:
         bar.close()
     report["loadavg_end"] = _loadavg()
     report["complete"] = True
     return report
+
+
+def add_max_batches(report: dict, ops, impls, *, device: torch.device, dtype: torch.dtype, iters: int, seed: int,
+                    cap: int, note: Callable[[str], None] = print, progress=None,
+                    on_case: Callable[[dict], None] | None = None):
+    """--max-batch: model_max_batch for each model op and impl, into report["max_batch"] (a list) and the
+    "max_batch" / "max_batch_capped" fields of the op's and impl's records (every batch size)."""
+    report["max_batch"] = []
+    for op in ops:
+        for impl in sorted(impls, key=IMPLS.index):
+            if progress is not None:
+                progress.set_postfix_str(f"--max-batch {op} {impl}")
+            if impl == "capsroute" and not model_supported(op, device):
+                continue
+            try:
+                found = model_max_batch(op, impl, device=device, dtype=dtype, iters=iters, seed=seed, cap=cap)
+            except Exception as e:  # noqa: BLE001  (an error other than OOM: OOMs are the search)
+                found = {"op": op, "impl": impl, "dtype": str(dtype).replace("torch.", ""), "max_batch": None,
+                         "cap": cap, "error": _failure(e)}
+                note(f"--max-batch {op} {impl}: {found['error']}")
+                del e
+                free_memory(device)
+            report["max_batch"].append(found)
+            for r in report["results"]:
+                if (r["op"], r["impl"]) == (op, impl):
+                    r["max_batch"] = found["max_batch"]
+                    r["max_batch_capped"] = found.get("capped", False)
+            if on_case is not None:
+                on_case(report)
 
 
 def _loadavg() -> float | None:
@@ -791,10 +1222,24 @@ def _fmt_ms(x):
     return f"{x:.3f}" if x < 1 else f"{x:.2f}" if x < 100 else f"{x:.1f}"
 
 
+def _fmt_max_batch(r: dict) -> str:
+    if "max_batch" not in r:
+        return "-"
+    if r["max_batch"] is None:
+        return "none"
+    return f"{r['max_batch']}" + ("+" if r.get("max_batch_capped") else "")
+
+
 def format_table(report: dict) -> str:
-    """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's."""
+    """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's.
+    Runs with model ops add an img/s column (images per second of a training step), runs with
+    --max-batch a max B column ('+': every batch up to the cap fitted)."""
+    results = report["results"]
+    models = any(r["op"] in MODEL_OPS for r in results)
+    max_batch = any("max_batch" in r for r in results)
     head = ["op", "shape", "B", "impl", "fwd ms", "f+b ms", "peak MiB", "floor ms", "x floor",
             "fwd vs caps", "f+b vs caps", "mem vs caps", "compile s", "rel err"]
+    head += ["img/s"] * models + ["max B"] * max_batch
     rows = []
     for r in report["results"]:
         s = r["shape"]
@@ -809,6 +1254,11 @@ def format_table(report: dict) -> str:
                 _fmt_ms(r["floor_ms"]), _fmt(r.get("floor_x"), ".1f"),
                 *(_fmt(vs.get(k), ".2f") + ("x" if vs.get(k) is not None else "") for k in ("fwd", "fwd_bwd", "peak_mb")),
                 _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("max_rel_err"), ".0e")]
+        if models:
+            ips = r.get("images_per_s")
+            row.append(_fmt(ips, ".1f" if ips is not None and ips < 100 else ".0f"))
+        if max_batch:
+            row.append(_fmt_max_batch(r))
         rows.append(row)
     # skipped rows (4 cells + the reason) size only the first 4 columns
     widths = [max([len(head[k])] + [len(row[k]) for row in rows if k < 4 or len(row) == len(head)])
@@ -826,9 +1276,13 @@ def format_table(report: dict) -> str:
 
     title = (f"device {report['device']}  torch {report['torch']}  commit {report['commit'][:12]}  "
              f"dtype {report['dtype']}  iters {report['iters']}  threads {report['threads']}"
-             + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else "") + "\n"
-             f"floor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak {report['peak_tflops']:.2f} "
-             f"TFLOP/s; floor ms and x floor are for forward+backward")
+             + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else ""))
+    if report.get("bandwidth_gbs") is not None:
+        title += (f"\nfloor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak "
+                  f"{report['peak_tflops']:.2f} TFLOP/s; floor ms and x floor are for forward+backward")
+    if models:
+        title += ("\nmodel ops (capsnet, matrixcapsnet): f+b ms is a whole training step (forward, loss, backward, "
+                  "Adam step), img/s = B / f+b; no floor; rel err compares losses and gradients with eager")
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([title, line(head), sep] + [line(r) for r in rows])
 
@@ -875,20 +1329,24 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--op", nargs="+", type=op_name, default=list(OPS),
-                   help="ops to run, by name or short name: " + ", ".join(f"{op} ({short})" for op, short in OPS.items())
-                   + " (default: all)")
+                   help=f"ops to run, by name or short name: {_op_list()}; capsnet and matrixcapsnet time a whole "
+                        "training step of the model (default: the four routing ops)")
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--shape", nargs="+", type=parse_shape, default=None, metavar="NAME|I,J,D[,Din]",
                    help=f"named shapes: {', '.join(SHAPES)} (for EM ops D is the pose size H); default: mnist on "
                         "CPU, mnist and large on CUDA for the dynamic-routing ops, em-class and em-conv for EM")
     p.add_argument("--batch", nargs="+", type=_positive, default=None,
-                   help="batch sizes for every shape (default: 32 on CPU (8 for large); 32 128 512 2048 on CUDA)")
+                   help="batch sizes for every shape and model op (default: 32 on CPU (8 for large); 32 128 512 2048 "
+                        "on CUDA; model ops: 16 on CPU, 32 128 512 on CUDA)")
     p.add_argument("--iters", type=_positive, default=3)
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default: 10 CPU, 50 CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default: 2 CPU, 5 CUDA)")
     p.add_argument("--max-seconds", type=float, default=10.0,
                    help="stop a measurement after this long (at least 3 calls); default 10")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
+    p.add_argument("--max-batch", type=_positive, nargs="?", const=MAX_BATCH_CAP, default=None, metavar="CAP",
+                   help="CUDA, model ops: also find the largest power-of-two batch (up to CAP, default "
+                        f"{MAX_BATCH_CAP}) for which one training step of each impl fits in GPU memory")
     p.add_argument("--inference", action="store_true", help="also time the forward under torch.no_grad()")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -922,7 +1380,7 @@ def run(args: argparse.Namespace) -> int:
     save = (lambda rep: write_report(rep, path)) if path is not None else None
     report = run_benchmarks(cases, impls, device=device, dtype=dtype, iters=args.iters, repeats=repeats,
                             warmup=warmup, max_seconds=args.max_seconds, inference=args.inference,
-                            seed=args.seed, progress=not args.no_progress, on_case=save)
+                            seed=args.seed, progress=not args.no_progress, on_case=save, max_batch=args.max_batch)
     print(format_table(report))
     for msg in report["notes"]:
         print("note:", msg)

@@ -69,7 +69,8 @@ def plot_report(report: dict, json_path: str | Path, out_dir: str | Path | None 
         shape = r["shape"]
         point = (r["fwd_bwd_ms"], r["peak_mb"])
         by_batch[r["op"], _dims(shape, "B")][r["impl"]].append((shape["B"], *point))
-        by_inputs[r["op"], _dims(shape, "B", "I")][r["impl"], shape["B"]].append((shape["I"], *point))
+        if "I" in shape:  # model ops (capsnet, matrixcapsnet) have no I
+            by_inputs[r["op"], _dims(shape, "B", "I")][r["impl"], shape["B"]].append((shape["I"], *point))
 
     paths = []
     for (op, dims), impls in by_batch.items():
