@@ -2,7 +2,10 @@
 # What a machine with a GPU should run, stage by stage (default: all): the CUDA tests, then
 # compute-sanitizer memcheck and racecheck over scripts/sanitizer_workload.py, then the benchmark.
 # Logs and the benchmark JSON and figures go to $OUT if set (the device tool's output folder), else bench/results.
-#   bash scripts/cuda_check.sh [tests] [sanitize] [bench] [bench-em] [bench-large]
+#   bash scripts/cuda_check.sh [tests] [sanitize] [bench] [bench-em] [bench-large] [bench-models] [train-capsnet] [train-matrixcapsnet]
+# The train stages need MNIST in data/mnist (git-ignored: copy ../shared/data/mnist there and carry it
+# to the GPU machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a
+# checkpoint (SIGINT is taken between steps); the next call resumes the run in runs/.
 source "$(dirname "$0")/env.sh"
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -23,6 +26,18 @@ for stage in $stages; do
       python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot --out "$out" || status=1 ;;
     bench-large)
       python -m capsroute.cli bench --device cuda --op dynamic dense --shape large --batch 32 128 --no-progress --plot --out "$out" || status=1 ;;
+    bench-models)
+      python -m capsroute.cli bench --device cuda --op capsnet matrixcapsnet --max-batch --no-progress --plot --out "$out" || status=1 ;;
+    train-capsnet|train-matrixcapsnet)
+      model=${stage#train-}
+      run=runs/$model-mnist
+      if [ -f "$run/checkpoint.pt" ]; then args=(--resume "$run")
+      elif [ "$model" = capsnet ]; then args=(--model capsnet --data-dir data/mnist --epochs 100 --batch-size 128 --out "$run")
+      else args=(--model matrixcapsnet --data-dir data/mnist --epochs 60 --batch-size 64 --lr 3e-3 --out "$run"); fi
+      rc=0
+      timeout -s INT "${TRAIN_SECONDS:-540}" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-train.log" || rc=$?
+      [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
+      mkdir -p "$out/$model-mnist" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-mnist/" 2>/dev/null || true ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
