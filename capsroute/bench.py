@@ -583,6 +583,16 @@ def bench_impl(case: Case, impl: str, inputs, grad, *, iters: int, device: torch
         del del_me
     clear_grads(inputs)
 
+    _time_steps(rec, fwd, fwd_bwd, before, device, repeats, max_seconds)
+    clear_grads(inputs)
+    if inference:
+        _time_inference(rec, fwd, impl, device, warmup, repeats, max_seconds)
+    return rec, snap
+
+
+def _time_steps(rec: dict, fwd: Callable, fwd_bwd: Callable, before: Callable, device: torch.device, repeats: int,
+                max_seconds: float) -> None:
+    """Median and min times of fwd() and of fwd_bwd(), and the peak memory of fwd_bwd(), into rec."""
     ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
     rec["fwd_ms"] = statistics.median(ft)
     rec["fwd_ms_min"] = min(ft)
@@ -591,21 +601,23 @@ def bench_impl(case: Case, impl: str, inputs, grad, *, iters: int, device: torch
     rec["fwd_bwd_ms_min"] = min(bt)
     rec["repeats"] = [len(ft), len(bt)]
     rec["peak_mb"] = peak_memory_mb(fwd_bwd, device, before)
-    clear_grads(inputs)
-    if inference:
-        with torch.no_grad():
-            t0 = time.perf_counter()
+
+
+def _time_inference(rec: dict, fwd: Callable, impl: str, device: torch.device, warmup: int, repeats: int,
+                    max_seconds: float) -> None:
+    """fwd() under no_grad (compiled: a second graph, its compile time recorded): fwd_infer_ms."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        del_me = fwd()
+        synchronize(device)
+        if impl == "compiled":
+            rec["compile_infer_s"] = round(time.perf_counter() - t0, 3)
+        del del_me
+        for _ in range(max(1, warmup)):
             del_me = fwd()
-            synchronize(device)
-            if impl == "compiled":
-                rec["compile_infer_s"] = round(time.perf_counter() - t0, 3)
             del del_me
-            for _ in range(max(1, warmup)):
-                del_me = fwd()
-                del del_me
-            it = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
-        rec["fwd_infer_ms"] = statistics.median(it)
-    return rec, snap
+        it = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
+    rec["fwd_infer_ms"] = statistics.median(it)
 
 
 def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: torch.device, repeats: int,
@@ -866,15 +878,8 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
         del del_me
     before()
 
-    ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
-    rec["fwd_ms"] = statistics.median(ft)
-    rec["fwd_ms_min"] = min(ft)
-    bt = time_samples(step, device, repeats=repeats, before=before, max_seconds=max_seconds)
-    rec["fwd_bwd_ms"] = statistics.median(bt)
-    rec["fwd_bwd_ms_min"] = min(bt)
-    rec["repeats"] = [len(ft), len(bt)]
+    _time_steps(rec, fwd, step, before, device, repeats, max_seconds)
     rec["images_per_s"] = case.B / (rec["fwd_bwd_ms"] / 1e3) if rec["fwd_bwd_ms"] > 0 else None
-    rec["peak_mb"] = peak_memory_mb(step, device, before)
     before()
     # what is allocated before a step (and so not in peak_mb): parameters, Adam state, images and labels
     state = [t for st in optimizer.state.values() for t in st.values()]
@@ -882,18 +887,7 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
     if inference:
         model.eval()
         try:
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                del_me = fwd()
-                synchronize(device)
-                if impl == "compiled":
-                    rec["compile_infer_s"] = round(time.perf_counter() - t0, 3)
-                del del_me
-                for _ in range(max(1, warmup)):
-                    del_me = fwd()
-                    del del_me
-                it = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
-            rec["fwd_infer_ms"] = statistics.median(it)
+            _time_inference(rec, fwd, impl, device, warmup, repeats, max_seconds)
         finally:
             model.train()
     return rec, snap
