@@ -101,6 +101,10 @@ class PrimaryMatrixCapsules(nn.Module):
         return pose, torch.sigmoid(self.activation(x)).permute(0, 2, 3, 1)
 
 
+def _no_autocast(t: Tensor):
+    return torch.autocast(t.device.type, enabled=False)
+
+
 class _EmCapsules(_CapsuleLayer):
     """Transformation matrices (inputs, out_types, 4, 4) and the EM betas of the output types."""
 
@@ -111,9 +115,11 @@ class _EmCapsules(_CapsuleLayer):
         self.beta_u = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
 
-    def _betas(self, like: Tensor) -> tuple[Tensor, Tensor]:
-        # Under autocast the poses arrive in the low-precision dtype; the ops want one dtype.
-        return self.beta_u.to(like.dtype), self.beta_a.to(like.dtype)
+    def _routing_inputs(self, *tensors: Tensor) -> list[Tensor]:
+        """The tensors and the parameters in float32 (float64 stays): EM routing divides by variances
+        of small pose differences, so it runs outside autocast in full precision (see _no_autocast)."""
+        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+        return [t.to(dtype) for t in (*tensors, self.weight, self.beta_u, self.beta_a)]
 
 
 class ConvCapsules(_EmCapsules):
@@ -135,8 +141,10 @@ class ConvCapsules(_EmCapsules):
         Ho, Wo = windows.shape[1], windows.shape[2]
         windows = windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(N * Ho * Wo, k * k * types, 16)
         a_windows = activation.unfold(1, k, s).unfold(2, k, s).permute(0, 1, 2, 4, 5, 3).reshape(N * Ho * Wo, -1)
-        out_pose, out_a = self.ops.em_routing_pose(windows, self.weight.to(windows.dtype), a_windows.to(windows.dtype),
-                                                   *self._betas(windows), self.iters, final_lambda=self.final_lambda)
+        with _no_autocast(pose):
+            windows, a_windows, weight, beta_u, beta_a = self._routing_inputs(windows, a_windows)
+            out_pose, out_a = self.ops.em_routing_pose(windows, weight, a_windows, beta_u, beta_a, self.iters,
+                                                       final_lambda=self.final_lambda)
         return out_pose.view(N, Ho, Wo, -1, 16), out_a.view(N, Ho, Wo, -1)
 
     def extra_repr(self) -> str:
@@ -156,15 +164,17 @@ class ClassCapsules(_EmCapsules):
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
         N, H, W, types, _ = pose.shape
-        votes = torch.einsum("nhwtrk,tcks->nhwtcrs", pose.view(N, H, W, types, 4, 4), self.weight.to(pose.dtype))
-        if self.coordinate_addition:
-            offsets = votes.new_zeros(H, W, 4, 4)
-            offsets[..., 0, 3] = (torch.arange(H, dtype=votes.dtype, device=votes.device)[:, None] + 0.5) / H
-            offsets[..., 1, 3] = (torch.arange(W, dtype=votes.dtype, device=votes.device)[None, :] + 0.5) / W
-            votes = votes + offsets[:, :, None, None]
-        votes = votes.reshape(N, H * W * types, -1, 16)
-        return self.ops.em_routing(votes, activation.reshape(N, -1).to(votes.dtype), *self._betas(votes), self.iters,
-                                   final_lambda=self.final_lambda)
+        with _no_autocast(pose):
+            pose, activation, weight, beta_u, beta_a = self._routing_inputs(pose, activation)
+            votes = torch.einsum("nhwtrk,tcks->nhwtcrs", pose.view(N, H, W, types, 4, 4), weight)
+            if self.coordinate_addition:
+                offsets = votes.new_zeros(H, W, 4, 4)
+                offsets[..., 0, 3] = (torch.arange(H, dtype=votes.dtype, device=votes.device)[:, None] + 0.5) / H
+                offsets[..., 1, 3] = (torch.arange(W, dtype=votes.dtype, device=votes.device)[None, :] + 0.5) / W
+                votes = votes + offsets[:, :, None, None]
+            votes = votes.reshape(N, H * W * types, -1, 16)
+            return self.ops.em_routing(votes, activation.reshape(N, -1), beta_u, beta_a, self.iters,
+                                       final_lambda=self.final_lambda)
 
     def extra_repr(self) -> str:
         return f"coordinate_addition={self.coordinate_addition}, iters={self.iters}, {super().extra_repr()}"

@@ -154,6 +154,21 @@ def test_models_under_autocast(dtype):
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+def test_em_layers_route_in_float32_under_autocast():
+    """Under autocast the convolutions run in bfloat16 but EM routing stays in float32, in both
+    backends, so they agree to float32 rounding of the same bfloat16 convolution outputs."""
+    torch.manual_seed(0)
+    model = MatrixCapsNet(A=8, B=4, C=4, D=4)
+    images = torch.rand(2, 1, 28, 28)
+    outs = {}
+    for backend in ("fused", "reference"):
+        set_backend(model, backend)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[backend] = model(images)
+    assert outs["fused"].activations.dtype == torch.float32
+    torch.testing.assert_close(outs["fused"].activations, outs["reference"].activations, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_backend_is_named():
     with pytest.raises(ValueError, match="backend must be one of"):
         DenseCapsules(4, 8, 2, 16, backend="cuda")
