@@ -103,6 +103,10 @@ class Distributed:
         dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
         return cls(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")))
 
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
     def sum(self, values: list[float], device: torch.device) -> list[float]:
         if self.world_size == 1:
             return values
@@ -169,8 +173,7 @@ class Trainer:
         self.stop_requested = False
 
     def _load(self, split: str, subset: int | None):
-        images, labels = data.load_dataset(self.args.dataset, self.args.data_dir, split,
-                                           download=self.args.download and self.ddp.main)
+        images, labels = data.load_dataset(self.args.dataset, self.args.data_dir, split)
         return images[:subset], labels[:subset]
 
     def _shard_length(self, n: int) -> int:
@@ -417,6 +420,9 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         try:
+            if args.download and ddp.main:  # one process downloads; the others wait for it below
+                data.load_dataset(args.dataset, args.data_dir, "train", download=True)
+            ddp.barrier()
             trainer = Trainer(args, ddp, device)
         except FileNotFoundError as e:
             raise SystemExit(str(e)) from None
