@@ -306,6 +306,13 @@ class Trainer:
             total_steps = min(total_steps, args.max_steps)
         progress = tqdm(total=total_steps, initial=self.step, disable=args.no_progress or not self.ddp.main,
                         unit="step", dynamic_ncols=True)
+        if self.ddp.main:
+            params = sum(p.numel() for p in self.model.parameters())
+            start = f"resuming at epoch {self.epoch + 1}, step {self.step}" if self.step else "starting"
+            print(f"{args.model} ({params / 1e6:.2f}M parameters, {args.backend} backend, amp {args.amp}) on "
+                  f"{args.dataset}: {len(self.train_labels)} training / {len(self.test_labels)} test images, "
+                  f"{self.ddp.world_size} x {self.device}, batch {args.batch_size} x {self.ddp.world_size}, "
+                  f"{self.steps_per_epoch} steps per epoch; {start}; writing to {args.out}")
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         try:
             while self.epoch < args.epochs:
