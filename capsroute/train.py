@@ -164,7 +164,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, args.lr_decay ** (1 / args.decay_steps))
         self.amp_dtype = AMP_DTYPES[args.amp]
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype is torch.float16)
-        self.steps_per_epoch = len(range(0, self._shard_length(len(self.train_labels)), args.batch_size))
+        self.steps_per_epoch = data.num_batches(len(self.train_labels), args.batch_size, world_size=ddp.world_size)
         self.epoch, self.step_in_epoch, self.step = 0, 0, 0
         # This epoch's sums so far (loss * n, correct, n, seconds): kept in checkpoints so that a
         # resumed epoch reports the same metrics as an uninterrupted one.
@@ -175,9 +175,6 @@ class Trainer:
     def _load(self, split: str, subset: int | None):
         images, labels = data.load_dataset(self.args.dataset, self.args.data_dir, split)
         return images[:subset], labels[:subset]
-
-    def _shard_length(self, n: int) -> int:
-        return -(-n // self.ddp.world_size)
 
     def autocast(self):
         if self.amp_dtype is None:
@@ -190,10 +187,12 @@ class Trainer:
         ramp_steps = round(self.args.margin_ramp_epochs * self.steps_per_epoch)
         return spread_loss(out.activations.float(), labels, spread_margin(self.step, ramp_steps))
 
-    def _batches(self, images, labels, epoch: int, *, train: bool, skip: int = 0):
-        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
-        return data.batches(images, labels, self.args.batch_size, shuffle=train, generator=generator,
-                            rank=self.ddp.rank, world_size=self.ddp.world_size, skip=skip)
+    def _training_batches(self):
+        """This epoch's shuffled batches of this rank, from where the epoch stands (resume)."""
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.epoch)
+        return data.batches(self.train_images, self.train_labels, self.args.batch_size, shuffle=True,
+                            generator=generator, rank=self.ddp.rank, world_size=self.ddp.world_size,
+                            skip=self.step_in_epoch)
 
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
         if self.args.shift == 0:
@@ -207,8 +206,8 @@ class Trainer:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step,
-                "epoch_sums": self.epoch_sums, "history": self.history, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
-                "torch_rng": torch.get_rng_state()}
+                "epoch_sums": self.epoch_sums, "history": self.history, "torch_rng": torch.get_rng_state(),
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()}}
 
     def load_state(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -229,8 +228,7 @@ class Trainer:
         sums = torch.tensor(self.epoch_sums[:3], dtype=torch.float64, device=self.device)  # loss * n, correct, n
         start = time.perf_counter() - self.epoch_sums[3]
         try:
-            for images, labels in self._batches(self.train_images, self.train_labels, self.epoch, train=True,
-                                                skip=self.step_in_epoch):
+            for images, labels in self._training_batches():
                 images = self._augment(images).to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
                 with self.autocast():
