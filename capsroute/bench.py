@@ -121,7 +121,7 @@ import torch
 
 import capsroute
 from capsroute import reference
-from capsroute.losses import margin_loss, reconstruction_loss, spread_loss
+from capsroute.losses import training_loss
 from capsroute.nn import set_backend
 
 OPS = {  # op -> the short name that `--op` also accepts
@@ -761,14 +761,6 @@ def make_model_inputs(B: int, device, dtype: torch.dtype, seed: int = 0) -> tupl
     return images, labels
 
 
-def model_loss(op: str, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The training loss of capsroute train: CapsNet margin + reconstruction loss, MatrixCapsNet spread
-    loss (at the margin its schedule starts from)."""
-    if op == "capsnet":
-        return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
-    return spread_loss(out.activations.float(), labels, SPREAD_MARGIN)
-
-
 def get_model_impl(base: torch.nn.Module, impl: str, device: torch.device, dtype: torch.dtype):
     """(model, fn, optimizer) for one impl: a copy of `base` (same weights) on the device with the impl's
     routing backend (MODEL_BACKENDS); fn is the model, or for 'compiled' torch.compile(model) (the whole
@@ -787,13 +779,13 @@ def model_fwd_step(fn, images, labels, device: torch.device, amp=None):
     return step
 
 
-def train_step(op: str, fn, optimizer, images, labels, device: torch.device, amp=None):
+def train_step(fn, optimizer, images, labels, device: torch.device, amp=None):
     """One training step: forward, loss, backward, optimizer.step(); returns the loss (detached).
     Gradients are reset (optimizer.zero_grad(set_to_none=True)) before each call, outside the clock."""
     def step():
         with _autocast(device, amp):
             out = fn(images, labels)
-            loss = model_loss(op, out, images, labels)
+            loss = training_loss(out, images, labels, SPREAD_MARGIN)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -842,7 +834,7 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
     amp = _model_precision(dtype)[1]
     model, fn, optimizer = get_model_impl(base, impl, device, dtype)
     fwd = model_fwd_step(fn, images, labels, device, amp)
-    step = train_step(case.op, fn, optimizer, images, labels, device, amp)
+    step = train_step(fn, optimizer, images, labels, device, amp)
     before = lambda: optimizer.zero_grad(set_to_none=True)  # noqa: E731
 
     before()
@@ -1008,7 +1000,7 @@ def model_max_batch(op: str, impl: str, *, device: torch.device, dtype: torch.dt
         try:
             images, labels = make_model_inputs(b, device, dtype, seed)
             optimizer = torch.optim.Adam(model.parameters(), lr=MODEL_LR)
-            train_step(op, fn, optimizer, images, labels, device, amp)()
+            train_step(fn, optimizer, images, labels, device, amp)()
             synchronize(device)
         finally:
             model.zero_grad(set_to_none=True)

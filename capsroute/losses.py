@@ -35,4 +35,16 @@ def spread_margin(step: int, ramp_steps: int, start: float = 0.2, end: float = 0
     return start + (end - start) * min(1.0, step / ramp_steps)
 
 
-__all__ = ["margin_loss", "reconstruction_loss", "spread_loss", "spread_margin"]
+def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> Tensor:
+    """The objective of each model of capsroute.models, from its output: CapsNet, margin loss plus
+    the scaled reconstruction loss; MatrixCapsNet, spread loss with `margin` (see spread_margin)."""
+    from .models import CapsNetOutput, MatrixCapsNetOutput
+
+    if isinstance(out, CapsNetOutput):
+        return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
+    if isinstance(out, MatrixCapsNetOutput):
+        return spread_loss(out.activations.float(), labels, margin)
+    raise TypeError(f"no training loss for {type(out).__name__}")
+
+
+__all__ = ["margin_loss", "reconstruction_loss", "spread_loss", "spread_margin", "training_loss"]

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data
-from .losses import margin_loss, reconstruction_loss, spread_loss, spread_margin
-from .models import MODELS, CapsNet
+from .losses import spread_margin, training_loss
+from .models import MODELS
 from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -182,10 +182,8 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def loss(self, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.model, CapsNet):
-            return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
         ramp_steps = round(self.args.margin_ramp_epochs * self.steps_per_epoch)
-        return spread_loss(out.activations.float(), labels, spread_margin(self.step, ramp_steps))
+        return training_loss(out, images, labels, spread_margin(self.step, ramp_steps))
 
     def _training_batches(self):
         """This epoch's shuffled batches of this rank, from where the epoch stands (resume)."""

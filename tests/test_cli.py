@@ -204,8 +204,8 @@ def test_model_max_batch(monkeypatch):
     real = bench.train_step
     sizes = []
 
-    def fake_train_step(op, fn, optimizer, images, labels, device, amp=None):
-        step = real(op, fn, optimizer, images, labels, device, amp)
+    def fake_train_step(fn, optimizer, images, labels, device, amp=None):
+        step = real(fn, optimizer, images, labels, device, amp)
 
         def wrapped():
             sizes.append(images.shape[0])
