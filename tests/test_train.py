@@ -90,12 +90,16 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
            *train_args(tmp_path, "--train-subset", "64", "--test-subset", "32", "--epochs", "100000")]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "metrics.json").exists():  # past the first epoch: inside the loop
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.json").exists():  # past the first epoch: inside the loop
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 130, stderr
     assert "--resume" in stderr
     state = checkpoint(tmp_path)
@@ -109,8 +113,14 @@ def test_two_gloo_processes(tmp_path):
            "-m", "capsroute.train",
            *train_args(tmp_path, "--train-subset", "256", "--test-subset", "64", "--epochs", "2")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:  # a hung rendezvous must not leave worker processes behind
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["devices"] == 2 and result["batch_size"] == 64 and result["epochs"] == 2
     assert checkpoint(tmp_path)["step"] == 2 * 4  # 256 images / (2 ranks x 32) per epoch
