@@ -142,6 +142,8 @@ SHAPES = {  # DESIGN.md section 4; for EM ops D is the pose size H (16: 4x4 matr
     "large": dict(I=4608, J=100, D=16, Din=8),
     "em-class": dict(I=512, J=10, D=16, Din=16),   # EM class capsules
     "em-conv": dict(I=288, J=32, D=16, Din=16),    # EM conv capsules: 3*3*32 inputs, B = batch x 36 positions
+    "scale-100": dict(I=16384, J=100, D=32, Din=8),   # far past MNIST: time should grow no faster than the work
+    "scale-1000": dict(I=16384, J=1000, D=32, Din=8),
 }
 DEFAULT_BATCHES = {
     "cpu": {"mnist": [32], "large": [8], "em-class": [16], "em-conv": [2 * 36], None: [32]},

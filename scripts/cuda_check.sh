@@ -2,7 +2,7 @@
 # What a machine with a GPU should run, stage by stage (default: all): the CUDA tests, then
 # compute-sanitizer memcheck and racecheck over scripts/sanitizer_workload.py, then the benchmark.
 # Logs and the benchmark JSON and figures go to $OUT if set (the device tool's output folder), else bench/results.
-#   bash scripts/cuda_check.sh [tests] [sanitize] [bench] [bench-em] [bench-large] [bench-models] [train-capsnet] [train-matrixcapsnet]
+#   bash scripts/cuda_check.sh [tests] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models] [train-capsnet] [train-matrixcapsnet]
 # The train stages need MNIST in data/mnist (git-ignored: copy ../shared/data/mnist there and carry it
 # to the GPU machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a
 # checkpoint (SIGINT is taken between steps); the next call resumes the run in runs/.
@@ -26,6 +26,8 @@ for stage in $stages; do
       python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot --out "$out" || status=1 ;;
     bench-large)
       python -m capsroute.cli bench --device cuda --op dynamic dense --shape large --batch 32 128 --no-progress --plot --out "$out" || status=1 ;;
+    bench-scale)
+      python -m capsroute.cli bench --device cuda --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --no-progress --plot --out "$out" || status=1 ;;
     bench-models)
       python -m capsroute.cli bench --device cuda --op capsnet matrixcapsnet --max-batch --no-progress --plot --out "$out" || status=1 ;;
     train-capsnet|train-matrixcapsnet)
