@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     b.set_defaults(run=bench.run)
 
     t = commands.add_parser("train", help="train a capsule network", description=train.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                            formatter_class=train.HelpFormatter)
     train.add_arguments(t)
     t.set_defaults(run=train.run)
 

@@ -40,6 +40,10 @@ METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_lo
                  "epoch_seconds", "images_per_sec"]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each option's default."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet")
     p.add_argument("--model-config", nargs="*", default=[], metavar="KEY=VALUE",
@@ -409,8 +413,7 @@ def resolve_run_dir(args: argparse.Namespace) -> dict | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="capsroute train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="capsroute train", description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
     return run(p.parse_args(argv))
 
