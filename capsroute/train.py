@@ -45,19 +45,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=sorted(MODELS), default="capsnet")
+    p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
     p.add_argument("--model-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="constructor arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
-    p.add_argument("--dataset", choices=sorted(data.DATASETS), default="mnist")
+    p.add_argument("--dataset", choices=sorted(data.DATASETS), default="mnist", help="the images")
     p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
-                   help="folder with the IDX .gz files (default: $CAPSROUTE_DATA or ./data)")
+                   help="folder with the IDX .gz files ($CAPSROUTE_DATA when set)")
     p.add_argument("--download", action="store_true", help="download missing files (checksums verified)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="passes over the training images")
     p.add_argument("--batch-size", type=int, default=128, help="per process")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--lr-decay", type=float, default=0.96, help="multiplied into the learning rate every --decay-steps")
-    p.add_argument("--decay-steps", type=int, default=2000)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--decay-steps", type=int, default=2000, help="steps per --lr-decay factor")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="Adam's L2 penalty")
     p.add_argument("--shift", type=int, default=2, help="random shift augmentation in pixels (0: none)")
     p.add_argument("--margin-ramp-epochs", type=float, default=5.0,
                    help="MatrixCapsNet: epochs over which the spread-loss margin grows from 0.2 to 0.9")
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=sorted(BACKENDS), default="fused",
                    help="fused capsroute kernels, or the plain PyTorch reference")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights, data order and augmentation")
     p.add_argument("--train-subset", type=int, default=None, help="use the first N training images")
     p.add_argument("--test-subset", type=int, default=None, help="use the first N test images")
     p.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
