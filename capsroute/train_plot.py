@@ -49,7 +49,7 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path:
 
 
 def _show(ax, image: torch.Tensor) -> None:
-    ax.imshow(image.float(), cmap="gray", vmin=0, vmax=1)
+    ax.imshow(image.float().cpu().numpy(), cmap="gray", vmin=0, vmax=1)
     ax.set_axis_off()
 
 
