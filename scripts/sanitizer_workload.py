@@ -2,6 +2,7 @@
 shapes, every storage dtype and option (the shapes are small so memcheck/racecheck stay fast).
 Exits non-zero if an output is not finite or disagrees with the CPU backend."""
 import itertools
+import os
 import sys
 
 import torch
@@ -67,6 +68,35 @@ for dtype, (B, I, J, H), iters in itertools.product(
     inputs = (votes, a_in, *betas)
     check(f"em_routing {dtype} B={B} I={I} J={J} H={H} iters={iters}", em(*[t.to("cuda", dtype) for t in inputs]),
           em(*[t.to(dtype).double() for t in inputs]), tol)
+
+# EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
+# backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
+for dtype, (B, I, J), iters, chunk in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+        [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]):
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
+    pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
+    weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
+    a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+    a_in[:, ::4] = 0  # inputs without mass take the guarded paths
+    betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
+    grads = torch.randn(B, J, 16, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
+
+    def em_pose(*xs):
+        leaves = [t.detach().clone().requires_grad_() for t in xs]
+        pose_out, a_out = capsroute.em_routing_pose(*leaves, iters, final_lambda=0.5)
+        loss = ((pose_out.double() * grads[0].to(pose_out.device)).sum()
+                + (a_out.double() * grads[1].to(a_out.device)).sum())
+        return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+
+    if chunk is None:
+        os.environ.pop("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", None)
+    else:
+        os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
+    inputs = (pose, weight, a_in, *betas)
+    check(f"em_routing_pose {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
+          em_pose(*[t.to("cuda", dtype) for t in inputs]), em_pose(*[t.to(dtype).double() for t in inputs]), tol)
+os.environ.pop("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", None)
 torch.cuda.synchronize()
 print("\n".join(failures) or "all outputs finite and matching the CPU backend")
 sys.exit(1 if failures else 0)

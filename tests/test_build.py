@@ -3,7 +3,7 @@ import torch
 import capsroute
 
 OPS = ["squash", "_squash_backward", "dynamic_routing", "_dynamic_routing_backward", "dense_capsules",
-       "_dense_capsules_backward", "em_routing", "_em_routing_backward"]
+       "_dense_capsules_backward", "em_routing", "_em_routing_backward", "em_routing_pose", "_em_routing_pose_backward"]
 
 
 def test_build_info():

@@ -237,3 +237,89 @@ def test_pose_variant_bad_input(device):
         capsroute.em_routing_pose(pose, weight[:4], a_in, beta_u, beta_a)
     with pytest.raises(RuntimeError, match=r"a_in must have shape \(B, I\) = \(2, 5\)"):
         capsroute.em_routing_pose(pose, weight, a_in[:1], beta_u, beta_a)
+
+
+@pytest.mark.parametrize("iters", [1, 2, 5])
+def test_pose_variant_every_iteration_count(device, iters):
+    ours, ref = run_pose_both(make_pose_inputs(3, 11, 5, device=device), iters)
+    for name, a, e in zip(POSE_NAMES, ours, ref):
+        assert_rel_close(a, e, 1e-10, name)
+
+
+def test_pose_variant_non_contiguous(device):
+    pose = randn(4, 4, 2, 9, device=device).permute(2, 3, 1, 0).requires_grad_()  # (B=2, I=9, 4, 4), transposed
+    weight = (0.5 * randn(5, 9, 4, 4, device=device)).transpose(0, 1).requires_grad_()  # (I=9, J=5, 4, 4)
+    a_in = (0.1 + 0.9 * torch.rand(9, 2, dtype=torch.float64)).to(device).t().requires_grad_()
+    beta_u = randn(10, device=device)[::2].requires_grad_()
+    beta_a = randn(5, device=device, requires_grad=True)
+    assert not (pose.is_contiguous() or weight.is_contiguous() or a_in.is_contiguous() or beta_u.is_contiguous())
+    ours, ref = run_pose_both((pose, weight, a_in, beta_u, beta_a))
+    for name, a, e in zip(POSE_NAMES, ours, ref):
+        assert_rel_close(a, e, 1e-10, name)
+
+
+def test_pose_variant_empty_batch(device):
+    inputs = make_pose_inputs(0, 7, 3, device=device)
+    pose, a_out = capsroute.em_routing_pose(*inputs)
+    assert pose.shape == (0, 3, 16) and a_out.shape == (0, 3)
+    grads = torch.autograd.grad(pose.sum() + a_out.sum(), inputs)
+    assert grads[0].shape == inputs[0].shape and grads[2].shape == inputs[2].shape
+    for k in (1, 3, 4):  # weight and betas: sums over an empty batch
+        assert torch.equal(grads[k], torch.zeros_like(inputs[k]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pose_variant_low_precision_storage(device, dtype):
+    ours, ref = run_pose_both(make_pose_inputs(3, 37, 10, dtype=dtype, device=device))
+    for name, a, e in zip(POSE_NAMES, ours, ref):
+        assert a.dtype == dtype
+        assert torch.isfinite(a).all(), name
+        assert_rel_close(a, e, TOLERANCE[dtype] * 4, name)
+
+
+@pytest.mark.parametrize("case", ["a_in_zeros", "all_a_in_zero", "large_pose"])
+def test_pose_variant_robust(device, case):
+    pose, weight, a_in, beta_u, beta_a = make_pose_inputs(3, 24, 5, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        if case == "a_in_zeros":
+            a_in[:, ::3] = 0
+        elif case == "all_a_in_zero":
+            a_in.zero_()
+        else:
+            pose.mul_(1e3)
+    ours, _ = run_pose_both((pose, weight, a_in, beta_u, beta_a))
+    for name, t in zip(POSE_NAMES, ours):
+        assert torch.isfinite(t).all(), f"{case}: {name} has NaN or Inf"
+
+
+def test_pose_variant_deterministic_for_any_batch_chunking(device, monkeypatch):
+    """The CUDA backward runs the batch in chunks (CAPSROUTE_EM_POSE_BACKWARD_CHUNK overrides their
+    size): the gradients are bitwise the same run after run and for any chunk size."""
+    inputs = make_pose_inputs(9, 21, 6, dtype=torch.float32, device=device)
+    pose, a_out = capsroute.em_routing_pose(*inputs)
+    loss = pose.square().sum() + a_out.sum()
+    runs = []
+    for chunk in (None, None, "1", "4"):
+        if chunk is None:
+            monkeypatch.delenv("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", raising=False)
+        else:
+            monkeypatch.setenv("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", chunk)
+        runs.append(torch.autograd.grad(loss, inputs, retain_graph=True))
+    for other in runs[1:]:
+        for name, a, b in zip(POSE_NAMES[2:], runs[0], other):
+            assert torch.equal(a, b), name
+
+
+def test_pose_variant_stats_work_with_either_backend(device):
+    """The saved statistics have one layout: the backward of either backend reads either's."""
+    inputs = [t.detach() for t in make_pose_inputs(3, 13, 4, device=device)]
+    grad_pose, grad_a = torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    ops = torch.ops.capsroute
+    stats_here = ops.em_routing_pose(*inputs, 3, 0.01, 1e-6)[2]
+    stats_cpu = ops.em_routing_pose(*[t.cpu() for t in inputs], 3, 0.01, 1e-6)[2]
+    assert_rel_close(stats_here, stats_cpu, 1e-10, "stats")
+    want = ops._em_routing_pose_backward(grad_pose, grad_a, *[t.cpu() for t in inputs], stats_cpu, 0.01, 1e-6)
+    got = ops._em_routing_pose_backward(grad_pose.to(device), grad_a.to(device), *inputs, stats_cpu.to(device),
+                                        0.01, 1e-6)
+    for name, a, e in zip(POSE_NAMES[2:], got, want):
+        assert_rel_close(a, e, 1e-10, name)

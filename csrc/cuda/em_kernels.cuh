@@ -2,7 +2,8 @@
 // csrc/cpu/em_element.h, step by step, with the same saved statistics.
 //
 // The kernels are templated on a vote source, as in routing_kernels.cuh (MemoryVotes reads
-// votes (B, I, J, H) from memory; a fused pose variant can compute them instead):
+// votes (B, I, J, H) from memory; PoseVotes below computes V_ij = P_i @ W_ij of em_routing_pose
+// on the fly):
 //   using acc_type = ...;                                    // accumulation type
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jh) const;
 // returning vote V[b, i, j, h] with jh = j * H + h.
@@ -42,6 +43,30 @@ struct EmKernelDims {
   int64_t B, I, J, H, iters;
   double final_lambda;
   __host__ __device__ int64_t stats_block() const { return J * (2 * H + 1); }  // per element and iteration
+};
+
+// ---- the pose vote source (em_routing_pose) ----
+
+constexpr int64_t kPoseSize = 16;  // a 4x4 pose matrix, row-major: H of em_routing_pose
+
+// V[b, i, j, (r, c)] = sum_k P[b, i, r, k] W[i, j, k, c] in the accumulation type, k in order
+// (the CPU's compute_votes): pose (B, I, 4, 4), weight (I, J, 4, 4), both contiguous; H = 16,
+// jh = j * 16 + r * 4 + c.
+template <typename scalar_t, typename acc_t>
+struct PoseVotes {
+  using acc_type = acc_t;
+  const scalar_t* pose;
+  const scalar_t* weight;
+  int64_t I, J;
+  __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jh) const {
+    const int64_t j = jh / kPoseSize, rc = jh - j * kPoseSize, r = rc / 4, c = rc - r * 4;
+    const scalar_t* P = pose + (b * I + i) * kPoseSize + r * 4;   // row r of P_i
+    const scalar_t* W = weight + (i * J + j) * kPoseSize + c;     // column c of W_ij
+    acc_t sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sum += static_cast<acc_t>(P[k]) * static_cast<acc_t>(W[k * 4]);
+    return sum;
+  }
 };
 
 // ---- device helpers ----
@@ -376,6 +401,53 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// Owns the backward workspaces for B elements (dims.B); the kernels may run over any
+// contiguous range of at most that many elements, one after another on the stream.
+template <typename acc_t>
+struct EmBackwardBuffers {
+  at::Tensor R_hist, g_R, norm, g_mu, g_var, g_logit, mass, g_mass;
+  EmBackwardWorkspace<acc_t> ws;
+};
+
+template <typename acc_t>
+EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmKernelDims& dims, const at::TensorOptions& acc_options) {
+  const int64_t B = dims.B, I = dims.I, J = dims.J, H = dims.H, R = dims.iters;
+  EmBackwardBuffers<acc_t> buf;
+  buf.R_hist = at::empty({B, R, I, J}, acc_options);
+  buf.g_R = at::empty({B, I, J}, acc_options);
+  buf.norm = at::empty({B, R, J}, acc_options);
+  buf.g_mu = at::empty({B, J, H}, acc_options);
+  buf.g_var = at::empty({B, J, H}, acc_options);
+  buf.g_logit = at::empty({B, J}, acc_options);
+  buf.mass = at::empty({B, J}, acc_options);
+  buf.g_mass = at::empty({B, J}, acc_options);
+  buf.ws = EmBackwardWorkspace<acc_t>{buf.R_hist.template mutable_data_ptr<acc_t>(),
+                                      buf.g_R.template mutable_data_ptr<acc_t>(),
+                                      buf.norm.template mutable_data_ptr<acc_t>(),
+                                      buf.g_mu.template mutable_data_ptr<acc_t>(),
+                                      buf.g_var.template mutable_data_ptr<acc_t>(),
+                                      buf.g_logit.template mutable_data_ptr<acc_t>(),
+                                      buf.mass.template mutable_data_ptr<acc_t>(),
+                                      buf.g_mass.template mutable_data_ptr<acc_t>()};
+  return buf;
+}
+
+// Launches em_backward_kernel on the current stream over dims.B > 0 elements whose inputs and
+// outputs start at the given pointers (a chunk of a larger batch: pass pointers offset to its
+// first element and a source whose element 0 is that element). ws holds at least dims.B elements.
+template <typename Source, typename scalar_t>
+void launch_em_backward_kernel(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
+                               const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
+                               const typename Source::acc_type* grad_a_out, const EmKernelDims& dims, double eps,
+                               const EmBackwardWorkspace<typename Source::acc_type>& ws,
+                               const EmGrads<typename Source::acc_type>& out) {
+  using acc_t = typename Source::acc_type;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  em_backward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
+      src, a_in, beta_u, stats, grad_pose, grad_a_out, dims, static_cast<acc_t>(eps), ws, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Allocates the workspaces and launches the backward on the current stream (B > 0). stats,
 // grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
 // g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous).
@@ -384,27 +456,63 @@ void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t*
                         const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmKernelDims& dims,
                         double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
   using acc_t = typename Source::acc_type;
-  const int64_t B = dims.B, I = dims.I, J = dims.J, H = dims.H, R = dims.iters;
-  const auto acc_options = stats.options();
-  at::Tensor R_hist = at::empty({B, R, I, J}, acc_options);
-  at::Tensor g_R = at::empty({B, I, J}, acc_options);
-  at::Tensor norm = at::empty({B, R, J}, acc_options);
-  at::Tensor g_mu = at::empty({B, J, H}, acc_options);
-  at::Tensor g_var = at::empty({B, J, H}, acc_options);
-  at::Tensor g_logit = at::empty({B, J}, acc_options);
-  at::Tensor mass = at::empty({B, J}, acc_options);
-  at::Tensor g_mass = at::empty({B, J}, acc_options);
-  const EmBackwardWorkspace<acc_t> ws{R_hist.mutable_data_ptr<acc_t>(),  g_R.mutable_data_ptr<acc_t>(),
-                                      norm.mutable_data_ptr<acc_t>(),    g_mu.mutable_data_ptr<acc_t>(),
-                                      g_var.mutable_data_ptr<acc_t>(),   g_logit.mutable_data_ptr<acc_t>(),
-                                      mass.mutable_data_ptr<acc_t>(),    g_mass.mutable_data_ptr<acc_t>()};
+  // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
+  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(dims, stats.options());
   const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
                            g_beta.mutable_data_ptr<acc_t>()};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  em_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-      src, a_in, beta_u, stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
-      grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), ws, out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_em_backward_kernel(src, a_in, beta_u, stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
+                            grad_a_out.const_data_ptr<acc_t>(), dims, eps, buf.ws, out);
+}
+
+// ---- em_routing_pose: contracting the vote gradient with the pose and the weight ----
+//
+// V_ij = P_i W_ij (4x4), so with G = g_V_ij (the em backward's vote gradient, (B, I, J, 16) in
+// the accumulation dtype): g_P_i = sum_j G W_ij^T and g_W_ij = sum_b P_i^T G.
+
+// grad_pose[b, i, r, k] = sum_j sum_c G[b, i, j, r, c] W[i, j, k, c], j then c in order (the
+// CPU's order); thread per (b, i, r, k) over B elements (a chunk: g_V and grad_pose offset).
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    pose_grad_pose_kernel(const acc_t* g_V, const scalar_t* weight, int64_t B, int64_t I, int64_t J,
+                          scalar_t* grad_pose) {
+  const int64_t n = B * I * kPoseSize;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t bi = idx / kPoseSize, rk = idx - bi * kPoseSize, r = rk / 4, k = rk - r * 4;
+    const int64_t i = bi % I;
+    const acc_t* G = g_V + bi * J * kPoseSize + r * 4;          // row r of G_ij, j = 0
+    const scalar_t* W = weight + i * J * kPoseSize + k * 4;     // row k of W_ij, j = 0
+    acc_t sum = 0;
+    for (int64_t j = 0; j < J; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sum += G[j * kPoseSize + c] * static_cast<acc_t>(W[j * kPoseSize + c]);
+    }
+    grad_pose[idx] = static_cast<scalar_t>(sum);
+  }
+}
+
+// g_W[i, j, k, c] = (accumulate ? g_W[i, j, k, c] : 0) + sum_b sum_r P[b, i, r, k] G[b, i, j, r, c],
+// b then r in order; thread per (i, j, k, c). Called chunk after chunk of the batch with
+// accumulate set after the first, it adds the elements one by one in batch order into one
+// running sum in the accumulation dtype: the result does not depend on the chunking.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose, int64_t B, int64_t I, int64_t J, bool accumulate,
+                            acc_t* g_W) {
+  const int64_t n = I * J * kPoseSize;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t ij = idx / kPoseSize, kc = idx - ij * kPoseSize, k = kc / 4, c = kc - k * 4;
+    const int64_t i = ij / J;
+    acc_t sum = accumulate ? g_W[idx] : acc_t(0);
+    for (int64_t b = 0; b < B; ++b) {
+      const scalar_t* P = pose + (b * I + i) * kPoseSize + k;    // column k of P_i
+      const acc_t* G = g_V + (b * I * J + ij) * kPoseSize + c;   // column c of G_ij
+#pragma unroll
+      for (int r = 0; r < 4; ++r) sum += static_cast<acc_t>(P[r * 4]) * G[r * 4];
+    }
+    g_W[idx] = sum;
+  }
 }
 
 }  // namespace cuda
