@@ -547,17 +547,22 @@ def _dynamo_stats() -> dict:
         return {}
 
 
+def _reset_dynamo() -> None:
+    """A fresh torch.compile state, so compile time and graph counts are this impl's own."""
+    torch._dynamo.reset()
+    try:
+        from torch._dynamo.utils import counters
+        counters.clear()
+    except Exception:  # noqa: BLE001  (private API: optional)
+        pass
+
+
 def bench_impl(case: Case, impl: str, inputs, grad, *, iters: int, device: torch.device, repeats: int,
                warmup: int, max_seconds: float, inference: bool, ref_snap: dict | None) -> tuple[dict, dict | None]:
     """Measures one implementation on one case; returns (partial record, snapshot for checks)."""
     rec: dict = {}
     if impl == "compiled":
-        torch._dynamo.reset()
-        try:
-            from torch._dynamo.utils import counters
-            counters.clear()
-        except Exception:
-            pass
+        _reset_dynamo()
     fn = get_impl(case.op, impl)
     fwd = fwd_step(fn, inputs, iters)
     fwd_bwd = fwd_bwd_step(fn, inputs, grad, iters)
@@ -827,12 +832,7 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
     first-step parameter gradients are the snapshot compared with eager's."""
     rec: dict = {}
     if impl == "compiled":
-        torch._dynamo.reset()
-        try:
-            from torch._dynamo.utils import counters
-            counters.clear()
-        except Exception:
-            pass
+        _reset_dynamo()
     amp = _model_precision(dtype)[1]
     model, fn, optimizer = get_model_impl(base, impl, device, dtype)
     fwd = model_fwd_step(fn, images, labels, device, amp)

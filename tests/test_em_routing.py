@@ -172,6 +172,13 @@ def test_bad_input_raises_a_clear_error(device, call, message):
         call(*inputs)
 
 
+def test_backward_names_saved_statistics_of_the_wrong_rank(device):
+    votes, a_in, beta_u, beta_a = (t.detach() for t in make_inputs(2, 5, 3, 4, device=device))
+    pose, a_out, stats = torch.ops.capsroute.em_routing(votes, a_in, beta_u, beta_a, 2, 0.01, 1e-6)
+    with pytest.raises(RuntimeError, match=r"stats must have shape \(B, iters, J, 2H \+ 1\)"):
+        torch.ops.capsroute._em_routing_backward(pose, a_out, votes, a_in, beta_u, beta_a, stats[0], 0.01, 1e-6)
+
+
 @settings(max_examples=20, deadline=None)
 @given(B=st.integers(1, 3), I=st.integers(1, 30), J=st.integers(1, 8), H=st.sampled_from([1, 4, 16]),
        iters=st.integers(1, 4), scale=st.sampled_from([1e-2, 1.0, 30.0]), seed=st.integers(0, 2**31))

@@ -136,6 +136,13 @@ inline void check_em_routing_pose_inputs(const at::Tensor& pose, const at::Tenso
 
 // What an EM routing backward gets besides the forward's inputs: grad_pose (B, J, H),
 // grad_a_out (B, J) and the saved stats (B, iters, J, 2H + 1).
+// The iteration count of saved EM statistics (B, iters, J, 2H + 1), read before the other inputs
+// are checked, so that a stats tensor of the wrong rank is named as such.
+inline int64_t em_stats_iters(const at::Tensor& stats) {
+  TORCH_CHECK(stats.dim() == 4, "capsroute: stats must have shape (B, iters, J, 2H + 1), got ", stats.sizes());
+  return stats.size(1);
+}
+
 inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const at::Tensor& stats,
                                      int64_t B, int64_t J, int64_t H) {
   TORCH_CHECK(stats.dim() == 4 && stats.size(0) == B && stats.size(2) == J && stats.size(3) == 2 * H + 1,

@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
     const at::Tensor& grad_pose_in, const at::Tensor& grad_a_out_in, const at::Tensor& votes_in,
     const at::Tensor& a_in_in, const at::Tensor& beta_u_in, const at::Tensor& beta_a_in, const at::Tensor& stats_in,
     double final_lambda, double eps) {
-  const int64_t iters = stats_in.dim() == 4 ? stats_in.size(1) : 0;
+  const int64_t iters = em_stats_iters(stats_in);
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   const int64_t B = votes_in.size(0);
   check_em_backward_inputs(grad_pose_in, grad_a_out_in, stats_in, B, votes_in.size(2), votes_in.size(3));
