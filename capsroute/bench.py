@@ -547,6 +547,11 @@ def _dynamo_stats() -> dict:
         return {}
 
 
+def eager_first(impls) -> list[str]:
+    """The impls in measuring order: eager first, its values being the reference the others are checked against."""
+    return sorted(impls, key=("eager", "capsroute", "compiled").index)
+
+
 def _reset_dynamo() -> None:
     """A fresh torch.compile state, so compile time and graph counts are this impl's own."""
     torch._dynamo.reset()
@@ -674,9 +679,7 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
         return records
 
     ref_snap = None
-    # eager first: its values are the reference the others are checked against
-    order = sorted(impls, key=lambda i: {"eager": 0, "capsroute": 1, "compiled": 2}[i])
-    for impl in order:
+    for impl in eager_first(impls):
         if progress is not None:
             progress.set_postfix_str(f"{case.label()} {impl}")
         if impl == "capsroute" and not capsroute_supports(case.op, device):
@@ -927,8 +930,7 @@ def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, devic
         return records
 
     ref_snap = None
-    order = sorted(impls, key=lambda i: {"eager": 0, "capsroute": 1, "compiled": 2}[i])
-    for impl in order:
+    for impl in eager_first(impls):
         if progress is not None:
             progress.set_postfix_str(f"{case.label()} {impl}")
         if impl == "capsroute" and not model_supported(case.op, device):
