@@ -227,7 +227,9 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def train_epoch(self, progress) -> dict:
         self.net.train()
-        sums = torch.tensor(self.epoch_sums[:3], dtype=torch.float64, device=self.device)  # loss * n, correct, n
+        # loss * n and correct on the device (no sync per step); the image count on the host
+        sums = torch.tensor(self.epoch_sums[:2], dtype=torch.float64, device=self.device)
+        seen = self.epoch_sums[2]
         start = time.perf_counter() - self.epoch_sums[3]
         try:
             for images, labels in self._training_batches():
@@ -242,14 +244,14 @@ class Trainer:
                 self.scaler.update()
                 self.scheduler.step()
                 with torch.no_grad():
-                    n = labels.numel()
-                    sums += torch.stack([loss.detach().double() * n, (out.scores.argmax(-1) == labels).sum().double(),
-                                         torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+                    seen += labels.numel()
+                    sums += torch.stack([loss.detach().double() * labels.numel(),
+                                         (out.scores.argmax(-1) == labels).sum().double()])
                 self.step += 1
                 self.step_in_epoch += 1
                 progress.update(1)
                 if self.step_in_epoch % 10 == 0 or self.step_in_epoch == self.steps_per_epoch:
-                    loss_sum, correct, seen = sums.tolist()
+                    loss_sum, correct = sums.tolist()
                     rate = seen * self.ddp.world_size / (time.perf_counter() - start)
                     progress.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.4f}",
                                          img_s=f"{rate:.0f}")
@@ -258,7 +260,7 @@ class Trainer:
                 if self.args.max_steps is not None and self.step >= self.args.max_steps:
                     break
         finally:  # also on Ctrl-C: the checkpoint then carries this epoch's sums so far
-            self.epoch_sums = sums.tolist() + [time.perf_counter() - start]
+            self.epoch_sums = sums.tolist() + [seen, time.perf_counter() - start]
         loss_sum, correct, seen = self.ddp.sum(self.epoch_sums[:3], self.device)
         elapsed = self.epoch_sums[3]
         return {"train_loss": loss_sum / max(seen, 1), "train_accuracy": correct / max(seen, 1),
@@ -281,7 +283,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.net.eval()
-        loss_sum = correct = seen = 0.0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss * n, correct
+        seen = 0
         # Evaluate on unique test images: no padding to equal shards here.
         shard = slice(self.ddp.rank, None, self.ddp.world_size)
         images_all, labels_all = self.test_images[shard], self.test_labels[shard]
@@ -290,10 +293,10 @@ class Trainer:
             labels = labels_all[start:start + self.args.batch_size].to(self.device)
             with self.autocast():
                 out = self.model(images)
-                loss_sum += self.loss(out, images, labels).item() * labels.numel()
-            correct += (out.scores.argmax(-1) == labels).sum().item()
+                loss = self.loss(out, images, labels)
+            sums += torch.stack([loss.double() * labels.numel(), (out.scores.argmax(-1) == labels).sum().double()])
             seen += labels.numel()
-        loss_sum, correct, seen = self.ddp.sum([loss_sum, correct, seen], self.device)
+        loss_sum, correct, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
         accuracy = correct / max(seen, 1)
         return {"test_loss": loss_sum / max(seen, 1), "test_accuracy": accuracy, "test_error": 1 - accuracy}
 
