@@ -649,6 +649,34 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
                 "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": f_fwd, "floor_bound": bound,
                 **fm}
 
+    def measure(impl, inputs, ref_snap):
+        try:
+            return bench_impl(case, impl, *inputs, iters=iters, device=device, repeats=repeats, warmup=warmup,
+                              max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
+        finally:
+            clear_grads(inputs[0])
+
+    unsupported = None if capsroute_supports(case.op, device) else \
+        f"capsroute has no {device.type.upper()} kernel for {case.op} in this build"
+    records = _bench_impls(case, impls, device, base=base, estimate=lambda impl: estimated_bytes(case, impl, itemsize),
+                           make_inputs=lambda: make_inputs(case.op, case, dtype, device, seed), unsupported=unsupported,
+                           measure=measure, note=note, progress=progress)
+    for r in records:
+        if "skipped" not in r:
+            r["floor_x"] = r["fwd_bwd_ms"] / f_all if f_all > 0 else None
+            r["floor_fwd_x"] = r["fwd_ms"] / f_fwd if f_fwd > 0 else None
+    return records
+
+
+def _bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str], dict],
+                 estimate: Callable[[str], int], make_inputs: Callable[[], object], unsupported: str | None,
+                 measure: Callable, note: Callable[[str], None], progress) -> list[dict]:
+    """The loop of bench_case and bench_model_case: each impl on one case, eager first, so that
+    measure(impl, inputs, ref_snap) -> (record, snapshot) can check the others against eager's
+    snapshot. An impl is skipped, with the reason in its record, where capsroute is `unsupported`
+    on this device, where on the CPU `estimate(impl)` bytes exceed 80% of the available memory (the
+    OOM killer would end the run; CUDA raises OutOfMemoryError instead), or where it fails. Returns
+    {**base(impl), **record} per impl with the ratios to capsroute, in IMPLS order."""
     records = []
 
     def skip(impl, reason):
@@ -657,9 +685,9 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
 
     avail = available_bytes(device)
     too_big = {}
-    if device.type == "cpu" and avail is not None:  # CUDA raises OutOfMemoryError; the CPU may meet the OOM killer
+    if device.type == "cpu" and avail is not None:
         for impl in impls:
-            need = estimated_bytes(case, impl, itemsize)
+            need = estimate(impl)
             if need > 0.8 * avail:
                 too_big[impl] = f"estimated {need / 2**30:.1f} GiB > 80% of the {avail / 2**30:.1f} GiB available"
         if len(too_big) == len(impls):
@@ -667,35 +695,32 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
                 skip(impl, too_big[impl])
             return records
     try:
-        inputs, grad = make_inputs(case.op, case, dtype, device, seed)
+        inputs = make_inputs()
     except Exception as e:  # noqa: BLE001
         if not is_oom(e):
             raise
-        reason = "out of memory creating the inputs"
         del e
         free_memory(device)
         for impl in impls:
-            skip(impl, reason)
+            skip(impl, "out of memory creating the inputs")
         return records
 
     ref_snap = None
     for impl in eager_first(impls):
         if progress is not None:
             progress.set_postfix_str(f"{case.label()} {impl}")
-        if impl == "capsroute" and not capsroute_supports(case.op, device):
-            skip(impl, f"capsroute has no {device.type.upper()} kernel for {case.op} in this build")
+        if impl == "capsroute" and unsupported is not None:
+            skip(impl, unsupported)
             continue
         if impl in too_big:
             skip(impl, too_big[impl])
             continue
         failure = None
         try:
-            rec, snap = bench_impl(case, impl, inputs, grad, iters=iters, device=device, repeats=repeats,
-                                   warmup=warmup, max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
+            rec, snap = measure(impl, inputs, ref_snap)
         except Exception as e:  # noqa: BLE001
             failure = _failure(e)
             del e
-        clear_grads(inputs)
         free_memory(device)
         if failure is not None:
             skip(impl, failure)
@@ -703,13 +728,9 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
         if impl == "eager":
             ref_snap = snap
         del snap
-        r = {**base(impl), **rec}
-        r["floor_x"] = r["fwd_bwd_ms"] / f_all if f_all > 0 else None
-        r["floor_fwd_x"] = r["fwd_ms"] / f_fwd if f_fwd > 0 else None
-        records.append(r)
-    del inputs, grad, ref_snap
+        records.append({**base(impl), **rec})
+    del inputs, ref_snap
     free_memory(device)
-
     _add_ratios(records)
     records.sort(key=lambda r: IMPLS.index(r["impl"]))
     return records
@@ -902,65 +923,20 @@ def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, devic
     def base(impl):
         return {"op": case.op, "shape": case.shape(), "dtype": str(dtype).replace("torch.", ""), "impl": impl,
                 "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": None,
-                "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": None, "params": params,
+                "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": None, "floor_x": None,
+                "floor_fwd_x": None, "params": params,
                 "optimizer": "Adam", "amp": None if amp is None else str(amp).replace("torch.", "")}
 
-    records = []
+    def measure(impl, inputs, ref_snap):
+        return bench_model_impl(case, impl, base_model, *inputs, dtype=dtype, device=device, repeats=repeats,
+                                warmup=warmup, max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
 
-    def skip(impl, reason):
-        note(f"skipped {case.label()} {impl}: {reason}")
-        records.append({**base(impl), "skipped": reason})
-
-    avail = available_bytes(device)
-    too_big = {}
-    if device.type == "cpu" and avail is not None:
-        for impl in impls:
-            need = model_estimated_bytes(case, impl, itemsize, params)
-            if need > 0.8 * avail:
-                too_big[impl] = f"estimated {need / 2**30:.1f} GiB > 80% of the {avail / 2**30:.1f} GiB available"
-    try:
-        images, labels = make_model_inputs(case.B, device, dtype, seed)
-    except Exception as e:  # noqa: BLE001
-        if not is_oom(e):
-            raise
-        del e
-        free_memory(device)
-        for impl in impls:
-            skip(impl, "out of memory creating the inputs")
-        return records
-
-    ref_snap = None
-    for impl in eager_first(impls):
-        if progress is not None:
-            progress.set_postfix_str(f"{case.label()} {impl}")
-        if impl == "capsroute" and not model_supported(case.op, device):
-            skip(impl, f"capsroute has no {device.type.upper()} kernel for {'/'.join(MODEL_KERNELS[case.op])} "
-                       "in this build")
-            continue
-        if impl in too_big:
-            skip(impl, too_big[impl])
-            continue
-        failure = None
-        try:
-            rec, snap = bench_model_impl(case, impl, base_model, images, labels, dtype=dtype, device=device,
-                                         repeats=repeats, warmup=warmup, max_seconds=max_seconds,
-                                         inference=inference, ref_snap=ref_snap)
-        except Exception as e:  # noqa: BLE001
-            failure = _failure(e)
-            del e
-        free_memory(device)
-        if failure is not None:
-            skip(impl, failure)
-            continue
-        if impl == "eager":
-            ref_snap = snap
-        del snap
-        records.append({**base(impl), **rec, "floor_x": None, "floor_fwd_x": None})
-    del images, labels, ref_snap, base_model
-    free_memory(device)
-    _add_ratios(records)
-    records.sort(key=lambda r: IMPLS.index(r["impl"]))
-    return records
+    unsupported = None if model_supported(case.op, device) else \
+        f"capsroute has no {device.type.upper()} kernel for {'/'.join(MODEL_KERNELS[case.op])} in this build"
+    return _bench_impls(case, impls, device, base=base,
+                        estimate=lambda impl: model_estimated_bytes(case, impl, itemsize, params),
+                        make_inputs=lambda: make_model_inputs(case.B, device, dtype, seed), unsupported=unsupported,
+                        measure=measure, note=note, progress=progress)
 
 
 def find_max_batch(step: Callable[[int], object], cap: int = MAX_BATCH_CAP, *,
