@@ -28,12 +28,15 @@ def run(fn, inputs, grad):
     return [v.detach()] + list(torch.autograd.grad(v, leaves, grad.to(v.dtype)))
 
 
-for dtype, (B, I, J, D, Din), leaky, detach in itertools.product(
+# Dynamic routing, with the rows of each element in one block and (CAPSROUTE_ROUTING_SPLITS) in
+# ranges of one block each, more ranges than rows included.
+for dtype, (B, I, J, D, Din), leaky, detach, splits in itertools.product(
         [torch.float32, torch.float64, torch.float16, torch.bfloat16],
         [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)],
-        [False, True], [False, True]):
+        [False, True], [False, True], ["1", "3"]):
+    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
-    label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach}"
+    label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach} splits={splits}"
     votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
     bias = torch.randn(J, D, dtype=torch.float64) * 0.1
     u = torch.randn(B, I, Din, dtype=torch.float64)
@@ -47,6 +50,8 @@ for dtype, (B, I, J, D, Din), leaky, detach in itertools.product(
         cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
         cpu_out = run(fn, [t.to(dtype).double() for t in inputs], g)  # CPU float64 on the same rounded values
         check(f"{name} {label}", cuda_out, cpu_out, tol)
+
+os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 
 # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
 for dtype, (B, I, J, H), iters in itertools.product(

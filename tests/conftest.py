@@ -7,10 +7,8 @@ import capsroute  # noqa: F401  (registers the ops)
 
 HAS_CUDA = torch.cuda.is_available()
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
-]
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
+DEVICES = ["cpu", CUDA]
 
 # Storage dtypes each device supports, with the relative tolerance against a float64 reference.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}

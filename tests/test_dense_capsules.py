@@ -5,7 +5,7 @@ import torch
 
 import capsroute
 from capsroute import reference
-from conftest import TOLERANCE, assert_rel_close, randn
+from conftest import CUDA, TOLERANCE, assert_rel_close, randn
 
 SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 4, 5), (1, 5, 1, 8, 1), (4, 19, 10, 32, 3)]  # B, I, J, D, Din
 
@@ -55,6 +55,20 @@ def test_low_precision_storage(device, dtype):
     for a, e in zip(ours, ref):
         assert a.dtype == dtype
         assert_rel_close(a, e, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("splits", ["3", "300"])
+@pytest.mark.parametrize("detach", [False, True])
+def test_row_ranges_match_reference(device, monkeypatch, splits, detach):
+    """The row-range path of the CUDA routing kernels (see test_dynamic_routing) with votes
+    computed from the weight: the reference's results for any number of ranges."""
+    monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
+    B, I, J, D, Din = 2, 133, 10, 16, 8
+    u, weight, bias = make_inputs(B, I, J, D, Din, device=device)
+    ours, ref = run_both(u, weight, bias, 3, True, detach, randn(B, J, D, device=device))
+    for name, a, e in zip(["v", "grad_u", "grad_weight", "grad_bias"], ours, ref):
+        assert_rel_close(a, e, 1e-10, name)
 
 
 def test_gradcheck(device):

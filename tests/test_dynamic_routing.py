@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import capsroute
 from capsroute import reference
-from conftest import HAS_CUDA, TOLERANCE, assert_rel_close, randn
+from conftest import CUDA, HAS_CUDA, TOLERANCE, assert_rel_close, randn
 
 # Odd sizes: I and J not multiples of 32, D in {4, 8, 16, 32}.
 SHAPES = [(3, 37, 7, 16), (2, 65, 33, 4), (1, 5, 1, 8), (4, 19, 10, 32), (2, 1, 3, 8)]
@@ -147,6 +147,42 @@ def test_deterministic(device):
         runs.append((v,) + torch.autograd.grad(v, (votes, bias), grad))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+# Options for the row-range tests: (iters, leaky, detach, bias).
+SPLIT_OPTIONS = [(3, False, False, True), (3, True, True, False), (1, False, False, True), (2, True, False, True)]
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("splits", ["2", "5", "300"])
+@pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
+def test_row_ranges_match_reference(device, monkeypatch, splits, iters, leaky, detach, with_bias):
+    """When the batch is too small to fill the GPU, each element's rows are routed in ranges, one
+    block each, whose partial sums are added in order (CAPSROUTE_ROUTING_SPLITS forces how many):
+    the results are the reference's for any number of ranges, more ranges than rows included."""
+    monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
+    B, I, J, D = 3, 133, 10, 16
+    votes = randn(B, I, J, D, device=device, scale=0.3, requires_grad=True)
+    bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
+    ours, ref = run_both(votes, bias, iters, leaky, detach, randn(B, J, D, device=device))
+    for name, a, e in zip(["v", "c", "grad_votes", "grad_bias"], ours, ref):
+        assert_rel_close(a, e, 1e-10, name)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_row_ranges_deterministic_and_checked(device, monkeypatch):
+    votes = randn(2, 300, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
+    grad = randn(2, 10, 16, dtype=torch.float32, device=device)
+    monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "4")
+    runs = []
+    for _ in range(2):
+        v = capsroute.dynamic_routing(votes)
+        runs.append((v,) + torch.autograd.grad(v, votes, grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "0")
+    with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_SPLITS must be an integer >= 1"):
+        capsroute.dynamic_routing(votes)
 
 
 @settings(max_examples=25, deadline=None)

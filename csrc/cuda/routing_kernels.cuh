@@ -6,7 +6,8 @@
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jd) const;
 // returning vote u[b, i, j, d] with jd = j * D + d.
 //
-// Structure (one thread block of kBlockThreads threads per batch element b; everything that
+// Structure (one thread block of kBlockThreads threads per batch element b, or per range of its
+// input rows when the batch is too small to fill the GPU, see routing_splits; everything that
 // scales with I, J or D lives in global-memory workspaces in the accumulation dtype, so any
 // size works and no shared memory is needed):
 //   * "warp per row": warp w handles input rows i = i0 + w, i0 + w + nwarps, ... of a tile;
@@ -24,7 +25,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "../common/math.h"
 #include "utils.cuh"
@@ -102,7 +105,23 @@ __device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t 
   }
 }
 
-// ---- forward ----
+// ---- rows of one element ----
+//
+// Each element's I input rows are routed by one block (splits = 1, the fused kernels) or, when
+// the batch alone cannot fill the GPU, split into `splits` contiguous ranges, one block each,
+// whose partial sums over their rows are added up, in range order, by a per-element kernel
+// between phases (the split kernels). Both run the same device functions below.
+
+struct RowRange {
+  int64_t begin, end;
+};
+
+// Rows of range g of `splits` over I rows (empty when g * ceil(I / splits) >= I).
+__host__ __device__ __forceinline__ RowRange split_rows(int64_t I, int64_t splits, int64_t g) {
+  const int64_t chunk = ceil_div<int64_t>(I, splits);
+  const int64_t begin = g * chunk < I ? g * chunk : I;
+  return {begin, begin + chunk < I ? begin + chunk : I};
+}
 
 // Per element b, slices of: logits (B, I, J), coupling (B, I, J), v (B, J, D).
 template <typename acc_t>
@@ -112,66 +131,145 @@ struct ForwardWorkspace {
   acc_t* v;
 };
 
+// Iteration r of the forward over `rows` of element b: b^r_ij = b^{r-1}_ij + <u_ij, v^{r-1}_j>
+// (b^0 = 0) and c^r = softmax (warp per row; written to c_out at the last iteration), then
+// s_acc_jd += sum_i c_ij u_ijd (column owners, over s_acc as they left it).
+template <typename Source, typename scalar_t>
+__device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRange rows, int64_t r,
+                                             const RoutingDims& dims,
+                                             const ForwardWorkspace<typename Source::acc_type>& ws, scalar_t* c_out,
+                                             typename Source::acc_type* s_acc) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+  acc_t* logits = ws.logits + b * I * J;
+  acc_t* coupling = ws.coupling + b * I * J;
+  const acc_t* v = ws.v + b * JD;  // v^{r-1}
+  for (int64_t i0 = rows.begin; i0 < rows.end; i0 += kRoutingTile) {
+    const int64_t i1 = i0 + kRoutingTile < rows.end ? i0 + kRoutingTile : rows.end;
+    // Phase 1, warp per row.
+    for (int64_t i = i0 + warp; i < i1; i += nwarps) {
+      acc_t* li = logits + i * J;
+      for (int64_t j = lane; j < J; j += kWarpSize) {
+        acc_t logit = 0;
+        if (r > 0) {
+          const acc_t* vj = v + j * D;
+          acc_t agreement = 0;
+          for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * vj[d];
+          logit = li[j] + agreement;
+        }
+        li[j] = logit;
+      }
+      acc_t* ci = coupling + i * J;
+      warp_coupling_row(li, J, dims.leaky, ci, lane);
+      if (r == dims.iters - 1) {
+        for (int64_t j = lane; j < J; j += kWarpSize) c_out[(b * I + i) * J + j] = static_cast<scalar_t>(ci[j]);
+      }
+    }
+    __syncthreads();  // coupling of the tile written by warps, read by column owners
+    // Phase 2, column owners.
+    for (int64_t jd = tid; jd < JD; jd += nthreads) {
+      const int64_t j = jd / D;
+      acc_t acc = s_acc[jd];
+      for (int64_t i = i0; i < i1; ++i) acc += coupling[i * J + j] * src(b, i, jd);
+      s_acc[jd] = acc;
+    }
+    __syncthreads();  // end of tile
+  }
+}
+
+// v^r = squash(s^r) of element b (s complete), and v_out at the last iteration.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r, const RoutingDims& dims, acc_t eps,
+                                                         const acc_t* s, acc_t* v, scalar_t* v_out) {
+  const int64_t JD = dims.J * dims.D;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  __syncthreads();  // s complete (also when no row ran)
+  block_squash(s, dims.J, dims.D, eps, v, tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize);
+  __syncthreads();  // v^r complete before the next iteration's agreement (or the copy) reads it
+  if (r == dims.iters - 1) {
+    for (int64_t jd = tid; jd < JD; jd += nthreads) v_out[b * JD + jd] = static_cast<scalar_t>(v[jd]);
+    __syncthreads();
+  }
+}
+
+// ---- forward ----
+
 // Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J).
-// bias (J, D) or nullptr.
+// bias (J, D) or nullptr. One block per element, every iteration.
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads)
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
                            const typename Source::acc_type eps, const ForwardWorkspace<typename Source::acc_type> ws,
                            typename Source::acc_type* s_hist, scalar_t* v_out, scalar_t* c_out) {
   using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D, R = dims.iters;
-  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
-
+  const int64_t JD = dims.J * dims.D, R = dims.iters;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
-    acc_t* logits = ws.logits + b * I * J;
-    acc_t* coupling = ws.coupling + b * I * J;
-    acc_t* v = ws.v + b * JD;  // v^{r-1} while iteration r runs
-
     for (int64_t r = 0; r < R; ++r) {
       acc_t* s = s_hist + (b * R + r) * JD;
-      // Column owners: s = bias (their own columns only until the squash below).
-      for (int64_t jd = tid; jd < JD; jd += nthreads) s[jd] = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
-
-      for (int64_t i0 = 0; i0 < I; i0 += kRoutingTile) {
-        const int64_t i1 = i0 + kRoutingTile < I ? i0 + kRoutingTile : I;
-        // Phase 1, warp per row: b^r_ij = b^{r-1}_ij + <u_ij, v^{r-1}_j> (b^0 = 0), c^r = softmax.
-        for (int64_t i = i0 + warp; i < i1; i += nwarps) {
-          acc_t* li = logits + i * J;
-          for (int64_t j = lane; j < J; j += kWarpSize) {
-            acc_t logit = 0;
-            if (r > 0) {
-              const acc_t* vj = v + j * D;
-              acc_t agreement = 0;
-              for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * vj[d];
-              logit = li[j] + agreement;
-            }
-            li[j] = logit;
-          }
-          acc_t* ci = coupling + i * J;
-          warp_coupling_row(li, J, dims.leaky, ci, lane);
-          if (r == R - 1) {
-            for (int64_t j = lane; j < J; j += kWarpSize) c_out[(b * I + i) * J + j] = static_cast<scalar_t>(ci[j]);
-          }
-        }
-        __syncthreads();  // coupling of the tile written by warps, read by column owners
-        // Phase 2, column owners: s_jd += sum_{i in tile} c_ij u_ijd.
-        for (int64_t jd = tid; jd < JD; jd += nthreads) {
-          const int64_t j = jd / D;
-          acc_t acc = s[jd];
-          for (int64_t i = i0; i < i1; ++i) acc += coupling[i * J + j] * src(b, i, jd);
-          s[jd] = acc;
-        }
-        __syncthreads();  // end of tile
-      }
-      __syncthreads();  // s complete (also when I == 0 and no tile ran)
-      block_squash(s, J, D, eps, v, warp, nwarps, lane);
-      __syncthreads();  // v^r complete before the next iteration's agreement reads it
+      for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) s[jd] = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
+      forward_rows(src, b, {0, dims.I}, r, dims, ws, c_out, s);
+      finish_forward_iteration(b, r, dims, eps, s, ws.v + b * JD, v_out);
     }
-    for (int64_t jd = tid; jd < JD; jd += nthreads) v_out[b * JD + jd] = static_cast<scalar_t>(v[jd]);
+  }
+}
+
+// Split forward, iteration r, block per (b, g): partial[b, g] = sum over range g's rows.
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
+                                const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
+                                typename Source::acc_type* partial) {
+  using acc_t = typename Source::acc_type;
+  const int64_t JD = dims.J * dims.D;
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    acc_t* s_acc = partial + item * JD;
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) s_acc[jd] = 0;
+    forward_rows(src, item / splits, split_rows(dims.I, splits, item % splits), r, dims, ws, c_out, s_acc);
     __syncthreads();
   }
+}
+
+// Split forward, iteration r, block per b: s^r = bias + the partials in range order; v^r.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_forward_reduce_kernel(const acc_t* partial, const int64_t splits, const scalar_t* bias,
+                                  const RoutingDims dims, const int64_t r, const acc_t eps, acc_t* v_ws,
+                                  acc_t* s_hist, scalar_t* v_out) {
+  const int64_t JD = dims.J * dims.D;
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    acc_t* s = s_hist + (b * dims.iters + r) * JD;
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
+      acc_t sum = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
+      for (int64_t g = 0; g < splits; ++g) sum += partial[(b * splits + g) * JD + jd];
+      s[jd] = sum;
+    }
+    finish_forward_iteration(b, r, dims, eps, s, v_ws + b * JD, v_out);
+  }
+}
+
+// Row ranges per element for a batch of B: 1 (the fused kernels) when B blocks fill the GPU,
+// else enough ranges for about kBlocksPerSm blocks per SM, each at least kMinSplitTiles
+// tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both paths on small shapes).
+constexpr int64_t kBlocksPerSm = 4;
+constexpr int64_t kMinSplitTiles = 4;
+
+inline int64_t routing_splits(const RoutingDims& dims) {
+  if (const char* forced = std::getenv("CAPSROUTE_ROUTING_SPLITS")) {
+    char* end = nullptr;
+    const long long n = std::strtoll(forced, &end, 10);
+    TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: CAPSROUTE_ROUTING_SPLITS must be an integer >= 1, got '",
+                forced, "'");
+    return n;
+  }
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t wanted_blocks = kBlocksPerSm * sms;
+  if (dims.B >= wanted_blocks / 2) return 1;
+  const int64_t max_splits = std::max<int64_t>(1, dims.I / (kMinSplitTiles * kRoutingTile));
+  return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(dims.B, 1)), max_splits);
 }
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
@@ -186,12 +284,26 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
   const ForwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), coupling.mutable_data_ptr<acc_t>(),
                                    v_ws.mutable_data_ptr<acc_t>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  routing_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-      src, bias, dims, static_cast<acc_t>(eps), ws, s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
-      c.mutable_data_ptr<scalar_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t splits = routing_splits(dims);
+  if (splits == 1) {
+    routing_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
+        src, bias, dims, static_cast<acc_t>(eps), ws, s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
+        c.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  at::Tensor partial = at::empty({dims.B, splits, dims.J, dims.D}, acc_options);
+  for (int64_t r = 0; r < dims.iters; ++r) {
+    routing_forward_rows_kernel<Source, scalar_t><<<blocks_for_items(dims.B * splits), kBlockThreads, 0, stream>>>(
+        src, dims, splits, r, ws, c.mutable_data_ptr<scalar_t>(), partial.mutable_data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    routing_forward_reduce_kernel<scalar_t, acc_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
+        partial.const_data_ptr<acc_t>(), splits, bias, dims, r, static_cast<acc_t>(eps), ws.v,
+        s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   // The workspaces go back to the caching allocator on this stream: later work on the stream
-  // runs after the kernel, so reusing them is safe.
+  // runs after the kernels, so reusing them is safe.
 }
 
 // ---- backward ----
@@ -226,124 +338,231 @@ struct BackwardState {
   }
 };
 
+// Scratch of the backward kernels: logits (B, I, J); gv (B, J, D), dL/dv^r of the step at hand.
+template <typename acc_t>
+struct BackwardWorkspace {
+  acc_t* logits;
+  acc_t* gv;
+};
+
+// gs = squash_vjp(s, gv) for the J capsules of one element (warp per capsule).
+template <typename acc_t>
+__device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv, int64_t J, int64_t D, acc_t eps,
+                                                 acc_t* gs) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, nwarps = blockDim.x / kWarpSize;
+  for (int64_t j = warp; j < J; j += nwarps) {
+    acc_t q = 0, sg = 0;
+    for (int64_t d = lane; d < D; d += kWarpSize) {
+      q += s[j * D + d] * s[j * D + d];
+      sg += s[j * D + d] * gv[j * D + d];
+    }
+    q = warp_sum(q);
+    sg = warp_sum(sg);
+    const SquashVjp<acc_t> coeffs = squash_vjp_coeffs(q, eps);
+    const acc_t radial = coeffs.radial * sg;
+    for (int64_t d = lane; d < D; d += kWarpSize) gs[j * D + d] = coeffs.scale * gv[j * D + d] + radial * s[j * D + d];
+  }
+}
+
+// Start of the backward of element b: v^r = squash(s^r) for every r, gv = grad_v, and
+// gs^{iters-1} = squash_vjp(s^{iters-1}, gv).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void backward_start(int64_t b, const scalar_t* grad_v, const acc_t* s_hist,
+                                               const RoutingDims& dims, acc_t eps, const BackwardState<acc_t>& st,
+                                               acc_t* gv) {
+  const int64_t JD = dims.J * dims.D, R = dims.iters;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  block_squash(s_hist + b * R * JD, R * dims.J, dims.D, eps, st.v_hist + b * R * JD, tid / kWarpSize,
+               nthreads / kWarpSize, tid % kWarpSize);
+  for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = static_cast<acc_t>(grad_v[b * JD + jd]);
+  __syncthreads();  // gv complete
+  block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv, dims.J, dims.D, eps, st.gs_hist + (b * st.nkeep + st.nkeep - 1) * JD);
+  __syncthreads();  // v_hist and gs^{iters-1} complete
+}
+
+// c^r for r >= first_r over `rows` of element b, from b^{r+1} = b^r + <u, v^r>, b^0 = 0 (warp
+// per row; v_hist complete); zeroes those rows of G^{iters-1}.
+template <typename Source>
+__device__ __forceinline__ void recompute_coupling_rows(const Source& src, int64_t b, RowRange rows,
+                                                        const RoutingDims& dims,
+                                                        const BackwardState<typename Source::acc_type>& st,
+                                                        typename Source::acc_type* logits_ws) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D, R = dims.iters;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, nwarps = blockDim.x / kWarpSize;
+  const acc_t* v_b = st.v_hist + b * R * JD;
+  acc_t* c_b = st.coupling + b * st.nkeep * I * J;
+  acc_t* g_last = st.g_logits + (b * st.nkeep + st.nkeep - 1) * I * J;
+  for (int64_t i = rows.begin + warp; i < rows.end; i += nwarps) {
+    acc_t* li = logits_ws + (b * I + i) * J;
+    for (int64_t j = lane; j < J; j += kWarpSize) {
+      li[j] = 0;
+      g_last[i * J + j] = 0;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if (r > 0) {
+        const acc_t* v_prev = v_b + (r - 1) * JD;
+        for (int64_t j = lane; j < J; j += kWarpSize) {
+          acc_t agreement = 0;
+          for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * v_prev[j * D + d];
+          li[j] += agreement;
+        }
+      }
+      if (r >= st.first_r) warp_coupling_row(li, J, dims.leaky, c_b + (r - st.first_r) * I * J + i * J, lane);
+    }
+  }
+}
+
+// One backward step over `rows` of element b, for r > first_r (gs^r complete):
+// G^{r-1} = dL/db^r = G^r + softmax VJP of gc = <gs^r, u> (warp per row), then
+// gv_acc_jd += sum_i G^{r-1}_ij u_ijd (column owners, over gv_acc as they left it).
+template <typename Source>
+__device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowRange rows, int64_t r,
+                                              const RoutingDims& dims,
+                                              const BackwardState<typename Source::acc_type>& st,
+                                              typename Source::acc_type* gv_acc) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D, k = r - st.first_r;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+  const acc_t* gs = st.gs_hist + (b * st.nkeep + k) * JD;
+  const acc_t* c = st.coupling + (b * st.nkeep + k) * I * J;
+  const acc_t* g_next = st.g_logits + (b * st.nkeep + k) * I * J;  // G^r = dL/db^{r+1}
+  acc_t* g_here = st.g_logits + (b * st.nkeep + k - 1) * I * J;    // G^{r-1} = dL/db^r
+  for (int64_t i0 = rows.begin; i0 < rows.end; i0 += kRoutingTile) {
+    const int64_t i1 = i0 + kRoutingTile < rows.end ? i0 + kRoutingTile : rows.end;
+    // Phase 1, warp per row (lanes only touch their own j entries).
+    for (int64_t i = i0 + warp; i < i1; i += nwarps) {
+      acc_t weighted = 0;
+      for (int64_t j = lane; j < J; j += kWarpSize) {
+        acc_t gc = 0;
+        for (int64_t d = 0; d < D; ++d) gc += gs[j * D + d] * src(b, i, j * D + d);
+        g_here[i * J + j] = gc;  // gc for now, G^{r-1} below
+        weighted += c[i * J + j] * gc;
+      }
+      weighted = warp_sum(weighted);
+      for (int64_t j = lane; j < J; j += kWarpSize)
+        g_here[i * J + j] = g_next[i * J + j] + c[i * J + j] * (g_here[i * J + j] - weighted);
+    }
+    __syncthreads();  // G^{r-1} of the tile written by warps, read by column owners
+    // Phase 2, column owners.
+    for (int64_t jd = tid; jd < JD; jd += nthreads) {
+      const int64_t j = jd / D;
+      acc_t acc = gv_acc[jd];
+      for (int64_t i = i0; i < i1; ++i) acc += g_here[i * J + j] * src(b, i, jd);
+      gv_acc[jd] = acc;
+    }
+    __syncthreads();  // end of tile
+  }
+}
+
+// grad_bias_items[b] = sum_r gs^r (column owners; gs complete).
+template <typename acc_t>
+__device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardState<acc_t>& st, acc_t* grad_bias_items) {
+  const acc_t* gs_b = st.gs_hist + b * st.nkeep * JD;
+  for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
+    acc_t sum = 0;
+    for (int64_t k = st.nkeep - 1; k >= 0; --k) sum += gs_b[k * JD + jd];
+    grad_bias_items[b * JD + jd] = sum;
+  }
+}
+
 // Fills the BackwardState buffers and grad_bias_items (B, J, D) = sum_r gs^r for each b.
-// grad_v (B, J, D), s_hist (B, iters, J, D); logits (B, I, J), gv and gv_next (B, J, D) are
-// scratch.
+// grad_v (B, J, D), s_hist (B, iters, J, D). One block per element, every iteration.
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads)
     routing_backward_kernel(const Source src, const scalar_t* grad_v, const typename Source::acc_type* s_hist,
                             const RoutingDims dims, const bool detach, const typename Source::acc_type eps,
-                            const BackwardState<typename Source::acc_type> st, typename Source::acc_type* logits_ws,
-                            typename Source::acc_type* gv_ws, typename Source::acc_type* gv_next_ws,
+                            const BackwardState<typename Source::acc_type> st,
+                            const BackwardWorkspace<typename Source::acc_type> ws,
                             typename Source::acc_type* grad_bias_items) {
   using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D, R = dims.iters;
-  const int64_t first_r = st.first_r, nkeep = st.nkeep;
-  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
-
+  const int64_t JD = dims.J * dims.D, R = dims.iters;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
-    const acc_t* s_b = s_hist + b * R * JD;
-    acc_t* v_b = st.v_hist + b * R * JD;
-    acc_t* gs_b = st.gs_hist + b * nkeep * JD;
-    acc_t* c_b = st.coupling + b * nkeep * I * J;
-    acc_t* g_b = st.g_logits + b * nkeep * I * J;
-    acc_t* logits = logits_ws + b * I * J;
-    acc_t* gv = gv_ws + b * JD;
-    acc_t* gv_next = gv_next_ws + b * JD;
-
-    // 1. v^r = squash(s^r) for every r (warp per capsule row of the (R*J, D) slab).
-    block_squash(s_b, R * J, D, eps, v_b, warp, nwarps, lane);
-    __syncthreads();
-
-    // 2. c^r for r >= first_r, from b^{r+1} = b^r + <u, v^r>, b^0 = 0 (warp per row).
-    for (int64_t i = warp; i < I; i += nwarps) {
-      acc_t* li = logits + i * J;
-      for (int64_t j = lane; j < J; j += kWarpSize) li[j] = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        if (r > 0) {
-          const acc_t* v_prev = v_b + (r - 1) * JD;
-          for (int64_t j = lane; j < J; j += kWarpSize) {
-            acc_t agreement = 0;
-            for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * v_prev[j * D + d];
-            li[j] += agreement;
-          }
-        }
-        if (r >= first_r) warp_coupling_row(li, J, dims.leaky, c_b + (r - first_r) * I * J + i * J, lane);
-      }
+    acc_t* gv = ws.gv + b * JD;
+    backward_start(b, grad_v, s_hist, dims, eps, st, gv);
+    recompute_coupling_rows(src, b, {0, dims.I}, dims, st, ws.logits);
+    __syncthreads();  // c^r and G^{iters-1} complete
+    // Walk the iterations backwards; detach stops at the last s, and b^0 = 0 is a constant.
+    for (int64_t r = R - 1; r > st.first_r; --r) {
+      for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) gv[jd] = 0;
+      backward_rows(src, b, {0, dims.I}, r, dims, st, gv);
+      __syncthreads();  // gv^{r-1} complete (also when I == 0)
+      block_squash_vjp(s_hist + (b * R + r - 1) * JD, gv, dims.J, dims.D, eps,
+                       st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD);
+      __syncthreads();  // gs^{r-1} complete before gv is cleared for the next step
     }
-
-    // 3. gv = grad_v (column owners); G^{iters-1} = 0.
-    for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = static_cast<acc_t>(grad_v[b * JD + jd]);
-    acc_t* g_last = g_b + (nkeep - 1) * I * J;
-    for (int64_t ij = tid; ij < I * J; ij += nthreads) g_last[ij] = 0;
-    __syncthreads();
-
-    // 4. Walk the iterations backwards.
-    for (int64_t r = R - 1; r >= first_r; --r) {
-      const int64_t k = r - first_r;
-      const acc_t* s = s_b + r * JD;
-      acc_t* gs = gs_b + k * JD;
-      // gs^r = squash_vjp(s^r, gv) (warp per capsule).
-      for (int64_t j = warp; j < J; j += nwarps) {
-        acc_t q = 0, sg = 0;
-        for (int64_t d = lane; d < D; d += kWarpSize) {
-          q += s[j * D + d] * s[j * D + d];
-          sg += s[j * D + d] * gv[j * D + d];
-        }
-        q = warp_sum(q);
-        sg = warp_sum(sg);
-        const SquashVjp<acc_t> coeffs = squash_vjp_coeffs(q, eps);
-        const acc_t radial = coeffs.radial * sg;
-        for (int64_t d = lane; d < D; d += kWarpSize) gs[j * D + d] = coeffs.scale * gv[j * D + d] + radial * s[j * D + d];
-      }
-      __syncthreads();  // gs^r complete
-      if (r == 0 || detach) break;  // b^0 = 0 is a constant; detach stops at the last s (uniform per block)
-
-      // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; gv^{r-1} = sum_i dL/db^r_ij u_ij.
-      const acc_t* c = c_b + k * I * J;
-      const acc_t* g_next = g_b + k * I * J;   // G^r = dL/db^{r+1}
-      acc_t* g_here = g_b + (k - 1) * I * J;   // G^{r-1} = dL/db^r
-      for (int64_t jd = tid; jd < JD; jd += nthreads) gv_next[jd] = 0;
-      for (int64_t i0 = 0; i0 < I; i0 += kRoutingTile) {
-        const int64_t i1 = i0 + kRoutingTile < I ? i0 + kRoutingTile : I;
-        // Phase 1, warp per row (lanes only touch their own j entries).
-        for (int64_t i = i0 + warp; i < i1; i += nwarps) {
-          acc_t weighted = 0;
-          for (int64_t j = lane; j < J; j += kWarpSize) {
-            acc_t gc = 0;
-            for (int64_t d = 0; d < D; ++d) gc += gs[j * D + d] * src(b, i, j * D + d);
-            g_here[i * J + j] = gc;  // gc for now, G^{r-1} below
-            weighted += c[i * J + j] * gc;
-          }
-          weighted = warp_sum(weighted);
-          for (int64_t j = lane; j < J; j += kWarpSize)
-            g_here[i * J + j] = g_next[i * J + j] + c[i * J + j] * (g_here[i * J + j] - weighted);
-        }
-        __syncthreads();  // G^{r-1} of the tile written by warps, read by column owners
-        // Phase 2, column owners: gv_next_jd += sum_{i in tile} G^{r-1}_ij u_ijd.
-        for (int64_t jd = tid; jd < JD; jd += nthreads) {
-          const int64_t j = jd / D;
-          acc_t acc = gv_next[jd];
-          for (int64_t i = i0; i < i1; ++i) acc += g_here[i * J + j] * src(b, i, jd);
-          gv_next[jd] = acc;
-        }
-        __syncthreads();  // end of tile
-      }
-      __syncthreads();  // gv_next complete (also when I == 0)
-      acc_t* tmp = gv;
-      gv = gv_next;
-      gv_next = tmp;
-    }
-
-    // 5. grad_bias_items[b] = sum_r gs^r (column owners; gs complete after the barrier above).
-    for (int64_t jd = tid; jd < JD; jd += nthreads) {
-      acc_t sum = 0;
-      for (int64_t k = nkeep - 1; k >= 0; --k) sum += gs_b[k * JD + jd];
-      grad_bias_items[b * JD + jd] = sum;
-    }
+    sum_gs(b, JD, st, grad_bias_items);
     __syncthreads();
   }
+}
+
+// Split backward: backward_start for each b (block per b).
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_backward_start_kernel(const scalar_t* grad_v, const acc_t* s_hist, const RoutingDims dims, const acc_t eps,
+                                  const BackwardState<acc_t> st, acc_t* gv_ws) {
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
+    backward_start(b, grad_v, s_hist, dims, eps, st, gv_ws + b * dims.J * dims.D);
+}
+
+// Split backward: recompute_coupling_rows, block per (b, g).
+template <typename Source>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_coupling_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
+                                 const BackwardState<typename Source::acc_type> st,
+                                 typename Source::acc_type* logits_ws) {
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x)
+    recompute_coupling_rows(src, item / splits, split_rows(dims.I, splits, item % splits), dims, st, logits_ws);
+}
+
+// Split backward, step r, block per (b, g): partial[b, g] = range g's share of gv^{r-1}.
+template <typename Source>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
+                                 const BackwardState<typename Source::acc_type> st,
+                                 typename Source::acc_type* partial) {
+  using acc_t = typename Source::acc_type;
+  const int64_t JD = dims.J * dims.D;
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    acc_t* gv_acc = partial + item * JD;
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) gv_acc[jd] = 0;
+    backward_rows(src, item / splits, split_rows(dims.I, splits, item % splits), r, dims, st, gv_acc);
+    __syncthreads();
+  }
+}
+
+// Split backward, step r, block per b: gv^{r-1} = the partials in range order, then
+// gs^{r-1} = squash_vjp(s^{r-1}, gv^{r-1}), and at the last step grad_bias_items.
+template <typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_backward_reduce_kernel(const acc_t* partial, const int64_t splits, const acc_t* s_hist,
+                                   const RoutingDims dims, const int64_t r, const acc_t eps,
+                                   const BackwardState<acc_t> st, acc_t* gv_ws, acc_t* grad_bias_items) {
+  const int64_t JD = dims.J * dims.D;
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    acc_t* gv = gv_ws + b * JD;
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
+      acc_t sum = 0;
+      for (int64_t g = 0; g < splits; ++g) sum += partial[(b * splits + g) * JD + jd];
+      gv[jd] = sum;
+    }
+    __syncthreads();  // gv^{r-1} complete
+    block_squash_vjp(s_hist + (b * dims.iters + r - 1) * JD, gv, dims.J, dims.D, eps,
+                     st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD);
+    __syncthreads();  // gs^{r-1} complete
+    if (r - 1 == st.first_r) {
+      sum_gs(b, JD, st, grad_bias_items);
+      __syncthreads();
+    }
+  }
+}
+
+// Split backward with nothing to walk back (detach, or one iteration): grad_bias_items.
+template <typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    routing_sum_gs_kernel(const RoutingDims dims, const BackwardState<acc_t> st, acc_t* grad_bias_items) {
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) sum_gs(b, dims.J * dims.D, st, grad_bias_items);
 }
 
 // Owns the backward buffers (they must outlive every kernel that reads the state; stream
@@ -354,7 +573,7 @@ struct BackwardBuffers {
   BackwardState<acc_t> state;
 };
 
-// Allocates the state, launches routing_backward_kernel on the current stream (B > 0) and
+// Allocates the state, launches the backward kernels on the current stream (B > 0) and
 // returns the state for the op-specific vote-gradient kernels.
 template <typename Source, typename scalar_t>
 BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source& src, const scalar_t* grad_v,
@@ -369,26 +588,49 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   at::Tensor gs_hist = at::empty({B, nkeep, J, D}, acc_options);
   at::Tensor coupling = at::empty({B, nkeep, I, J}, acc_options);
   at::Tensor g_logits = at::empty({B, nkeep, I, J}, acc_options);
-  const BackwardState<acc_t> state{v_hist.mutable_data_ptr<acc_t>(),
-                                   gs_hist.mutable_data_ptr<acc_t>(),
-                                   coupling.mutable_data_ptr<acc_t>(),
-                                   g_logits.mutable_data_ptr<acc_t>(),
-                                   I,
-                                   J,
-                                   D,
-                                   R,
-                                   first_r,
-                                   nkeep};
+  const BackwardState<acc_t> st{v_hist.mutable_data_ptr<acc_t>(),
+                                gs_hist.mutable_data_ptr<acc_t>(),
+                                coupling.mutable_data_ptr<acc_t>(),
+                                g_logits.mutable_data_ptr<acc_t>(),
+                                I,
+                                J,
+                                D,
+                                R,
+                                first_r,
+                                nkeep};
   at::Tensor logits = at::empty({B, I, J}, acc_options);
   at::Tensor gv = at::empty({B, J, D}, acc_options);
-  at::Tensor gv_next = at::empty({B, J, D}, acc_options);
+  const BackwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), gv.mutable_data_ptr<acc_t>()};
+  const acc_t* s = s_hist.const_data_ptr<acc_t>();
+  acc_t* grad_bias = grad_bias_items.mutable_data_ptr<acc_t>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  routing_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-      src, grad_v, s_hist.const_data_ptr<acc_t>(), dims, detach, static_cast<acc_t>(eps), state,
-      logits.mutable_data_ptr<acc_t>(), gv.mutable_data_ptr<acc_t>(), gv_next.mutable_data_ptr<acc_t>(),
-      grad_bias_items.mutable_data_ptr<acc_t>());
+  const int64_t splits = routing_splits(dims);
+  if (splits == 1) {
+    routing_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
+        src, grad_v, s, dims, detach, static_cast<acc_t>(eps), st, ws, grad_bias);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
+  }
+  routing_backward_start_kernel<scalar_t, acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
+      grad_v, s, dims, static_cast<acc_t>(eps), st, ws.gv);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, state};
+  routing_coupling_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(
+      src, dims, splits, st, ws.logits);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (R - 1 == first_r) {
+    routing_sum_gs_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(dims, st, grad_bias);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  at::Tensor partial = R - 1 > first_r ? at::empty({B, splits, J, D}, acc_options) : at::Tensor();
+  for (int64_t r = R - 1; r > first_r; --r) {
+    routing_backward_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(
+        src, dims, splits, r, st, partial.mutable_data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    routing_backward_reduce_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
+        partial.const_data_ptr<acc_t>(), splits, s, dims, r, static_cast<acc_t>(eps), st, ws.gv, grad_bias);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
 }
 
 }  // namespace cuda
