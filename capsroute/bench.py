@@ -656,10 +656,10 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
         finally:
             clear_grads(inputs[0])
 
-    unsupported = None if capsroute_supports(case.op, device) else \
-        f"capsroute has no {device.type.upper()} kernel for {case.op} in this build"
+    unavailable = {} if capsroute_supports(case.op, device) else \
+        {"capsroute": f"capsroute has no {device.type.upper()} kernel for {case.op} in this build"}
     records = _bench_impls(case, impls, device, base=base, estimate=lambda impl: estimated_bytes(case, impl, itemsize),
-                           make_inputs=lambda: make_inputs(case.op, case, dtype, device, seed), unsupported=unsupported,
+                           make_inputs=lambda: make_inputs(case.op, case, dtype, device, seed), unavailable=unavailable,
                            measure=measure, note=note, progress=progress)
     for r in records:
         if "skipped" not in r:
@@ -669,12 +669,12 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
 
 
 def _bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str], dict],
-                 estimate: Callable[[str], int], make_inputs: Callable[[], object], unsupported: str | None,
+                 estimate: Callable[[str], int], make_inputs: Callable[[], object], unavailable: dict[str, str],
                  measure: Callable, note: Callable[[str], None], progress) -> list[dict]:
     """The loop of bench_case and bench_model_case: each impl on one case, eager first, so that
     measure(impl, inputs, ref_snap) -> (record, snapshot) can check the others against eager's
-    snapshot. An impl is skipped, with the reason in its record, where capsroute is `unsupported`
-    on this device, where on the CPU `estimate(impl)` bytes exceed 80% of the available memory (the
+    snapshot. An impl is skipped, with the reason in its record, where `unavailable` gives one
+    (e.g. no capsroute kernel on this device), where on the CPU `estimate(impl)` bytes exceed 80% of the available memory (the
     OOM killer would end the run; CUDA raises OutOfMemoryError instead), or where it fails. Returns
     {**base(impl), **record} per impl with the ratios to capsroute, in IMPLS order."""
     records = []
@@ -709,8 +709,8 @@ def _bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str
     for impl in eager_first(impls):
         if progress is not None:
             progress.set_postfix_str(f"{case.label()} {impl}")
-        if impl == "capsroute" and unsupported is not None:
-            skip(impl, unsupported)
+        if impl in unavailable:
+            skip(impl, unavailable[impl])
             continue
         if impl in too_big:
             skip(impl, too_big[impl])
@@ -827,6 +827,15 @@ def model_supported(op: str, device: torch.device) -> bool:
     return all(capsroute_supports(k, device) for k in MODEL_KERNELS[op])
 
 
+def compile_crash(op: str, device: torch.device, version: str = torch.__version__) -> str | None:
+    """Why the compiled impl of a model op is not run here, where torch.compile is known to crash
+    the whole process (so the run would lose every result), else None."""
+    if op == "matrixcapsnet" and device.type == "cpu" and torch.torch_version.TorchVersion(version) < "2.14":
+        return (f"torch.compile of the MatrixCapsNet step crashes on the CPU with torch {version} (a double free "
+                "in inductor's generated C++, seen with 2.11 and 2.13; 2.14.1 runs it)")
+    return None
+
+
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -931,11 +940,15 @@ def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, devic
         return bench_model_impl(case, impl, base_model, *inputs, dtype=dtype, device=device, repeats=repeats,
                                 warmup=warmup, max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
 
-    unsupported = None if model_supported(case.op, device) else \
-        f"capsroute has no {device.type.upper()} kernel for {'/'.join(MODEL_KERNELS[case.op])} in this build"
+    unavailable = {}
+    if not model_supported(case.op, device):
+        unavailable["capsroute"] = (f"capsroute has no {device.type.upper()} kernel for "
+                                    f"{'/'.join(MODEL_KERNELS[case.op])} in this build")
+    if (crash := compile_crash(case.op, device)) is not None:
+        unavailable["compiled"] = crash
     return _bench_impls(case, impls, device, base=base,
                         estimate=lambda impl: model_estimated_bytes(case, impl, itemsize, params),
-                        make_inputs=lambda: make_model_inputs(case.B, device, dtype, seed), unsupported=unsupported,
+                        make_inputs=lambda: make_model_inputs(case.B, device, dtype, seed), unavailable=unavailable,
                         measure=measure, note=note, progress=progress)
 
 

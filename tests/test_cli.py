@@ -156,6 +156,22 @@ def test_model_cpu_memory_guard(monkeypatch):
     assert all(r["skipped"].startswith("estimated") for r in recs) and len(notes) == 2
 
 
+def test_model_bench_skips_a_compile_known_to_crash(monkeypatch):
+    """torch 2.11-2.13 crash the process compiling the MatrixCapsNet step on the CPU: that impl is
+    skipped with the reason, the others still run (the check itself is version-based)."""
+    cpu = bench.torch.device("cpu")
+    assert bench.compile_crash("matrixcapsnet", cpu, "2.14.1+cu130") is None
+    assert bench.compile_crash("matrixcapsnet", bench.torch.device("cuda"), "2.11.0") is None
+    assert bench.compile_crash("capsnet", cpu, "2.11.0") is None
+    assert "2.13.0" in bench.compile_crash("matrixcapsnet", cpu, "2.13.0")
+    monkeypatch.setattr(bench, "compile_crash", lambda op, device: "crashes here")
+    recs = bench.bench_model_case(bench.Case("matrixcapsnet", "1x28x28", 2, 0, 0, 0, 0), ["eager", "compiled"],
+                                  dtype=bench.torch.float32, iters=3, device=cpu, repeats=1, warmup=1,
+                                  max_seconds=1.0, inference=False, note=lambda line: None)
+    assert [r["impl"] for r in recs] == ["eager", "compiled"]
+    assert "skipped" not in recs[0] and recs[1]["skipped"] == "crashes here"
+
+
 # ----------------------------------------------------------------------------- --max-batch search
 
 def _oom_above(limit, calls):
