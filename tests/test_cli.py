@@ -101,6 +101,9 @@ def test_model_bench_writes_json(model_run):
     assert report["complete"] and report["bandwidth_gbs"] is None  # no floor for model ops: not measured
     records = {r["impl"]: r for r in report["results"]}
     assert set(records) == set(MODEL_IMPLS) and len(report["results"]) == 3
+    crash = bench.compile_crash(op, bench.torch.device("cpu"))  # torch < 2.14: the compiled impl is skipped
+    if crash is not None:
+        assert records.pop("compiled")["skipped"] == crash
     for impl, r in records.items():
         assert "skipped" not in r, r
         assert (r["op"], r["shape"], r["dtype"], r["shape_name"]) == (op, {"B": 2, "model": op}, "float32", "1x28x28")
@@ -111,18 +114,19 @@ def test_model_bench_writes_json(model_run):
         assert len(r["losses"]) == 2 and r["losses"][1] < r["losses"][0]  # one Adam step lowers the loss
         assert "max_batch" not in r  # CPU: not searched
     # same weights and inputs: the fused model and the compiled reference model agree with eager
-    for impl in ("capsroute", "compiled"):
+    for impl in {"capsroute", "compiled"} & set(records):
         r = records[impl]
         # the loss after the Adam step is sensitive (Adam's first step moves every weight by +-lr, by the
         # sign of its gradient): the compiled MatrixCapsNet's differs by ~3e-3 of itself at B=2
         assert r["losses"][0] == pytest.approx(records["eager"]["losses"][0], rel=1e-4)
         assert r["losses"][1] == pytest.approx(records["eager"]["losses"][1], rel=1e-2)
         assert r["max_rel_err"] < 1e-2 and r["loss_rel_err"] < 5e-3
-    for impl in ("eager", "compiled"):
+    for impl in {"eager", "compiled"} & set(records):
         vs = records[impl]["vs_capsroute"]
         assert vs["fwd_bwd"] == pytest.approx(records[impl]["fwd_bwd_ms"] / records["capsroute"]["fwd_bwd_ms"])
         assert vs["peak_mb"] == pytest.approx(records[impl]["peak_mb"] / records["capsroute"]["peak_mb"])
-    assert (records["compiled"]["graphs"], records["compiled"]["graph_breaks"]) == (1, 0)  # the whole model
+    if "compiled" in records:
+        assert (records["compiled"]["graphs"], records["compiled"]["graph_breaks"]) == (1, 0)  # the whole model
     assert any("--max-batch is CUDA-only" in n for n in report["notes"])
 
 
