@@ -2,8 +2,9 @@
 # What a machine with a GPU should run, stage by stage (default: all): the CUDA tests, then
 # compute-sanitizer memcheck and racecheck over scripts/sanitizer_workload.py, then the benchmark.
 # Logs and the benchmark JSON and figures go to $OUT if set (the device tool's output folder), else bench/results.
-#   bash scripts/cuda_check.sh [tests] [tests-scale] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models] [train-capsnet] [train-matrixcapsnet]
-# The train stages need MNIST in data/mnist (git-ignored: copy ../shared/data/mnist there and carry it
+#   bash scripts/cuda_check.sh [tests] [tests-scale] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models] [train-capsnet[-fashion]] [train-matrixcapsnet[-fashion]]
+# The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST) need the data in
+# data/mnist or data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data"
 # to the GPU machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a
 # checkpoint (SIGINT is taken between steps); the next call resumes the run in runs/.
 # Compile for the GPU's architecture alone (sm_90 on the H100/H200 machines): half the build time.
@@ -38,18 +39,20 @@ for stage in $stages; do
       python -m capsroute.cli bench --device cuda --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --no-progress --plot --out "$out" || status=1 ;;
     bench-models)
       python -m capsroute.cli bench --device cuda --op capsnet matrixcapsnet --max-batch --no-progress --plot --out "$out" || status=1 ;;
-    train-capsnet|train-matrixcapsnet)
-      model=${stage#train-}
-      run=runs/$model-mnist
+    train-capsnet|train-matrixcapsnet|train-capsnet-fashion|train-matrixcapsnet-fashion)
+      model=${stage#train-}; model=${model%-fashion}
+      dataset=mnist; [ "${stage%-fashion}" = "$stage" ] || dataset=fashion-mnist
+      run=runs/$model-$dataset
       if [ -f "$run/checkpoint.pt" ]; then args=(--resume "$run")
-      elif [ "$model" = capsnet ]; then args=(--model capsnet --data-dir data/mnist --epochs 100 --batch-size 128 --out "$run")
+      elif [ "$model" = capsnet ]; then args=(--model capsnet --dataset "$dataset" --data-dir "data/$dataset" --epochs 100
+                                             --batch-size 128 --out "$run")
       # The recipe that public re-implementations report 99.3% with: A=B=C=D=32, 2 iterations, Adam 1e-2, batch 128.
-      else args=(--model matrixcapsnet --model-config A=32 B=32 C=32 D=32 iters=2 --data-dir data/mnist --epochs 40
-                 --batch-size 128 --lr 1e-2 --out "$run"); fi
+      else args=(--model matrixcapsnet --model-config A=32 B=32 C=32 D=32 iters=2 --dataset "$dataset"
+                 --data-dir "data/$dataset" --epochs 40 --batch-size 128 --lr 1e-2 --out "$run"); fi
       rc=0
-      timeout -s INT "${TRAIN_SECONDS:-540}" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-train.log" || rc=$?
+      timeout -s INT "${TRAIN_SECONDS:-540}" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
-      mkdir -p "$out/$model-mnist" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-mnist/" 2>/dev/null || true ;;
+      mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
