@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
-#include "routing_kernels.cuh"
+#include "routing_launch.cuh"
 #include "utils.cuh"
 
 namespace capsroute {

@@ -20,17 +20,14 @@
 // every phase that reads what other threads wrote is preceded by __syncthreads().
 //
 // The algorithm is exactly the CPU one (csrc/cpu/routing_element.h) and reads/writes the same
-// saved state (s_hist).
+// saved state (s_hist). Device code only: the launches are in routing_launch.cuh, and
+// tests/emulator runs these kernels on the host.
 #pragma once
 
-#include <ATen/ATen.h>
-
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "../common/math.h"
-#include "utils.cuh"
+#include "device_utils.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -247,63 +244,6 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     finish_forward_iteration(b, r, dims, eps, s, v_ws + b * JD, v_out);
   }
-}
-
-// Row ranges per element for a batch of B: 1 (the fused kernels) when B blocks fill the GPU,
-// else enough ranges for about kBlocksPerSm blocks per SM, each at least kMinSplitTiles
-// tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both paths on small shapes).
-constexpr int64_t kBlocksPerSm = 4;
-constexpr int64_t kMinSplitTiles = 4;
-
-inline int64_t routing_splits(const RoutingDims& dims) {
-  if (const char* forced = std::getenv("CAPSROUTE_ROUTING_SPLITS")) {
-    char* end = nullptr;
-    const long long n = std::strtoll(forced, &end, 10);
-    TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: CAPSROUTE_ROUTING_SPLITS must be an integer >= 1, got '",
-                forced, "'");
-    return n;
-  }
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wanted_blocks = kBlocksPerSm * sms;
-  if (dims.B >= wanted_blocks / 2) return 1;
-  const int64_t max_splits = std::max<int64_t>(1, dims.I / (kMinSplitTiles * kRoutingTile));
-  return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(dims.B, 1)), max_splits);
-}
-
-// Allocates the workspaces and launches the forward on the current stream (B > 0).
-template <typename Source, typename scalar_t>
-void launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
-                            at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
-  using acc_t = typename Source::acc_type;
-  const auto acc_options = s_hist.options();
-  at::Tensor logits = at::empty({dims.B, dims.I, dims.J}, acc_options);
-  at::Tensor coupling = at::empty({dims.B, dims.I, dims.J}, acc_options);
-  at::Tensor v_ws = at::empty({dims.B, dims.J, dims.D}, acc_options);
-  const ForwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), coupling.mutable_data_ptr<acc_t>(),
-                                   v_ws.mutable_data_ptr<acc_t>()};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t splits = routing_splits(dims);
-  if (splits == 1) {
-    routing_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-        src, bias, dims, static_cast<acc_t>(eps), ws, s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
-        c.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  at::Tensor partial = at::empty({dims.B, splits, dims.J, dims.D}, acc_options);
-  for (int64_t r = 0; r < dims.iters; ++r) {
-    routing_forward_rows_kernel<Source, scalar_t><<<blocks_for_items(dims.B * splits), kBlockThreads, 0, stream>>>(
-        src, dims, splits, r, ws, c.mutable_data_ptr<scalar_t>(), partial.mutable_data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    routing_forward_reduce_kernel<scalar_t, acc_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), splits, bias, dims, r, static_cast<acc_t>(eps), ws.v,
-        s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  // The workspaces go back to the caching allocator on this stream: later work on the stream
-  // runs after the kernels, so reusing them is safe.
 }
 
 // ---- backward ----
@@ -563,74 +503,6 @@ template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
     routing_sum_gs_kernel(const RoutingDims dims, const BackwardState<acc_t> st, acc_t* grad_bias_items) {
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) sum_gs(b, dims.J * dims.D, st, grad_bias_items);
-}
-
-// Owns the backward buffers (they must outlive every kernel that reads the state; stream
-// order makes freeing them afterwards safe).
-template <typename acc_t>
-struct BackwardBuffers {
-  at::Tensor v_hist, gs_hist, coupling, g_logits;
-  BackwardState<acc_t> state;
-};
-
-// Allocates the state, launches the backward kernels on the current stream (B > 0) and
-// returns the state for the op-specific vote-gradient kernels.
-template <typename Source, typename scalar_t>
-BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source& src, const scalar_t* grad_v,
-                                                                   const at::Tensor& s_hist, const RoutingDims& dims,
-                                                                   bool detach, double eps,
-                                                                   at::Tensor& grad_bias_items) {
-  using acc_t = typename Source::acc_type;
-  const int64_t B = dims.B, I = dims.I, J = dims.J, D = dims.D, R = dims.iters;
-  const int64_t first_r = detach ? R - 1 : 0, nkeep = R - first_r;
-  const auto acc_options = s_hist.options();
-  at::Tensor v_hist = at::empty({B, R, J, D}, acc_options);
-  at::Tensor gs_hist = at::empty({B, nkeep, J, D}, acc_options);
-  at::Tensor coupling = at::empty({B, nkeep, I, J}, acc_options);
-  at::Tensor g_logits = at::empty({B, nkeep, I, J}, acc_options);
-  const BackwardState<acc_t> st{v_hist.mutable_data_ptr<acc_t>(),
-                                gs_hist.mutable_data_ptr<acc_t>(),
-                                coupling.mutable_data_ptr<acc_t>(),
-                                g_logits.mutable_data_ptr<acc_t>(),
-                                I,
-                                J,
-                                D,
-                                R,
-                                first_r,
-                                nkeep};
-  at::Tensor logits = at::empty({B, I, J}, acc_options);
-  at::Tensor gv = at::empty({B, J, D}, acc_options);
-  const BackwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), gv.mutable_data_ptr<acc_t>()};
-  const acc_t* s = s_hist.const_data_ptr<acc_t>();
-  acc_t* grad_bias = grad_bias_items.mutable_data_ptr<acc_t>();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t splits = routing_splits(dims);
-  if (splits == 1) {
-    routing_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-        src, grad_v, s, dims, detach, static_cast<acc_t>(eps), st, ws, grad_bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
-  }
-  routing_backward_start_kernel<scalar_t, acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-      grad_v, s, dims, static_cast<acc_t>(eps), st, ws.gv);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  routing_coupling_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(
-      src, dims, splits, st, ws.logits);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (R - 1 == first_r) {
-    routing_sum_gs_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(dims, st, grad_bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  at::Tensor partial = R - 1 > first_r ? at::empty({B, splits, J, D}, acc_options) : at::Tensor();
-  for (int64_t r = R - 1; r > first_r; --r) {
-    routing_backward_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(
-        src, dims, splits, r, st, partial.mutable_data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    routing_backward_reduce_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), splits, s, dims, r, static_cast<acc_t>(eps), st, ws.gv, grad_bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
 }
 
 }  // namespace cuda

@@ -1,0 +1,68 @@
+// Device-side helpers shared by the capsroute kernels: block shape, integer helpers, warp
+// reductions and launch-configuration arithmetic. Free of torch headers, so the kernel headers
+// that include only this (routing_kernels.cuh) also compile on the host against the CUDA
+// emulator of tests/emulator.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace capsroute {
+namespace cuda {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Threads per block of every capsroute kernel: a multiple of the warp size, so that loops
+// whose bounds are uniform per warp always keep whole warps together.
+constexpr int kBlockThreads = 256;
+constexpr int kWarpsPerBlock = kBlockThreads / kWarpSize;
+static_assert(kBlockThreads % kWarpSize == 0, "blocks must be made of whole warps");
+
+// Grid-stride loops cap their grids here; more work just loops.
+constexpr int64_t kMaxBlocks = int64_t(1) << 16;
+
+template <typename T>
+__host__ __device__ __forceinline__ T ceil_div(T a, T b) {
+  return (a + b - 1) / b;
+}
+
+// Sum / max over the 32 lanes of a warp; every lane gets the result. All 32 lanes must call
+// these together (full mask). The xor butterfly combines a + b and b + a at each step, so
+// every lane ends with the bitwise same value.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+    const T y = __shfl_xor_sync(kFullMask, x, offset);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+// -infinity in the accumulation type (overloaded on a dummy argument of that type).
+__device__ __forceinline__ float neg_infinity(float) { return -__int_as_float(0x7f800000); }
+__device__ __forceinline__ double neg_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// Blocks for a grid-stride loop over n items with kBlockThreads threads per block (n > 0).
+inline unsigned int blocks_for(int64_t n) {
+  return static_cast<unsigned int>(std::min<int64_t>(ceil_div<int64_t>(n, kBlockThreads), kMaxBlocks));
+}
+
+// Blocks for a grid-stride loop over n warp-sized items (one warp each).
+inline unsigned int blocks_for_warps(int64_t n) {
+  return static_cast<unsigned int>(std::min<int64_t>(ceil_div<int64_t>(n, kWarpsPerBlock), kMaxBlocks));
+}
+
+// Blocks for kernels with one block per batch element (looping when B exceeds the cap).
+inline unsigned int blocks_for_items(int64_t B) { return static_cast<unsigned int>(std::min<int64_t>(B, kMaxBlocks)); }
+
+}  // namespace cuda
+}  // namespace capsroute

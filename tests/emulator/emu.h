@@ -1,0 +1,89 @@
+// Runs CUDA kernels on the host, for tests on machines without a GPU: one std::thread per CUDA
+// thread, all blocks of a launch at once, std::barrier for __syncthreads() and a barrier per
+// warp for the shuffles. Enough of CUDA for the device code of csrc/cuda/routing_kernels.cuh:
+// __syncthreads, __shfl_xor_sync with a full mask, and the bit casts of device_utils.cuh.
+// Races between threads are real races here, so ThreadSanitizer sees missing barriers.
+#pragma once
+
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(threads)
+
+struct EmuDim3 {
+  unsigned x = 0, y = 1, z = 1;
+};
+inline thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// The barriers and the shuffle exchange of one block.
+struct EmuBlock {
+  std::barrier<> block_barrier;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+  std::vector<double> exchange;  // one slot per thread (every shuffled type fits a double)
+  explicit EmuBlock(unsigned threads) : block_barrier(threads), exchange(threads) {
+    for (unsigned w = 0; w < threads / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
+  }
+};
+inline thread_local EmuBlock* emu_block = nullptr;
+
+inline void __syncthreads() { emu_block->block_barrier.arrive_and_wait(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T x, int lane_mask) {
+  if (mask != 0xffffffffu) {
+    std::fprintf(stderr, "emulator: only full-mask shuffles are emulated\n");
+    std::abort();
+  }
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  std::barrier<>& barrier = *emu_block->warp_barriers[warp];
+  double* slots = emu_block->exchange.data() + warp * 32;
+  slots[lane] = static_cast<double>(x);
+  barrier.arrive_and_wait();
+  const T y = static_cast<T>(slots[lane ^ lane_mask]);
+  barrier.arrive_and_wait();  // nobody overwrites a slot before every lane has read
+  return y;
+}
+
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
+inline double __longlong_as_double(long long i) {
+  double d;
+  std::memcpy(&d, &i, sizeof d);
+  return d;
+}
+
+// kernel<<<grid, block>>>(args...): every thread of every block at once; returns when all end.
+template <typename Kernel, typename... Args>
+void emu_launch(unsigned grid, unsigned block, Kernel kernel, Args... args) {
+  if (grid == 0 || block % 32 != 0) {
+    std::fprintf(stderr, "emulator: bad launch <<<%u, %u>>>\n", grid, block);
+    std::abort();
+  }
+  std::vector<std::unique_ptr<EmuBlock>> blocks;
+  for (unsigned g = 0; g < grid; ++g) blocks.emplace_back(new EmuBlock(block));
+  std::vector<std::thread> threads;
+  for (unsigned g = 0; g < grid; ++g)
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([=, &blocks] {
+        threadIdx.x = t;
+        blockIdx.x = g;
+        blockDim.x = block;
+        gridDim.x = grid;
+        emu_block = blocks[g].get();
+        kernel(args...);
+      });
+  for (std::thread& thread : threads) thread.join();
+}

@@ -1,0 +1,212 @@
+// The CUDA routing kernels (csrc/cuda/routing_kernels.cuh) on the host emulator, against the CPU
+// backend's per-element code (csrc/cpu/routing_element.h) in double: forward outputs, saved
+// state and the vote gradient, for votes read from memory and votes computed from a weight, one
+// block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), in
+// float64 and float32. Workspaces and outputs start as NaN, so a value the kernels forget to
+// write shows. Prints one line per failure; exits 1 if there is any.
+//   routing_test [quick]
+#include "emu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "../../csrc/cpu/routing_element.h"
+#include "../../csrc/cuda/routing_kernels.cuh"
+
+using namespace capsroute;
+using namespace capsroute::cuda;
+
+namespace {
+
+std::mt19937_64 rng(1234);
+int failures = 0;
+
+std::vector<double> randn(int64_t n, double scale) {
+  std::normal_distribution<double> normal(0.0, scale);
+  std::vector<double> v(n);
+  for (double& x : v) x = normal(rng);
+  return v;
+}
+
+template <typename T, typename U>
+std::vector<T> cast(const std::vector<U>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+template <typename T>
+std::vector<T> nans(int64_t n) {
+  return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN());
+}
+
+template <typename T>
+void compare(const char* label, const char* what, const std::vector<T>& got, const std::vector<double>& want,
+             double tol) {
+  double max_want = 0, max_diff = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    max_want = std::max(max_want, std::fabs(want[k]));
+    const double diff = std::fabs(double(got[k]) - want[k]);
+    max_diff = std::max(max_diff, std::isnan(diff) ? INFINITY : diff);
+  }
+  const double rel = max_diff / std::max(max_want, 1e-30);
+  if (!(rel <= tol)) {
+    std::printf("FAIL %s %s: relative error %.3e\n", label, what, rel);
+    ++failures;
+  }
+}
+
+struct Case {
+  int64_t B, I, J, D, Din, iters;
+  bool leaky, detach, bias;
+  unsigned grid;
+  int64_t splits;
+};
+
+// What the CPU code computes from explicit votes (B, I, J, D), in double.
+struct Expected {
+  std::vector<double> v, c, s_hist, grad_votes, grad_bias_items;
+};
+
+Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std::vector<double>& bias,
+                     const std::vector<double>& grad_v, double eps) {
+  const cpu::RoutingDims d{cs.I, cs.J, cs.D, cs.iters, cs.leaky};
+  const int64_t JD = d.jd();
+  Expected e;
+  e.v.resize(cs.B * JD);
+  e.c.resize(cs.B * cs.I * cs.J);
+  e.s_hist.resize(cs.B * cs.iters * JD);
+  e.grad_votes.resize(cs.B * cs.I * JD);
+  e.grad_bias_items.assign(cs.B * JD, 0.0);
+  cpu::ForwardScratch<double> scratch(d);
+  cpu::RoutingBackward<0, double> backward(d, eps, cs.detach);
+  std::vector<double> state(cpu::BackwardState<double>::numel(d));
+  for (int64_t b = 0; b < cs.B; ++b) {
+    const double* u = votes.data() + b * cs.I * JD;
+    cpu::route_forward<0>(u, cs.bias ? bias.data() : nullptr, d, eps, scratch, e.s_hist.data() + b * cs.iters * JD,
+                          e.v.data() + b * JD, e.c.data() + b * cs.I * cs.J);
+    const cpu::BackwardState<double> st(state.data(), d);
+    backward.run(u, grad_v.data() + b * JD, e.s_hist.data() + b * cs.iters * JD, e.grad_bias_items.data() + b * JD, st);
+    for (int64_t i = 0; i < cs.I; ++i) backward.vote_grad_row(st, i, e.grad_votes.data() + (b * cs.I + i) * JD);
+  }
+  return e;
+}
+
+// The launch sequence of launch_routing_forward / launch_routing_backward (routing_launch.cuh),
+// with splits given; returns v, c, s_hist, the vote gradient and grad_bias_items.
+template <typename S, typename Source>
+void check_kernels(const char* label, const Case& cs, const Source& src, const std::vector<double>& bias_d,
+                   const std::vector<double>& grad_v_d, const Expected& want, double eps, double tol) {
+  using A = typename Source::acc_type;
+  const int64_t B = cs.B, I = cs.I, J = cs.J, D = cs.D, JD = J * D, R = cs.iters;
+  const RoutingDims dims{B, I, J, D, R, cs.leaky};
+  const std::vector<S> bias_s = cast<S>(bias_d), grad_v = cast<S>(grad_v_d);
+  const S* bias = cs.bias ? bias_s.data() : nullptr;
+  const unsigned grid = cs.grid;
+
+  // Forward.
+  std::vector<A> logits = nans<A>(B * I * J), coupling = nans<A>(B * I * J), v_ws = nans<A>(B * JD);
+  std::vector<A> s_hist = nans<A>(B * R * JD), partial = nans<A>(B * cs.splits * JD);
+  std::vector<S> v = nans<S>(B * JD), c = nans<S>(B * I * J);
+  const ForwardWorkspace<A> fws{logits.data(), coupling.data(), v_ws.data()};
+  if (cs.splits == 1) {
+    emu_launch(grid, kBlockThreads, routing_forward_kernel<Source, S>, src, bias, dims, A(eps), fws, s_hist.data(),
+               v.data(), c.data());
+  } else {
+    for (int64_t r = 0; r < R; ++r) {
+      emu_launch(grid, kBlockThreads, routing_forward_rows_kernel<Source, S>, src, dims, cs.splits, r, fws, c.data(),
+                 partial.data());
+      emu_launch(grid, kBlockThreads, routing_forward_reduce_kernel<S, A>, static_cast<const A*>(partial.data()),
+                 cs.splits, bias, dims, r, A(eps), v_ws.data(), s_hist.data(), v.data());
+    }
+  }
+  compare(label, "v", v, want.v, tol);
+  compare(label, "c", c, want.c, tol);
+  compare(label, "s_hist", s_hist, want.s_hist, tol);
+
+  // Backward, from the kernels' own s_hist.
+  const int64_t first_r = cs.detach ? R - 1 : 0, nkeep = R - first_r;
+  std::vector<A> v_hist = nans<A>(B * R * JD), gs_hist = nans<A>(B * nkeep * JD);
+  std::vector<A> coupling_hist = nans<A>(B * nkeep * I * J), g_logits = nans<A>(B * nkeep * I * J);
+  std::vector<A> gv = nans<A>(B * JD), grad_bias_items = nans<A>(B * JD);
+  const BackwardState<A> st{v_hist.data(), gs_hist.data(), coupling_hist.data(), g_logits.data(), I, J, D, R,
+                            first_r, nkeep};
+  const BackwardWorkspace<A> bws{logits.data(), gv.data()};
+  std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
+  if (cs.splits == 1) {
+    emu_launch(grid, kBlockThreads, routing_backward_kernel<Source, S>, src, grad_v.data(),
+               static_cast<const A*>(s_hist.data()), dims, cs.detach, A(eps), st, bws, grad_bias_items.data());
+  } else {
+    emu_launch(grid, kBlockThreads, routing_backward_start_kernel<S, A>, grad_v.data(),
+               static_cast<const A*>(s_hist.data()), dims, A(eps), st, gv.data());
+    emu_launch(grid, kBlockThreads, routing_coupling_rows_kernel<Source>, src, dims, cs.splits, st, logits.data());
+    if (R - 1 == first_r) emu_launch(grid, kBlockThreads, routing_sum_gs_kernel<A>, dims, st, grad_bias_items.data());
+    for (int64_t r = R - 1; r > first_r; --r) {
+      emu_launch(grid, kBlockThreads, routing_backward_rows_kernel<Source>, src, dims, cs.splits, r, st, partial.data());
+      emu_launch(grid, kBlockThreads, routing_backward_reduce_kernel<A>, static_cast<const A*>(partial.data()),
+                 cs.splits, static_cast<const A*>(s_hist.data()), dims, r, A(eps), st, gv.data(),
+                 grad_bias_items.data());
+    }
+  }
+  std::vector<A> grad_votes(B * I * JD);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t jd = 0; jd < JD; ++jd) grad_votes[(b * I + i) * JD + jd] = st.vote_grad(b, i, jd);
+  compare(label, "grad_votes", grad_votes, want.grad_votes, tol);
+  compare(label, "grad_bias_items", grad_bias_items, want.grad_bias_items, tol);
+}
+
+template <typename S>
+void check_case(const Case& cs, double tol) {
+  const double eps = 1e-8;
+  const int64_t JD = cs.J * cs.D;
+  // Values rounded to S first, so that both sides route the same numbers.
+  const auto votes = cast<double>(cast<S>(randn(cs.B * cs.I * JD, 0.5)));
+  const auto u = cast<double>(cast<S>(randn(cs.B * cs.I * cs.Din, 1.0)));
+  const auto weight = cast<double>(cast<S>(randn(cs.I * JD * cs.Din, 0.5 / std::sqrt(double(std::max<int64_t>(cs.Din, 1))))));
+  const auto bias = cast<double>(cast<S>(randn(JD, 0.3)));
+  const auto grad_v = cast<double>(cast<S>(randn(cs.B * JD, 1.0)));
+  char label[200];
+  std::snprintf(label, sizeof label, "%s B=%ld I=%ld J=%ld D=%ld Din=%ld iters=%ld leaky=%d detach=%d bias=%d splits=%ld",
+                sizeof(S) == 8 ? "float64" : "float32", long(cs.B), long(cs.I), long(cs.J), long(cs.D), long(cs.Din),
+                long(cs.iters), cs.leaky, cs.detach, cs.bias, long(cs.splits));
+
+  const std::vector<S> votes_s = cast<S>(votes);
+  const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
+  check_kernels<S>(label, cs, MemoryVotes<S, S>{votes_s.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol);
+
+  std::vector<double> dense_votes(cs.B * cs.I * JD, 0.0);
+  for (int64_t b = 0; b < cs.B; ++b)
+    for (int64_t i = 0; i < cs.I; ++i)
+      for (int64_t jd = 0; jd < JD; ++jd)
+        for (int64_t k = 0; k < cs.Din; ++k)
+          dense_votes[(b * cs.I + i) * JD + jd] += weight[(i * JD + jd) * cs.Din + k] * u[(b * cs.I + i) * cs.Din + k];
+  const std::vector<S> u_s = cast<S>(u), weight_s = cast<S>(weight);
+  const Expected from_weight = cpu_routing(cs, dense_votes, bias, grad_v, eps);
+  check_kernels<S>(label, cs, DenseVotes<S, S>{u_s.data(), weight_s.data(), cs.I, JD, cs.Din}, bias, grad_v,
+                   from_weight, eps, tol);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "quick") == 0;
+  // B, I, J, D, Din, iters, leaky, detach, bias, grid blocks, splits (set below)
+  std::vector<Case> shapes = {
+      {3, 33, 10, 16, 8, 3, false, false, true, 2, 1},  {3, 33, 10, 16, 8, 3, true, true, false, 2, 1},
+      {2, 70, 33, 3, 5, 2, false, false, false, 2, 1},  {2, 70, 33, 3, 5, 4, true, true, true, 1, 1},
+      {2, 9, 70, 1, 2, 3, true, false, true, 3, 1},     {2, 40, 5, 7, 1, 1, false, false, true, 2, 1},
+      {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},     {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
+  };
+  if (quick) shapes.resize(3);
+  for (const Case& shape : shapes) {
+    for (int64_t splits : {1, 2, 3, 7}) {
+      Case cs = shape;
+      cs.splits = splits;
+      check_case<double>(cs, 1e-12);
+      if (!quick) check_case<float>(cs, 2e-4);
+    }
+  }
+  std::printf(failures ? "%d failures\n" : "all passed\n", failures);
+  return failures ? 1 : 0;
+}
