@@ -1,6 +1,7 @@
 // Host-side setup shared by the EM routing CUDA ops (em_routing_cuda.cu and
-// em_routing_pose_cuda.cu): the forward's outputs, the backward's device checks and conversions
-// to the accumulation dtype, its accumulation buffers and the batch sum of the beta gradients.
+// em_routing_pose_cuda.cu): the launches of the kernels of em_kernels.cuh with their
+// workspaces, the forward's outputs, the backward's device checks and conversions to the
+// accumulation dtype, its accumulation buffers and the batch sum of the beta gradients.
 // The callers hold a c10::cuda::CUDAGuard on the device of `ref` while these run.
 #pragma once
 
@@ -15,6 +16,90 @@
 
 namespace capsroute {
 namespace cuda {
+
+// Allocates the workspaces and launches the forward on the current stream (B > 0).
+template <typename Source, typename scalar_t>
+void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
+                       const EmKernelDims& dims, double eps, at::Tensor& stats, at::Tensor& pose,
+                       at::Tensor& a_out) {
+  using acc_t = typename Source::acc_type;
+  const auto acc_options = stats.options();
+  at::Tensor R = at::empty({dims.B, dims.I, dims.J}, acc_options);
+  at::Tensor mass = at::empty({dims.B, dims.J}, acc_options);
+  at::Tensor norm = at::empty({dims.B, dims.J}, acc_options);
+  const EmForwardWorkspace<acc_t> ws{R.mutable_data_ptr<acc_t>(), mass.mutable_data_ptr<acc_t>(),
+                                     norm.mutable_data_ptr<acc_t>()};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  em_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
+      src, a_in, beta_u, beta_a, dims, static_cast<acc_t>(eps), ws, stats.mutable_data_ptr<acc_t>(),
+      pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The workspaces go back to the caching allocator on this stream: later work on the stream
+  // runs after the kernel, so reusing them is safe.
+}
+
+// Owns the backward workspaces for B elements (dims.B); the kernels may run over any
+// contiguous range of at most that many elements, one after another on the stream.
+template <typename acc_t>
+struct EmBackwardBuffers {
+  at::Tensor R_hist, g_R, norm, g_mu, g_var, g_logit, mass, g_mass;
+  EmBackwardWorkspace<acc_t> ws;
+};
+
+template <typename acc_t>
+EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmKernelDims& dims, const at::TensorOptions& acc_options) {
+  const int64_t B = dims.B, I = dims.I, J = dims.J, H = dims.H, R = dims.iters;
+  EmBackwardBuffers<acc_t> buf;
+  buf.R_hist = at::empty({B, R, I, J}, acc_options);
+  buf.g_R = at::empty({B, I, J}, acc_options);
+  buf.norm = at::empty({B, R, J}, acc_options);
+  buf.g_mu = at::empty({B, J, H}, acc_options);
+  buf.g_var = at::empty({B, J, H}, acc_options);
+  buf.g_logit = at::empty({B, J}, acc_options);
+  buf.mass = at::empty({B, J}, acc_options);
+  buf.g_mass = at::empty({B, J}, acc_options);
+  buf.ws = EmBackwardWorkspace<acc_t>{buf.R_hist.template mutable_data_ptr<acc_t>(),
+                                      buf.g_R.template mutable_data_ptr<acc_t>(),
+                                      buf.norm.template mutable_data_ptr<acc_t>(),
+                                      buf.g_mu.template mutable_data_ptr<acc_t>(),
+                                      buf.g_var.template mutable_data_ptr<acc_t>(),
+                                      buf.g_logit.template mutable_data_ptr<acc_t>(),
+                                      buf.mass.template mutable_data_ptr<acc_t>(),
+                                      buf.g_mass.template mutable_data_ptr<acc_t>()};
+  return buf;
+}
+
+// Launches em_backward_kernel on the current stream over dims.B > 0 elements whose inputs and
+// outputs start at the given pointers (a chunk of a larger batch: pass pointers offset to its
+// first element and a source whose element 0 is that element). ws holds at least dims.B elements.
+template <typename Source, typename scalar_t>
+void launch_em_backward_kernel(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
+                               const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
+                               const typename Source::acc_type* grad_a_out, const EmKernelDims& dims, double eps,
+                               const EmBackwardWorkspace<typename Source::acc_type>& ws,
+                               const EmGrads<typename Source::acc_type>& out) {
+  using acc_t = typename Source::acc_type;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  em_backward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
+      src, a_in, beta_u, stats, grad_pose, grad_a_out, dims, static_cast<acc_t>(eps), ws, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Allocates the workspaces and launches the backward on the current stream (B > 0). stats,
+// grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
+// g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous).
+template <typename Source, typename scalar_t>
+void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const at::Tensor& stats,
+                        const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmKernelDims& dims,
+                        double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
+  using acc_t = typename Source::acc_type;
+  // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
+  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(dims, stats.options());
+  const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
+                           g_beta.mutable_data_ptr<acc_t>()};
+  launch_em_backward_kernel(src, a_in, beta_u, stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
+                            grad_a_out.const_data_ptr<acc_t>(), dims, eps, buf.ws, out);
+}
 
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the
 // accumulation dtype, the layout the CPU writes (the backwards of both backends read either).

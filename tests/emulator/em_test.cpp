@@ -1,0 +1,259 @@
+// The EM routing kernels (csrc/cuda/em_kernels.cuh) on the host emulator, against the CPU
+// backend's element code (csrc/cpu/em_element.h) with the same storage and accumulation types:
+// statistics, outputs and every gradient, over votes read from memory, for J, H, I and iteration
+// counts around the edge cases (J = 1, I = 0 or 1, one iteration), a batch larger and smaller
+// than the grid, and the robustness cases of DESIGN.md 2.3 (zero activations, identical votes,
+// votes of 1e3; a NaN vote must give NaN, not hang). Workspaces start as NaN. Where the two
+// disagree past the tolerance, both are compared with the CPU code in long double: the kernels
+// must be as close to it as the CPU code is (ill-conditioned cases are reported as such).
+// Prints one line per failure; exits 1 if there is any.
+//   em_test [quick]
+#include "emu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+
+// The long double "truth" runs the CPU code in long double: the math it calls, in long double.
+namespace capsroute {
+inline long double acc_exp(long double x) { return std::exp(x); }
+inline long double acc_log(long double x) { return std::log(x); }
+inline long double acc_log1p(long double x) { return std::log1p(x); }
+}  // namespace capsroute
+
+#include "../../csrc/cpu/em_element.h"
+#include "../../csrc/cuda/em_kernels.cuh"
+#include "../../csrc/cuda/routing_kernels.cuh"  // MemoryVotes
+
+using namespace capsroute;
+using namespace capsroute::cuda;
+
+std::mt19937_64 rng(4321);
+std::vector<double> randn(int64_t n, double scale = 1.0) {
+  std::normal_distribution<double> nd(0.0, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+std::vector<double> randu(int64_t n) {
+  std::uniform_real_distribution<double> ud(0.0, 1.0);
+  std::vector<double> v(n);
+  for (auto& x : v) x = ud(rng);
+  return v;
+}
+template <typename T, typename U> std::vector<T> cast(const std::vector<U>& v) {
+  std::vector<T> o(v.size());
+  for (size_t k = 0; k < v.size(); ++k) o[k] = static_cast<T>(v[k]);
+  return o;
+}
+template <typename T> std::vector<T> nans(int64_t n) { return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN()); }
+
+static int failures = 0, checks = 0;
+static double worst = 0;
+template <typename T, typename U>
+void compare(const std::string& what, const std::vector<T>& got, const std::vector<U>& want, double tol) {
+  ++checks;
+  if (got.size() != want.size()) { std::printf("  FAIL %s: size %zu vs %zu\n", what.c_str(), got.size(), want.size()); ++failures; return; }
+  double maxabs = 0, maxdiff = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    const double g = static_cast<double>(got[k]), w = static_cast<double>(want[k]);
+    maxabs = std::max(maxabs, std::fabs(w));
+    double d = std::fabs(g - w);
+    if (std::isnan(g) || std::isnan(w)) d = std::isnan(g) && std::isnan(w) ? 0 : INFINITY;
+    maxdiff = std::max(maxdiff, d);
+  }
+  const double rel = maxdiff / std::max(maxabs, 1e-300);
+  worst = std::max(worst, rel);
+  if (!(rel <= tol)) { std::printf("  FAIL %s: rel err %.3e (max |want| %.3e)\n", what.c_str(), rel, maxabs); ++failures; }
+}
+
+
+static int ill = 0;
+template <typename T, typename U>
+double rel_err(const std::vector<T>& got, const std::vector<U>& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double maxabs = 0, maxdiff = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    const double g = static_cast<double>(got[k]), w = static_cast<double>(want[k]);
+    maxabs = std::max(maxabs, std::fabs(w));
+    double d = std::fabs(g - w);
+    if (std::isnan(g) || std::isnan(w)) d = std::isnan(g) && std::isnan(w) ? 0 : INFINITY;
+    maxdiff = std::max(maxdiff, d);
+  }
+  return maxdiff == 0 ? 0 : maxdiff / std::max(maxabs, 1e-300);
+}
+template <typename T, typename U, typename W>
+void judge(const std::string& what, const std::vector<T>& got, const std::vector<U>& want, const std::vector<W>& truth,
+           double tol) {
+  ++checks;
+  const double agree = rel_err(got, want);
+  worst = std::max(worst, agree);
+  if (agree <= tol) return;
+  const double err_emu = rel_err(got, truth), err_cpu = rel_err(want, truth);
+  // Roundoff of a different (but fixed) summation order, amplified by the problem: the
+  // emulated kernel must be about as close to the long double truth as the CPU code is.
+  const double slack = 1000 * double(std::numeric_limits<decltype(want[0] * 1)>::epsilon());
+  if (err_emu <= 4 * err_cpu + slack) {
+    ++ill;
+    std::printf("  ill-conditioned %s: emu vs cpu %.2e; vs long double: emu %.2e, cpu %.2e\n", what.c_str(), agree,
+                err_emu, err_cpu);
+    return;
+  }
+  std::printf("  FAIL %s: emu vs cpu %.3e; vs long double: emu %.2e, cpu %.2e\n", what.c_str(), agree, err_emu, err_cpu);
+  ++failures;
+}
+
+struct Case {
+  int64_t B, I, J, H, iters;
+  double final_lambda;
+  unsigned grid;
+  const char* special;  // "", "a_zero_some", "a_zero_all", "identical", "large"
+};
+
+// One element's results: forward and backward, same storage S and accumulation A everywhere.
+template <typename S, typename A>
+struct Results {
+  std::vector<A> stats;
+  std::vector<S> pose, a_out;
+  std::vector<A> g_V, g_a, g_beta;  // g_beta (2, J), summed over b
+};
+
+template <typename S, typename A>
+Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
+                      const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps) {
+  const cpu::EmDims d{cs.I, cs.J, cs.H, cs.iters, cs.final_lambda, eps};
+  const int64_t I = cs.I, J = cs.J, JH = cs.J * cs.H, row = d.stats_row(), sn = cs.iters * J * row;
+  Results<S, A> o;
+  o.stats.resize(cs.B * sn); o.pose.resize(cs.B * JH); o.a_out.resize(cs.B * J);
+  o.g_V.assign(cs.B * I * JH, A(0)); o.g_a.assign(cs.B * I, A(0));
+  std::vector<A> gb(cs.B * 2 * J, A(0));
+  cpu::EmElement<S, A> em(d);
+  for (int64_t n = 0; n < cs.B; ++n) {
+    A* st = o.stats.data() + n * sn;
+    em.reset_assignments();
+    for (int64_t t = 0; t < cs.iters; ++t) {
+      em.m_step(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(), t, st + t * J * row);
+      if (t < cs.iters - 1) em.e_step(V.data() + n * I * JH, st + t * J * row);
+    }
+    const A* last = st + (cs.iters - 1) * J * row;
+    for (int64_t jh = 0; jh < JH; ++jh) o.pose[n * JH + jh] = static_cast<S>(last[jh]);
+    for (int64_t j = 0; j < J; ++j) o.a_out[n * J + j] = static_cast<S>(em_sigmoid(last[2 * JH + j]));
+  }
+  cpu::EmBackward<S, A> back(d);
+  for (int64_t n = 0; n < cs.B; ++n)
+    back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn, gp.data() + n * JH,
+             ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I, gb.data() + n * 2 * J,
+             gb.data() + n * 2 * J + J);
+  o.g_beta.assign(2 * J, A(0));
+  for (int64_t n = 0; n < cs.B; ++n) for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
+  return o;
+}
+
+template <typename S, typename A>
+Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
+                      const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps) {
+  const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters;
+  const EmKernelDims dims{B, I, J, H, R, cs.final_lambda};
+  const MemoryVotes<S, A> src{V.data(), I, JH};
+  Results<S, A> o;
+  o.stats = nans<A>(B * R * dims.stats_block()); o.pose = nans<S>(B * JH); o.a_out = nans<S>(B * J);
+  {
+    auto Rw = nans<A>(B * I * J), mass = nans<A>(B * J), norm = nans<A>(B * J);
+    const EmForwardWorkspace<A> ws{Rw.data(), mass.data(), norm.data()};
+    emu_launch(cs.grid, kBlockThreads, em_forward_kernel<MemoryVotes<S, A>, S>, src, a.data(), bu.data(), ba.data(),
+               dims, static_cast<A>(eps), ws, o.stats.data(), o.pose.data(), o.a_out.data());
+  }
+  auto R_hist = nans<A>(B * R * I * J), g_R = nans<A>(B * I * J), norm = nans<A>(B * R * J);
+  auto g_mu = nans<A>(B * JH), g_var = nans<A>(B * JH), g_logit = nans<A>(B * J), mass = nans<A>(B * J),
+       g_mass = nans<A>(B * J);
+  o.g_V = nans<A>(B * I * JH); o.g_a = nans<A>(B * I);
+  auto gb = nans<A>(B * 2 * J);
+  const EmBackwardWorkspace<A> ws{R_hist.data(), g_R.data(), norm.data(), g_mu.data(),
+                                  g_var.data(), g_logit.data(), mass.data(), g_mass.data()};
+  const EmGrads<A> out{o.g_V.data(), o.g_a.data(), gb.data()};
+  emu_launch(cs.grid, kBlockThreads, em_backward_kernel<MemoryVotes<S, A>, S>, src, a.data(), bu.data(),
+             (const A*)o.stats.data(), gp.data(), ga.data(), dims, static_cast<A>(eps), ws, out);
+  o.g_beta.assign(2 * J, A(0));
+  for (int64_t n = 0; n < B; ++n) for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
+  return o;
+}
+
+template <typename S, typename A>
+void test_case(const Case& cs, const char* tname, double tol) {
+  const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H;
+  const double eps = 1e-6;
+  std::vector<double> V = randn(B * I * JH), a = randu(B * I), bu = randn(J, 0.5), ba = randn(J, 0.5);
+  const std::string sp = cs.special;
+  if (sp == "a_zero_some") for (int64_t k = 0; k < B * I; k += 3) a[k] = 0;
+  if (sp == "a_zero_all") std::fill(a.begin(), a.end(), 0.0);
+  if (sp == "identical")
+    for (int64_t n = 0; n < B; ++n) for (int64_t i = 1; i < I; ++i) for (int64_t k = 0; k < JH; ++k)
+      V[(n * I + i) * JH + k] = V[n * I * JH + k];
+  if (sp == "large") for (auto& x : V) x *= 1e3;
+  if (sp == "nan") V[0] = std::numeric_limits<double>::quiet_NaN();
+  auto Vs = cast<S>(V), as = cast<S>(a), bus = cast<S>(bu), bas = cast<S>(ba);
+  auto gp = cast<A>(randn(B * JH)), ga = cast<A>(randn(B * J));
+  const auto want = cpu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps);
+  const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps);
+  // The truth for judging disagreements: the CPU code on the same inputs in long double.
+  const auto truth = cpu_run<S, long double>(cs, Vs, as, bus, bas, cast<long double>(gp), cast<long double>(ga), eps);
+  const std::string p = std::string(tname) + " ";
+  // Outputs stored in S are rounded to S: allow one ulp of S.
+  const double out_tol = std::max(tol, double(std::numeric_limits<S>::epsilon()));
+  judge(p + "stats", got.stats, want.stats, truth.stats, tol);
+  judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
+  judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
+  judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
+  judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
+  judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
+  // No NaN anywhere unless one was planted in the input.
+  if (sp != "nan") {
+    bool bad = false;
+    for (auto x : got.stats) bad |= !std::isfinite(double(x));
+    for (auto x : got.g_V) bad |= !std::isfinite(double(x));
+    for (auto x : got.g_a) bad |= !std::isfinite(double(x));
+    for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
+    if (bad) { std::printf("  FAIL %s: non-finite output\n", tname); ++failures; }
+  }
+}
+
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "full";
+  std::vector<Case> cases;
+  // The grid of the brief: J in {1, 3, 33}, H in {1, 16}, I in {1, 37}, iters in {1, 2, 3},
+  // with B alternately smaller (1) and larger (5) than the emulated grid of 2 or 3 blocks.
+  int k = 0;
+  for (int64_t J : {1, 3, 33})
+    for (int64_t H : {1, 16})
+      for (int64_t I : {1, 37})
+        for (int64_t iters : {1, 2, 3}) {
+          const bool small = k % 2 == 0;
+          cases.push_back({small ? 1 : 5, I, J, H, iters, k % 3 == 0 ? 0.01 : 1.0, small ? 2u : (k % 4 == 1 ? 2u : 3u), ""});
+          ++k;
+        }
+  // Extra shapes: many rows per warp, J*H beyond one block of column owners, no inputs, robustness.
+  cases.push_back({3, 300, 10, 16, 3, 1.0, 2, ""});
+  cases.push_back({2, 20, 64, 5, 3, 1.0, 2, ""});
+  cases.push_back({2, 0, 4, 4, 3, 1.0, 2, ""});
+  cases.push_back({3, 24, 5, 16, 3, 1.0, 2, "a_zero_some"});
+  cases.push_back({3, 24, 5, 16, 3, 1.0, 2, "a_zero_all"});
+  cases.push_back({3, 24, 5, 16, 3, 1.0, 2, "identical"});
+  cases.push_back({3, 24, 5, 16, 3, 1.0, 2, "large"});
+  cases.push_back({2, 9, 4, 3, 4, 1.0, 1, "nan"});
+  cases.push_back({7, 13, 5, 16, 5, 0.01, 3, ""});
+  if (mode == "quick") {
+    cases = {{5, 37, 33, 16, 3, 1.0, 2, ""}, {3, 37, 3, 16, 2, 1.0, 2, ""}, {1, 20, 64, 5, 3, 1.0, 2, ""}};
+  }
+  for (const Case& cs : cases) {
+    std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld lambda=%g grid=%u %s\n", long(cs.B), long(cs.I), long(cs.J),
+                long(cs.H), long(cs.iters), cs.final_lambda, cs.grid, cs.special);
+    test_case<double, double>(cs, "double", 1e-12);
+    test_case<float, float>(cs, "float", 2e-5);
+  }
+  std::printf("%d checks, worst emu-vs-cpu rel err %.3e, %d explained by conditioning\n", checks, worst, ill);
+  std::printf(failures ? "%d failures\n" : "all passed\n", failures);
+  return failures ? 1 : 0;
+}
