@@ -6,6 +6,8 @@
 // votes of 1e3; a NaN vote must give NaN, not hang). Workspaces start as NaN. Where the two
 // disagree past the tolerance, both are compared with the CPU code in long double: the kernels
 // must be as close to it as the CPU code is (ill-conditioned cases are reported as such).
+// em_routing_pose too: votes P_i @ W_ij inside the kernels, the backward in batch chunks, and the
+// contractions into grad_pose and grad_weight.
 // Prints one line per failure; exits 1 if there is any.
 //   em_test [quick]
 #include "emu.h"
@@ -15,6 +17,8 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 // The long double "truth" runs the CPU code in long double: the math it calls, in long double.
 namespace capsroute {
@@ -220,6 +224,86 @@ void test_case(const Case& cs, const char* tname, double tol) {
 }
 
 
+// em_routing_pose: votes V_ij = P_i W_ij (4x4) computed inside the kernels (PoseVotes), the
+// backward over the batch in chunks of `chunk` elements as em_routing_pose_cuda.cu runs it, and
+// the vote gradient contracted into grad_pose and grad_weight. S is the accumulation type too,
+// so the CPU code can be given the same votes the kernels compute.
+template <typename S>
+void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, unsigned grid, double tol) {
+  constexpr int64_t H = kPoseSize;
+  const int64_t JH = J * H;
+  const double eps = 1e-6;
+  const Case cs{B, I, J, H, iters, 1.0, grid, ""};
+  const auto pose = cast<S>(randn(B * I * H)), weight = cast<S>(randn(I * J * H, 0.5)), a = cast<S>(randu(B * I));
+  const auto bu = cast<S>(randn(J, 0.5)), ba = cast<S>(randn(J, 0.5));
+  const auto gp = cast<S>(randn(B * JH)), ga = cast<S>(randn(B * J));
+  std::vector<S> V(B * I * JH);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t jh = 0; jh < JH; ++jh) V[(b * I + i) * JH + jh] = PoseVotes<S, S>{pose.data(), weight.data(), I, J}(b, i, jh);
+  const auto want = cpu_run<S, S>(cs, V, a, bu, ba, gp, ga, eps);
+  const auto truth = cpu_run<S, long double>(cs, V, a, bu, ba, cast<long double>(gp), cast<long double>(ga), eps);
+  // grad_pose and grad_weight from the CPU's vote gradient (and from the long double one).
+  auto contract = [&](const auto& g_V) {
+    using T = std::decay_t<decltype(g_V[0])>;
+    std::vector<T> g_pose(B * I * H, T(0)), g_weight(I * J * H, T(0));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < I; ++i)
+        for (int64_t j = 0; j < J; ++j)
+          for (int64_t r = 0; r < 4; ++r)
+            for (int64_t c = 0; c < 4; ++c) {
+              const T g = g_V[((b * I + i) * J + j) * H + r * 4 + c];
+              for (int64_t k = 0; k < 4; ++k) {
+                g_pose[(b * I + i) * H + r * 4 + k] += g * T(weight[(i * J + j) * H + k * 4 + c]);
+                g_weight[(i * J + j) * H + k * 4 + c] += T(pose[(b * I + i) * H + r * 4 + k]) * g;
+              }
+            }
+    return std::make_pair(g_pose, g_weight);
+  };
+  const auto [want_g_pose, want_g_weight] = contract(want.g_V);
+  const auto [true_g_pose, true_g_weight] = contract(truth.g_V);
+
+  const EmKernelDims dims{B, I, J, H, iters, 1.0};
+  const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
+  auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH), a_out = nans<S>(B * J);
+  auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J);
+  emu_launch(grid, kBlockThreads, em_forward_kernel<PoseVotes<S, S>, S>, src, a.data(), bu.data(), ba.data(), dims, S(eps),
+             EmForwardWorkspace<S>{R.data(), mass.data(), norm.data()}, stats.data(), pose_out.data(), a_out.data());
+
+  auto R_hist = nans<S>(chunk * iters * I * J), g_R = nans<S>(chunk * I * J), norm_hist = nans<S>(chunk * iters * J);
+  auto g_mu = nans<S>(chunk * JH), g_var = nans<S>(chunk * JH), g_logit = nans<S>(chunk * J), chunk_mass = nans<S>(chunk * J),
+       g_mass = nans<S>(chunk * J), g_V = nans<S>(chunk * I * JH);
+  const EmBackwardWorkspace<S> ws{R_hist.data(), g_R.data(), norm_hist.data(), g_mu.data(),
+                                  g_var.data(), g_logit.data(), chunk_mass.data(), g_mass.data()};
+  auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H), g_weight = nans<S>(I * J * H);
+  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
+    const int64_t nb = std::min(chunk, B - b0);
+    const EmKernelDims chunk_dims{nb, I, J, H, iters, 1.0};
+    const PoseVotes<S, S> chunk_src{pose.data() + b0 * I * H, weight.data(), I, J};
+    emu_launch(grid, kBlockThreads, em_backward_kernel<PoseVotes<S, S>, S>, chunk_src, a.data() + b0 * I, bu.data(),
+               static_cast<const S*>(stats.data() + b0 * iters * dims.stats_block()), gp.data() + b0 * JH,
+               ga.data() + b0 * J, chunk_dims, S(eps), ws, EmGrads<S>{g_V.data(), g_a.data() + b0 * I, g_beta.data() + b0 * 2 * J});
+    if (nb * I > 0)
+      emu_launch(grid, kBlockThreads, pose_grad_pose_kernel<S, S>, static_cast<const S*>(g_V.data()), weight.data(), nb, I, J,
+                 g_pose.data() + b0 * I * H);
+    if (I * J > 0)
+      emu_launch(grid, kBlockThreads, pose_grad_weight_kernel<S, S>, static_cast<const S*>(g_V.data()),
+                 pose.data() + b0 * I * H, nb, I, J, b0 > 0, g_weight.data());
+  }
+  std::vector<S> g_beta_sum(2 * J, S(0));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];
+  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") + " pose B=" + std::to_string(B) + " I=" +
+                        std::to_string(I) + " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) + " ";
+  judge(p + "stats", stats, want.stats, truth.stats, tol);
+  judge(p + "pose", pose_out, want.pose, truth.pose, tol);
+  judge(p + "a_out", a_out, want.a_out, truth.a_out, tol);
+  judge(p + "grad_pose", g_pose, want_g_pose, true_g_pose, tol);
+  judge(p + "grad_weight", g_weight, want_g_weight, true_g_weight, tol);
+  judge(p + "grad_a_in", g_a, want.g_a, truth.g_a, tol);
+  judge(p + "grad_betas", g_beta_sum, want.g_beta, truth.g_beta, tol);
+}
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "full";
   std::vector<Case> cases;
@@ -253,6 +337,11 @@ int main(int argc, char** argv) {
     test_case<double, double>(cs, "double", 1e-12);
     test_case<float, float>(cs, "float", 2e-5);
   }
+  for (int64_t chunk : {1, 2, 5}) {
+    test_pose_case<double>(5, 9, 4, 3, chunk, 2, 1e-12);
+    if (mode != "quick") test_pose_case<float>(5, 9, 4, 3, chunk, 2, 2e-5);
+  }
+  if (mode != "quick") test_pose_case<double>(2, 1, 1, 1, 1, 1, 1e-12);
   std::printf("%d checks, worst emu-vs-cpu rel err %.3e, %d explained by conditioning\n", checks, worst, ill);
   std::printf(failures ? "%d failures\n" : "all passed\n", failures);
   return failures ? 1 : 0;
