@@ -15,39 +15,6 @@ namespace capsroute {
 namespace cuda {
 namespace {
 
-// grad_u[b, i, k] = sum_{j, d} weight[i, j, d, k] g_u[b, i, j, d]; thread per (b, i, k).
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
-    dense_grad_u_kernel(const BackwardState<acc_t> st, const scalar_t* weight, int64_t B, int64_t Din,
-                        scalar_t* grad_u) {
-  const int64_t JD = st.J * st.D, n = B * st.I * Din;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t k = idx % Din, bi = idx / Din;
-    const int64_t i = bi % st.I, b = bi / st.I;
-    const scalar_t* w = weight + i * JD * Din + k;
-    acc_t sum = 0;
-    for (int64_t jd = 0; jd < JD; ++jd) sum += static_cast<acc_t>(w[jd * Din]) * st.vote_grad(b, i, jd);
-    grad_u[idx] = static_cast<scalar_t>(sum);
-  }
-}
-
-// grad_weight[i, j, d, k] = sum_b g_u[b, i, j, d] u[b, i, k]; thread per (i, j, d, k), b in order.
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
-    dense_grad_weight_kernel(const BackwardState<acc_t> st, const scalar_t* u, int64_t B, int64_t Din,
-                             scalar_t* grad_weight) {
-  const int64_t JD = st.J * st.D, n = st.I * JD * Din;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t k = idx % Din, ijd = idx / Din;
-    const int64_t jd = ijd % JD, i = ijd / JD;
-    acc_t sum = 0;
-    for (int64_t b = 0; b < B; ++b) sum += st.vote_grad(b, i, jd) * static_cast<acc_t>(u[(b * st.I + i) * Din + k]);
-    grad_weight[idx] = static_cast<scalar_t>(sum);
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Tensor& u_in, const at::Tensor& weight_in,
                                                                    const c10::optional<at::Tensor>& bias_in,
                                                                    int64_t iters, bool leaky,

@@ -12,18 +12,6 @@ namespace capsroute {
 namespace cuda {
 namespace {
 
-// grad_votes (B, I, J, D) = the vote gradient of the saved state, flat and coalesced.
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
-    write_vote_grad_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
-  const int64_t JD = st.J * st.D, n = B * st.I * JD;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t jd = idx % JD, bi = idx / JD;
-    grad_votes[idx] = static_cast<scalar_t>(st.vote_grad(bi / st.I, bi % st.I, jd));
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(const at::Tensor& votes_in,
                                                                     const c10::optional<at::Tensor>& bias_in,
                                                                     int64_t iters, bool leaky,

@@ -1,6 +1,7 @@
 // The CUDA routing kernels (csrc/cuda/routing_kernels.cuh) on the host emulator, against the CPU
 // backend's per-element code (csrc/cpu/routing_element.h) in double: forward outputs, saved
-// state and the vote gradient, for votes read from memory and votes computed from a weight, one
+// state and the gradients (dynamic_routing's grad_votes; dense_capsules' grad_u and grad_weight),
+// for votes read from memory and votes computed from a weight, one
 // block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), in
 // float64 and float32. Workspaces and outputs start as NaN, so a value the kernels forget to
 // write shows. Prints one line per failure; exits 1 if there is any.
@@ -93,10 +94,12 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std
 }
 
 // The launch sequence of launch_routing_forward / launch_routing_backward (routing_launch.cuh),
-// with splits given; returns v, c, s_hist, the vote gradient and grad_bias_items.
-template <typename S, typename Source>
+// with splits given, checking v, c, s_hist and grad_bias_items; then check_vote_grad(state)
+// checks what the op's own kernels make of the saved state.
+template <typename S, typename Source, typename CheckVoteGrad>
 void check_kernels(const char* label, const Case& cs, const Source& src, const std::vector<double>& bias_d,
-                   const std::vector<double>& grad_v_d, const Expected& want, double eps, double tol) {
+                   const std::vector<double>& grad_v_d, const Expected& want, double eps, double tol,
+                   CheckVoteGrad&& check_vote_grad) {
   using A = typename Source::acc_type;
   const int64_t B = cs.B, I = cs.I, J = cs.J, D = cs.D, JD = J * D, R = cs.iters;
   const RoutingDims dims{B, I, J, D, R, cs.leaky};
@@ -148,12 +151,8 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
                  grad_bias_items.data());
     }
   }
-  std::vector<A> grad_votes(B * I * JD);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < I; ++i)
-      for (int64_t jd = 0; jd < JD; ++jd) grad_votes[(b * I + i) * JD + jd] = st.vote_grad(b, i, jd);
-  compare(label, "grad_votes", grad_votes, want.grad_votes, tol);
   compare(label, "grad_bias_items", grad_bias_items, want.grad_bias_items, tol);
+  check_vote_grad(st);
 }
 
 template <typename S>
@@ -173,7 +172,13 @@ void check_case(const Case& cs, double tol) {
 
   const std::vector<S> votes_s = cast<S>(votes);
   const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
-  check_kernels<S>(label, cs, MemoryVotes<S, S>{votes_s.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol);
+  check_kernels<S>(label, cs, MemoryVotes<S, S>{votes_s.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol,
+                   [&](const BackwardState<S>& st) {
+                     std::vector<S> grad_votes = nans<S>(cs.B * cs.I * JD);
+                     if (!grad_votes.empty())
+                       emu_launch(2, kBlockThreads, write_vote_grad_kernel<S, S>, st, cs.B, grad_votes.data());
+                     compare(label, "grad_votes", grad_votes, from_votes.grad_votes, tol);
+                   });
 
   std::vector<double> dense_votes(cs.B * cs.I * JD, 0.0);
   for (int64_t b = 0; b < cs.B; ++b)
@@ -183,8 +188,28 @@ void check_case(const Case& cs, double tol) {
           dense_votes[(b * cs.I + i) * JD + jd] += weight[(i * JD + jd) * cs.Din + k] * u[(b * cs.I + i) * cs.Din + k];
   const std::vector<S> u_s = cast<S>(u), weight_s = cast<S>(weight);
   const Expected from_weight = cpu_routing(cs, dense_votes, bias, grad_v, eps);
+  // grad_u = weight^T g_u and grad_weight = sum_b g_u u^T from the CPU's vote gradient g_u.
+  std::vector<double> want_grad_u(cs.B * cs.I * cs.Din, 0.0), want_grad_weight(cs.I * JD * cs.Din, 0.0);
+  for (int64_t b = 0; b < cs.B; ++b)
+    for (int64_t i = 0; i < cs.I; ++i)
+      for (int64_t jd = 0; jd < JD; ++jd)
+        for (int64_t k = 0; k < cs.Din; ++k) {
+          const double g = from_weight.grad_votes[(b * cs.I + i) * JD + jd];
+          want_grad_u[(b * cs.I + i) * cs.Din + k] += weight[(i * JD + jd) * cs.Din + k] * g;
+          want_grad_weight[(i * JD + jd) * cs.Din + k] += g * u[(b * cs.I + i) * cs.Din + k];
+        }
   check_kernels<S>(label, cs, DenseVotes<S, S>{u_s.data(), weight_s.data(), cs.I, JD, cs.Din}, bias, grad_v,
-                   from_weight, eps, tol);
+                   from_weight, eps, tol, [&](const BackwardState<S>& st) {
+                     std::vector<S> grad_u = nans<S>(want_grad_u.size()), grad_weight = nans<S>(want_grad_weight.size());
+                     if (!grad_u.empty())
+                       emu_launch(3, kBlockThreads, dense_grad_u_kernel<S, S>, st, weight_s.data(), cs.B, cs.Din,
+                                  grad_u.data());
+                     if (!grad_weight.empty())
+                       emu_launch(2, kBlockThreads, dense_grad_weight_kernel<S, S>, st, u_s.data(), cs.B, cs.Din,
+                                  grad_weight.data());
+                     compare(label, "dense grad_u", grad_u, want_grad_u, tol);
+                     compare(label, "dense grad_weight", grad_weight, want_grad_weight, tol);
+                   });
 }
 
 }  // namespace
