@@ -128,6 +128,20 @@ struct ForwardWorkspace {
   acc_t* v;
 };
 
+// Phase 2 of a tile, column owners: acc_jd += sum_{i0 <= i < i1} weight_ij u_ijd, i in order.
+template <typename Source>
+__device__ __forceinline__ void accumulate_tile_columns(const Source& src, int64_t b, int64_t i0, int64_t i1,
+                                                        const typename Source::acc_type* weight, int64_t J, int64_t D,
+                                                        typename Source::acc_type* acc) {
+  using acc_t = typename Source::acc_type;
+  for (int64_t jd = threadIdx.x; jd < J * D; jd += blockDim.x) {
+    const int64_t j = jd / D;
+    acc_t sum = acc[jd];
+    for (int64_t i = i0; i < i1; ++i) sum += weight[i * J + j] * src(b, i, jd);
+    acc[jd] = sum;
+  }
+}
+
 // Iteration r of the forward over `rows` of element b: b^r_ij = b^{r-1}_ij + <u_ij, v^{r-1}_j>
 // (b^0 = 0) and c^r = softmax (warp per row; written to c_out at the last iteration), then
 // s_acc_jd += sum_i c_ij u_ijd (column owners, over s_acc as they left it).
@@ -165,13 +179,7 @@ __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRa
       }
     }
     __syncthreads();  // coupling of the tile written by warps, read by column owners
-    // Phase 2, column owners.
-    for (int64_t jd = tid; jd < JD; jd += nthreads) {
-      const int64_t j = jd / D;
-      acc_t acc = s_acc[jd];
-      for (int64_t i = i0; i < i1; ++i) acc += coupling[i * J + j] * src(b, i, jd);
-      s_acc[jd] = acc;
-    }
+    accumulate_tile_columns(src, b, i0, i1, coupling, J, D, s_acc);
     __syncthreads();  // end of tile
   }
 }
@@ -385,13 +393,7 @@ __device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowR
         g_here[i * J + j] = g_next[i * J + j] + c[i * J + j] * (g_here[i * J + j] - weighted);
     }
     __syncthreads();  // G^{r-1} of the tile written by warps, read by column owners
-    // Phase 2, column owners.
-    for (int64_t jd = tid; jd < JD; jd += nthreads) {
-      const int64_t j = jd / D;
-      acc_t acc = gv_acc[jd];
-      for (int64_t i = i0; i < i1; ++i) acc += g_here[i * J + j] * src(b, i, jd);
-      gv_acc[jd] = acc;
-    }
+    accumulate_tile_columns(src, b, i0, i1, g_here, J, D, gv_acc);
     __syncthreads();  // end of tile
   }
 }
@@ -408,11 +410,11 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
 }
 
 // Fills the BackwardState buffers and grad_bias_items (B, J, D) = sum_r gs^r for each b.
-// grad_v (B, J, D), s_hist (B, iters, J, D). One block per element, every iteration.
+// grad_v (B, J, D), s_hist (B, iters, J, D); detach is st.first_r = iters - 1. One block per element.
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads)
     routing_backward_kernel(const Source src, const scalar_t* grad_v, const typename Source::acc_type* s_hist,
-                            const RoutingDims dims, const bool detach, const typename Source::acc_type eps,
+                            const RoutingDims dims, const typename Source::acc_type eps,
                             const BackwardState<typename Source::acc_type> st,
                             const BackwardWorkspace<typename Source::acc_type> ws,
                             typename Source::acc_type* grad_bias_items) {

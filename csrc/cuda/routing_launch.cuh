@@ -113,7 +113,7 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   const int64_t splits = routing_splits(dims);
   if (splits == 1) {
     routing_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-        src, grad_v, s, dims, detach, static_cast<acc_t>(eps), st, ws, grad_bias);
+        src, grad_v, s, dims, static_cast<acc_t>(eps), st, ws, grad_bias);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
   }

@@ -54,27 +54,8 @@ template <typename T, typename U> std::vector<T> cast(const std::vector<U>& v) {
 }
 template <typename T> std::vector<T> nans(int64_t n) { return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN()); }
 
-static int failures = 0, checks = 0;
+static int failures = 0, checks = 0, ill = 0;
 static double worst = 0;
-template <typename T, typename U>
-void compare(const std::string& what, const std::vector<T>& got, const std::vector<U>& want, double tol) {
-  ++checks;
-  if (got.size() != want.size()) { std::printf("  FAIL %s: size %zu vs %zu\n", what.c_str(), got.size(), want.size()); ++failures; return; }
-  double maxabs = 0, maxdiff = 0;
-  for (size_t k = 0; k < want.size(); ++k) {
-    const double g = static_cast<double>(got[k]), w = static_cast<double>(want[k]);
-    maxabs = std::max(maxabs, std::fabs(w));
-    double d = std::fabs(g - w);
-    if (std::isnan(g) || std::isnan(w)) d = std::isnan(g) && std::isnan(w) ? 0 : INFINITY;
-    maxdiff = std::max(maxdiff, d);
-  }
-  const double rel = maxdiff / std::max(maxabs, 1e-300);
-  worst = std::max(worst, rel);
-  if (!(rel <= tol)) { std::printf("  FAIL %s: rel err %.3e (max |want| %.3e)\n", what.c_str(), rel, maxabs); ++failures; }
-}
-
-
-static int ill = 0;
 template <typename T, typename U>
 double rel_err(const std::vector<T>& got, const std::vector<U>& want) {
   if (got.size() != want.size()) return INFINITY;

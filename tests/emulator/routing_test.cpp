@@ -138,7 +138,7 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
   if (cs.splits == 1) {
     emu_launch(grid, kBlockThreads, routing_backward_kernel<Source, S>, src, grad_v.data(),
-               static_cast<const A*>(s_hist.data()), dims, cs.detach, A(eps), st, bws, grad_bias_items.data());
+               static_cast<const A*>(s_hist.data()), dims, A(eps), st, bws, grad_bias_items.data());
   } else {
     emu_launch(grid, kBlockThreads, routing_backward_start_kernel<S, A>, grad_v.data(),
                static_cast<const A*>(s_hist.data()), dims, A(eps), st, gv.data());
