@@ -1,6 +1,7 @@
 // The CUDA routing kernels (csrc/cuda/routing_kernels.cuh) on the host emulator, against the CPU
 // backend's per-element code (csrc/cpu/routing_element.h) in double: forward outputs, saved
-// state and the gradients (dynamic_routing's grad_votes; dense_capsules' grad_u and grad_weight),
+// state and the gradients (dynamic_routing's grad_votes; dense_capsules' grad_u and grad_weight;
+// squash_rows_kernel too),
 // for votes read from memory and votes computed from a weight, one
 // block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), in
 // float64 and float32. Workspaces and outputs start as NaN, so a value the kernels forget to
@@ -12,9 +13,11 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 
 #include "../../csrc/cpu/routing_element.h"
 #include "../../csrc/cuda/routing_kernels.cuh"
+#include "../../csrc/cuda/squash_kernels.cuh"
 
 using namespace capsroute;
 using namespace capsroute::cuda;
@@ -212,6 +215,40 @@ void check_case(const Case& cs, double tol) {
                    });
 }
 
+// squash_rows_kernel, forward and backward, against the formulas of common/math.h; one row of
+// zeros (the eps path), rows shorter and longer than a warp.
+template <typename S>
+void check_squash(int64_t rows, int64_t D, double tol) {
+  const double eps = 1e-8;
+  auto s = cast<double>(cast<S>(randn(rows * D, 1.0)));
+  const auto g = cast<double>(cast<S>(randn(rows * D, 1.0)));
+  std::fill(s.begin(), s.begin() + D, 0.0);
+  std::vector<double> want_fwd(rows * D), want_bwd(rows * D);
+  for (int64_t r = 0; r < rows; ++r) {
+    double q = 0, sg = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      q += s[r * D + d] * s[r * D + d];
+      sg += s[r * D + d] * g[r * D + d];
+    }
+    const double scale = squash_scale(q, eps);
+    const SquashVjp<double> k = squash_vjp_coeffs(q, eps);
+    for (int64_t d = 0; d < D; ++d) {
+      want_fwd[r * D + d] = scale * s[r * D + d];
+      want_bwd[r * D + d] = k.scale * g[r * D + d] + k.radial * sg * s[r * D + d];
+    }
+  }
+  const std::vector<S> s_s = cast<S>(s), g_s = cast<S>(g);
+  std::vector<S> fwd = nans<S>(rows * D), bwd = nans<S>(rows * D);
+  emu_launch(2, kBlockThreads, squash_rows_kernel<false, S, S>, s_s.data(), static_cast<const S*>(nullptr), fwd.data(),
+             rows, D, S(eps));
+  emu_launch(2, kBlockThreads, squash_rows_kernel<true, S, S>, s_s.data(), g_s.data(), bwd.data(), rows, D, S(eps));
+  char label[80];
+  std::snprintf(label, sizeof label, "squash %s rows=%ld D=%ld", sizeof(S) == 8 ? "float64" : "float32", long(rows),
+                long(D));
+  compare(label, "forward", fwd, want_fwd, tol);
+  compare(label, "backward", bwd, want_bwd, tol);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -224,6 +261,10 @@ int main(int argc, char** argv) {
       {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},     {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
   };
   if (quick) shapes.resize(3);
+  for (auto [rows, D] : {std::pair<int64_t, int64_t>{37, 16}, {21, 45}, {5, 1}}) {
+    check_squash<double>(rows, D, 1e-14);
+    check_squash<float>(rows, D, 1e-6);
+  }
   for (const Case& shape : shapes) {
     for (int64_t splits : {1, 2, 3, 7}) {
       Case cs = shape;
