@@ -656,8 +656,7 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
         finally:
             clear_grads(inputs[0])
 
-    unavailable = {} if capsroute_supports(case.op, device) else \
-        {"capsroute": f"capsroute has no {device.type.upper()} kernel for {case.op} in this build"}
+    unavailable = {} if capsroute_supports(case.op, device) else {"capsroute": _no_kernel(device, [case.op])}
     records = _bench_impls(case, impls, device, base=base, estimate=lambda impl: estimated_bytes(case, impl, itemsize),
                            make_inputs=lambda: make_inputs(case.op, case, dtype, device, seed), unavailable=unavailable,
                            measure=measure, note=note, progress=progress)
@@ -674,9 +673,10 @@ def _bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str
     """The loop of bench_case and bench_model_case: each impl on one case, eager first, so that
     measure(impl, inputs, ref_snap) -> (record, snapshot) can check the others against eager's
     snapshot. An impl is skipped, with the reason in its record, where `unavailable` gives one
-    (e.g. no capsroute kernel on this device), where on the CPU `estimate(impl)` bytes exceed 80% of the available memory (the
-    OOM killer would end the run; CUDA raises OutOfMemoryError instead), or where it fails. Returns
-    {**base(impl), **record} per impl with the ratios to capsroute, in IMPLS order."""
+    (e.g. no capsroute kernel on this device), where on the CPU `estimate(impl)` bytes exceed 80%
+    of the available memory (the OOM killer would end the run; CUDA raises OutOfMemoryError
+    instead), or where it fails. Returns {**base(impl), **record} per impl with the ratios to
+    capsroute, in IMPLS order."""
     records = []
 
     def skip(impl, reason):
@@ -734,6 +734,10 @@ def _bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str
     _add_ratios(records)
     records.sort(key=lambda r: IMPLS.index(r["impl"]))
     return records
+
+
+def _no_kernel(device: torch.device, ops) -> str:
+    return f"capsroute has no {device.type.upper()} kernel for {'/'.join(ops)} in this build"
 
 
 def _failure(e: BaseException) -> str:
@@ -942,8 +946,7 @@ def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, devic
 
     unavailable = {}
     if not model_supported(case.op, device):
-        unavailable["capsroute"] = (f"capsroute has no {device.type.upper()} kernel for "
-                                    f"{'/'.join(MODEL_KERNELS[case.op])} in this build")
+        unavailable["capsroute"] = _no_kernel(device, MODEL_KERNELS[case.op])
     if (crash := compile_crash(case.op, device)) is not None:
         unavailable["compiled"] = crash
     return _bench_impls(case, impls, device, base=base,

@@ -120,6 +120,30 @@ __host__ __device__ __forceinline__ RowRange split_rows(int64_t I, int64_t split
   return {begin, begin + chunk < I ? begin + chunk : I};
 }
 
+// The (b, range g) items of the split kernels, grid-stride over blocks: each gets its partial
+// sums partial[b, g] (J, D) zeroed by their column owners, then rows(b, range g, partial[b, g]).
+template <typename acc_t, typename Rows>
+__device__ __forceinline__ void for_each_range(const RoutingDims& dims, int64_t splits, acc_t* partial, Rows&& rows) {
+  const int64_t JD = dims.J * dims.D;
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    acc_t* acc = partial + item * JD;
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) acc[jd] = 0;
+    rows(item / splits, split_rows(dims.I, splits, item % splits), acc);
+    __syncthreads();
+  }
+}
+
+// Column owners: out = init (or 0 where init is nullptr) + element b's partial sums, ranges in order.
+template <typename init_t, typename acc_t>
+__device__ __forceinline__ void sum_ranges(const acc_t* partial, int64_t splits, int64_t b, int64_t JD,
+                                           const init_t* init, acc_t* out) {
+  for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
+    acc_t sum = init != nullptr ? static_cast<acc_t>(init[jd]) : acc_t(0);
+    for (int64_t g = 0; g < splits; ++g) sum += partial[(b * splits + g) * JD + jd];
+    out[jd] = sum;
+  }
+}
+
 // Per element b, slices of: logits (B, I, J), coupling (B, I, J), v (B, J, D).
 template <typename acc_t>
 struct ForwardWorkspace {
@@ -226,14 +250,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
                                 const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
                                 typename Source::acc_type* partial) {
-  using acc_t = typename Source::acc_type;
-  const int64_t JD = dims.J * dims.D;
-  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
-    acc_t* s_acc = partial + item * JD;
-    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) s_acc[jd] = 0;
-    forward_rows(src, item / splits, split_rows(dims.I, splits, item % splits), r, dims, ws, c_out, s_acc);
-    __syncthreads();
-  }
+  for_each_range(dims, splits, partial, [&](int64_t b, RowRange rows, typename Source::acc_type* s_acc) {
+    forward_rows(src, b, rows, r, dims, ws, c_out, s_acc);
+  });
 }
 
 // Split forward, iteration r, block per b: s^r = bias + the partials in range order; v^r.
@@ -245,11 +264,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t JD = dims.J * dims.D;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* s = s_hist + (b * dims.iters + r) * JD;
-    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
-      acc_t sum = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
-      for (int64_t g = 0; g < splits; ++g) sum += partial[(b * splits + g) * JD + jd];
-      s[jd] = sum;
-    }
+    sum_ranges(partial, splits, b, JD, bias, s);
     finish_forward_iteration(b, r, dims, eps, s, v_ws + b * JD, v_out);
   }
 }
@@ -464,14 +479,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* partial) {
-  using acc_t = typename Source::acc_type;
-  const int64_t JD = dims.J * dims.D;
-  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
-    acc_t* gv_acc = partial + item * JD;
-    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) gv_acc[jd] = 0;
-    backward_rows(src, item / splits, split_rows(dims.I, splits, item % splits), r, dims, st, gv_acc);
-    __syncthreads();
-  }
+  for_each_range(dims, splits, partial, [&](int64_t b, RowRange rows, typename Source::acc_type* gv_acc) {
+    backward_rows(src, b, rows, r, dims, st, gv_acc);
+  });
 }
 
 // Split backward, step r, block per b: gv^{r-1} = the partials in range order, then
@@ -484,11 +494,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t JD = dims.J * dims.D;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* gv = gv_ws + b * JD;
-    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
-      acc_t sum = 0;
-      for (int64_t g = 0; g < splits; ++g) sum += partial[(b * splits + g) * JD + jd];
-      gv[jd] = sum;
-    }
+    sum_ranges(partial, splits, b, JD, static_cast<const acc_t*>(nullptr), gv);
     __syncthreads();  // gv^{r-1} complete
     block_squash_vjp(s_hist + (b * dims.iters + r - 1) * JD, gv, dims.J, dims.D, eps,
                      st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD);
