@@ -71,6 +71,22 @@ def test_row_ranges_match_reference(device, monkeypatch, splits, detach):
         assert_rel_close(a, e, 1e-10, name)
 
 
+def test_vote_tiles_and_contraction_chunks_cpu():
+    """The CPU backend computes votes a tile of elements at a time (slabs of at most 1.5 MB per
+    thread) and contracts the vote gradients a chunk of input capsules at a time (4 MB): at this
+    shape, on 2 threads, tiles of 2, 2, 2 and 1 elements and chunks of 468 and 32 capsules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        B, I, J, D, Din = 7, 500, 10, 16, 8
+        u, weight, bias = make_inputs(B, I, J, D, Din)
+        ours, ref = run_both(u, weight, bias, 3, False, False, randn(B, J, D))
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, e in zip(["v", "grad_u", "grad_weight", "grad_bias"], ours, ref):
+        assert_rel_close(a, e, 1e-10, name)
+
+
 def test_gradcheck(device):
     u, weight, bias = make_inputs(2, 4, 3, 4, 3, device=device)
     fn = lambda x, w, b: capsroute.dense_capsules(x, w, 3, bias=b, leaky=True)  # noqa: E731

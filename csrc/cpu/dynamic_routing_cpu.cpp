@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
         cpu::ForwardScratch<acc_t> scratch(dims);
         for (int64_t n = begin; n < end; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
-              u + n * dims.I * dims.jd(), b, dims, static_cast<acc_t>(eps), scratch,
+              cpu::VoteRows<scalar_t>{u + n * dims.I * dims.jd(), dims.jd()}, b, dims, static_cast<acc_t>(eps), scratch,
               s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
               c.data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
@@ -65,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
         std::vector<acc_t> state_storage(cpu::BackwardState<acc_t>::numel(dims)), g_u(dims.jd());
         const cpu::BackwardState<acc_t> state(state_storage.data(), dims);
         for (int64_t n = begin; n < end; ++n) {
-          backward.run(u + n * dims.I * dims.jd(), g_v + n * dims.jd(),
+          backward.run(cpu::VoteRows<scalar_t>{u + n * dims.I * dims.jd(), dims.jd()}, g_v + n * dims.jd(),
                        s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
                        grad_bias_items.data_ptr<acc_t>() + n * dims.jd(), state);
           scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();

@@ -1,6 +1,6 @@
 // Dynamic routing of one batch element on the CPU, shared by dynamic_routing (votes given)
-// and dense_capsules (votes computed into a per-thread slab). Votes are a contiguous
-// (I, J, D) slab; all arithmetic is in acc_t. `#pragma omp simd` on the short loops over a
+// and dense_capsules (votes computed a tile of elements at a time). An element's votes are I
+// rows of J x D values (VoteRows); all arithmetic is in acc_t. `#pragma omp simd` on the short loops over a
 // capsule tells the compiler the pointers don't alias: without it nothing here vectorises.
 #pragma once
 
@@ -19,6 +19,14 @@ struct RoutingDims {
   int64_t I, J, D, iters;
   bool leaky;
   int64_t jd() const { return J * D; }
+};
+
+// The votes of one element: row i (its J x D votes) at data + i * row_stride.
+template <typename vote_t>
+struct VoteRows {
+  const vote_t* data;
+  int64_t row_stride;
+  const vote_t* operator[](int64_t i) const { return data + i * row_stride; }
 };
 
 // exp(x) for x <= 0, the softmax arguments, without calls or branches so that loops over it
@@ -128,7 +136,7 @@ struct ForwardScratch {
 // r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all.
 // Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
 template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
-void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, acc_t eps,
+void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d, acc_t eps,
                    ForwardScratch<acc_t>& scratch, acc_t* s_hist, out_t* v_out, out_t* c_out) {
   const int64_t I = d.I, J = d.J, D = capsule_dim<kD>(d), JD = J * D;
   acc_t* logits = scratch.logits.data();
@@ -139,7 +147,7 @@ void route_forward(const vote_t* u, const bias_t* bias, const RoutingDims& d, ac
     acc_t* s = s_hist + r * JD;
     for (int64_t k = 0; k < JD; ++k) s[k] = bias ? static_cast<acc_t>(bias[k]) : acc_t(0);
     for (int64_t i = 0; i < I; ++i) {
-      const vote_t* ui = u + i * JD;
+      const vote_t* ui = u[i];
       acc_t* bi = logits + i * J;
       if (r > 0) {
         for (int64_t j = 0; j < J; ++j) bi[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
@@ -185,9 +193,9 @@ class RoutingBackward {
       : d_(d), eps_(eps), detach_(detach), first_r_(detach ? d.iters - 1 : 0), gv_(d.jd()), gv_next_(d.jd()),
         row_(d.J) {}
 
-  // u: (I, J, D) votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
+  // u: the votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
   template <typename vote_t, typename grad_t>
-  void run(const vote_t* u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
+  void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
     for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
     recompute_coupling(u, st);
@@ -204,7 +212,7 @@ class RoutingBackward {
       const acc_t* g_next = st.g_logits + r * I * J;
       acc_t* g_here = st.g_logits + (r - 1) * I * J;
       for (int64_t i = 0; i < I; ++i) {
-        const vote_t* ui = u + i * JD;
+        const vote_t* ui = u[i];
         acc_t weighted = 0;
         for (int64_t j = 0; j < J; ++j) {
           row_[j] = dot<acc_t, vote_t, acc_t>(gs + j * D, ui + j * D, D);
@@ -243,10 +251,10 @@ class RoutingBackward {
  private:
   // c^r for every r in one pass over the votes, from b^{r+1} = b^r + <u, v^r>.
   template <typename vote_t>
-  void recompute_coupling(const vote_t* u, const BackwardState<acc_t>& st) {
+  void recompute_coupling(VoteRows<vote_t> u, const BackwardState<acc_t>& st) {
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
     for (int64_t i = 0; i < I; ++i) {
-      const vote_t* ui = u + i * JD;
+      const vote_t* ui = u[i];
       std::fill(row_.begin(), row_.end(), acc_t(0));
       for (int64_t r = 0; r < R; ++r) {
         if (r > 0) {
