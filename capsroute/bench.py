@@ -1031,6 +1031,11 @@ def git_commit() -> str:
     return _git("rev-parse", "HEAD", cwd=root) + ("-dirty" if dirty else "")
 
 
+def short_commit(commit: str) -> str:
+    """git_commit()'s value for titles: 7 hex digits, keeping "-dirty"."""
+    return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
 def default_out() -> Path:
     """bench/results/ of the capsroute checkout the current directory is in, else ./bench-results."""
     top = _git("rev-parse", "--show-toplevel")

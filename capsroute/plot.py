@@ -13,6 +13,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, NullLocator
 
+from .bench import short_commit
+
 COLORS = {"capsroute": "tab:blue", "eager": "tab:orange", "compiled": "tab:green"}
 LINESTYLES = ["-", "--", ":", "-."]
 
@@ -57,8 +59,8 @@ def plot_report(report: dict, json_path: str | Path, out_dir: str | Path | None 
     json_path = Path(json_path)
     out_dir = Path(out_dir) if out_dir is not None else json_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    commit = report["commit"][:7] + ("-dirty" if report["commit"].endswith("-dirty") else "")
-    about = (f"{report['device']}, {report['dtype']}, torch {report['torch']}, commit {commit}"
+    about = (f"{report['device']}, {report['dtype']}, torch {report['torch']}, "
+             f"commit {short_commit(report['commit'])}"
              + ("" if report.get("complete", True) else " (incomplete run)"))
 
     by_batch = defaultdict(lambda: defaultdict(list))   # (op, shape without B) -> impl -> points

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data
+from .bench import git_commit
 from .losses import spread_margin, training_loss
 from .models import MODELS
 from .nn import BACKENDS
@@ -128,14 +128,6 @@ def pick_device(name: str, ddp: Distributed | None = None) -> torch.device:
     return device
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def save_atomically(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -155,6 +147,7 @@ class StoppedBetweenSteps(KeyboardInterrupt):
 class Trainer:
     def __init__(self, args: argparse.Namespace, ddp: Distributed, device: torch.device):
         self.args, self.ddp, self.device = args, ddp, device
+        self.commit = git_commit()  # of the code this process imported, whatever HEAD is by the end
         torch.manual_seed(args.seed)
         self.train_images, self.train_labels = self._load("train", args.train_subset)
         self.test_images, self.test_labels = self._load("test", args.test_subset)
@@ -369,7 +362,7 @@ class Trainer:
         args = self.args
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device,
-                "devices": self.ddp.world_size, "torch": torch.__version__, "commit": git_commit(),
+                "devices": self.ddp.world_size, "torch": torch.__version__, "commit": self.commit,
                 "backend": args.backend, "amp": args.amp, "batch_size": args.batch_size * self.ddp.world_size,
                 "model_config": parse_model_config(args.model_config),
                 "command": "capsroute train " + " ".join(sys.argv[1:])}

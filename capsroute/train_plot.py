@@ -17,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from .bench import short_commit
 from .models import MODELS, CapsNet
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
@@ -111,7 +112,8 @@ def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None
     run_dir = Path(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     run = metrics["run"]
-    title = f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, commit {run['commit']}"
+    title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
+             f"commit {short_commit(run['commit'])}")
     written = [plot_curves(metrics["epochs"], run_dir / "curves.png", title)]
     if model is None:
         model, args = _load_model(run_dir)
