@@ -32,8 +32,16 @@ struct VoteOperands {
         weight_t(weight.to(acc).permute({0, 3, 1, 2}).reshape({weight.size(0), weight.size(3), -1}).contiguous()) {}
 };
 
-// Calls route(n0, T, votes) for consecutive tiles of T elements, in parallel, after computing the
-// tile's votes (I, T, J*D): element n0 + t's votes are cpu::VoteRows{votes.data + t * J*D, T * J*D}.
+// The votes of a tile of T elements, (I, T, J*D): the rows of its elements interleave.
+template <typename acc_t>
+struct VoteTile {
+  const acc_t* data;
+  int64_t T, JD;
+  cpu::VoteRows<acc_t> element(int64_t t) const { return {data + t * JD, T * JD}; }
+};
+
+// Calls route(n0, tile) for consecutive tiles of elements [n0, n0 + tile.T), in parallel, after
+// computing the tile's votes.
 template <typename acc_t, typename F>
 void for_each_vote_tile(const VoteOperands& ops, const cpu::RoutingDims& d, F&& route) {
   const int64_t B = ops.u_by_input.size(1), JD = d.jd();
@@ -46,7 +54,7 @@ void for_each_vote_tile(const VoteOperands& ops, const cpu::RoutingDims& d, F&& 
       const int64_t n0 = t * tile, T = std::min(tile, B - n0);
       at::Tensor votes = slab.narrow(0, 0, d.I * T * JD).view({d.I, T, JD});
       at::bmm_out(votes, ops.u_by_input.narrow(1, n0, T), ops.weight_t);  // in a parallel region: BLAS on this thread
-      route(n0, T, cpu::VoteRows<acc_t>{votes.const_data_ptr<acc_t>(), T * JD});
+      route(n0, VoteTile<acc_t>{votes.const_data_ptr<acc_t>(), T, JD});
     }
   });
 }
@@ -68,12 +76,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, int64_t T, cpu::VoteRows<acc_t> votes) {
+      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, VoteTile<acc_t> tile) {
         cpu::ForwardScratch<acc_t> scratch(dims);
-        for (int64_t n = n0; n < n0 + T; ++n) {
+        for (int64_t n = n0; n < n0 + tile.T; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
-              cpu::VoteRows<acc_t>{votes.data + (n - n0) * dims.jd(), votes.row_stride}, b, dims, static_cast<acc_t>(eps),
-              scratch, s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
+              tile.element(n - n0), b, dims, static_cast<acc_t>(eps), scratch, s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
               c.data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
       });
@@ -90,8 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const int64_t JD = dims.jd();
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
-  const VoteOperands ops(u_in, weight_in, acc);
-  const at::Tensor weight_acc = weight_in.to(acc).reshape({dims.I, JD, Din});  // for grad_u = g_u @ weight_i
+  const at::Tensor weight_acc = weight_in.to(acc).contiguous();
+  const VoteOperands ops(u_in, weight_acc, acc);
   const at::Tensor grad_v = grad_v_in.to(u_in.scalar_type()).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   at::Tensor grad_u_by_input = at::empty({dims.I, B, Din}, u_in.options().dtype(acc));
@@ -108,10 +115,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
       // 1. Routing backward per element, on the votes recomputed a tile at a time.
-      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, int64_t T, cpu::VoteRows<acc_t> votes) {
+      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, VoteTile<acc_t> tile) {
         Backward backward(dims, static_cast<acc_t>(eps), detach);
-        for (int64_t n = n0; n < n0 + T; ++n) {
-          backward.run(cpu::VoteRows<acc_t>{votes.data + (n - n0) * JD, votes.row_stride}, g_v + n * JD,
+        for (int64_t n = n0; n < n0 + tile.T; ++n) {
+          backward.run(tile.element(n - n0), g_v + n * JD,
                        s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD, grad_bias_items.data_ptr<acc_t>() + n * JD,
                        State(states_p + n * State::numel(dims), dims));
         }
@@ -136,12 +143,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
         at::Tensor grad_weight_chunk = grad_weight.narrow(0, i0, C).view({C, JD, Din});
         at::Tensor grad_u_chunk = grad_u_by_input.narrow(0, i0, C);
         at::bmm_out(grad_weight_chunk, g.transpose(1, 2), ops.u_by_input.narrow(0, i0, C));
-        at::bmm_out(grad_u_chunk, g, weight_acc.narrow(0, i0, C));
+        at::bmm_out(grad_u_chunk, g, weight_acc.narrow(0, i0, C).view({C, JD, Din}));
       }
     });
   });
   const at::ScalarType dtype = u_in.scalar_type();
-  return {grad_u_by_input.transpose(0, 1).to(dtype).contiguous(), grad_weight.to(dtype), grad_bias_items.sum(0).to(dtype)};
+  at::Tensor grad_u = at::empty({B, dims.I, Din}, u_in.options()).copy_(grad_u_by_input.transpose(0, 1));
+  return {grad_u, grad_weight.to(dtype), grad_bias_items.sum(0).to(dtype)};
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Dynamic routing of one batch element on the CPU, shared by dynamic_routing (votes given)
 // and dense_capsules (votes computed a tile of elements at a time). An element's votes are I
-// rows of J x D values (VoteRows); all arithmetic is in acc_t. `#pragma omp simd` on the short loops over a
-// capsule tells the compiler the pointers don't alias: without it nothing here vectorises.
+// rows of J x D values (VoteRows); all arithmetic is in acc_t. `#pragma omp simd` on the short
+// loops over a capsule tells the compiler the pointers don't alias: without it nothing here
+// vectorises.
 #pragma once
 
 #include <algorithm>
