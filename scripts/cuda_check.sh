@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# What a machine with a GPU should run, stage by stage (default: all): the CUDA tests, then
-# compute-sanitizer memcheck and racecheck over scripts/sanitizer_workload.py, then the benchmark.
+# What a machine with a GPU should run, stage by stage (default: tests sweep sanitize bench): the CUDA
+# tests, the float64 correctness sweep at GPU sizes (scripts/gpu_sweep.py), compute-sanitizer over
+# scripts/sanitizer_workload.py, then the benchmark.
 # Logs and the benchmark JSON and figures go to $OUT if set (the device tool's output folder), else bench/results.
-#   bash scripts/cuda_check.sh [tests] [tests-scale] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models] [train-capsnet[-fashion]] [train-matrixcapsnet[-fashion]]
+#   bash scripts/cuda_check.sh [tests] [tests-scale] [sweep] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models] [train-capsnet[-fashion]] [train-matrixcapsnet[-fashion]]
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST) need the data in
 # data/mnist or data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data"
 # to the GPU machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a
@@ -16,7 +17,7 @@ python -c "import torch, capsroute; assert torch.cuda.is_available() and capsrou
   'no GPU visible to torch, or capsroute built without CUDA'; print(torch.cuda.get_device_name(), torch.__version__)"
 out=${OUT:-bench/results}
 mkdir -p "$out"
-stages=${*:-tests sanitize bench}
+stages=${*:-tests sweep sanitize bench}
 status=0
 for stage in $stages; do
   case $stage in
@@ -24,10 +25,11 @@ for stage in $stages; do
       python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
       timeout -s INT 540 python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
+    sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
+      python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
     sanitize)
-      # racecheck checks shared memory, which the kernels do not use; initcheck (global memory
-      # read before written) and synccheck fit them better: SANITIZER_TOOLS adds them.
-      for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
+      # All four tools by default; SANITIZER_TOOLS picks some (each is a full pass of the workload).
+      for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
         compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitizer_workload.py 2>&1 \
           | tee "$out/sanitizer-$tool.log" | tail -5 || status=1
       done ;;

@@ -1,0 +1,172 @@
+"""GPU correctness sweep: every capsroute op against capsroute.reference in float64, on the device,
+at the sizes the test suite can't afford on a CPU (MNIST B = 1, 7, 512, 2048; I = 16384 and J = 100;
+EM at the conv-capsule shape B = 64 x 36), forward and every gradient; then float32 against the same
+float64 reference; then bitwise determinism (two float32 runs, outputs and gradients equal).
+
+    python scripts/gpu_sweep.py [--device cuda] [--quick] [--out DIR]
+
+--quick shrinks every case (for a CPU check that the script itself works). Writes gpu-sweep.json
+(one record per case and dtype: relative errors, pass/fail, determinism) to --out, prints a line per
+case, and exits 1 if any case fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import capsroute
+from capsroute import reference
+
+# Relative error (max |a - b| / max |b|) allowed against the float64 reference: the test suite's
+# tolerances, float32's loosened for sums over up to 16384 inputs (routing) and for the log-variances
+# of EM's M-step (as the EM tests loosen it).
+FLOAT64_TOLERANCE = 1e-10
+ROUTING_FLOAT32_TOLERANCE = 5e-5
+EM_FLOAT32_TOLERANCE = 2e-4
+
+
+def _randn(*shape, scale=1.0):
+    return torch.randn(*shape, dtype=torch.float64) * scale
+
+
+def routing_case(B, I, J, D, **options):
+    """Each case: run(impl, *inputs) -> outputs, the float64 inputs, the output shapes, the float32 tolerance."""
+    inputs = [_randn(B, I, J, D, scale=0.5), _randn(J, D, scale=0.1)]
+
+    def run(impl, votes, bias):
+        return impl.dynamic_routing(votes, 3, bias=bias, **options),
+    return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
+def dense_case(B, I, J, D, Din, **options):
+    inputs = [_randn(B, I, Din), _randn(I, J, D, Din, scale=0.05), _randn(J, D, scale=0.1)]
+
+    def run(impl, u, weight, bias):
+        return impl.dense_capsules(u, weight, 3, bias=bias, **options),
+    return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
+def squash_case(B, J, D):
+    def run(impl, s):
+        return impl.squash(s),
+    return run, [_randn(B, J, D)], [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
+def _em_inputs(B, I, J):
+    a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+    a_in[:, ::7] = 0  # inputs without mass take the guarded paths
+    return a_in, _randn(J, scale=0.5), _randn(J, scale=0.5)
+
+
+def em_case(B, I, J, H=16):
+    inputs = [_randn(B, I, J, H), *_em_inputs(B, I, J)]
+
+    def run(impl, votes, a_in, beta_u, beta_a):
+        return impl.em_routing(votes, a_in, beta_u, beta_a, 3, final_lambda=0.5)
+    return run, inputs, [(B, J, H), (B, J)], EM_FLOAT32_TOLERANCE
+
+
+def em_pose_case(B, I, J):
+    inputs = [_randn(B, I, 4, 4), _randn(I, J, 4, 4, scale=0.5), *_em_inputs(B, I, J)]
+
+    def run(impl, pose, weight, a_in, beta_u, beta_a):
+        return impl.em_routing_pose(pose, weight, a_in, beta_u, beta_a, 3, final_lambda=0.5)
+    return run, inputs, [(B, J, 16), (B, J)], EM_FLOAT32_TOLERANCE
+
+
+def cases(quick: bool):
+    """(name, builder) for every case of the sweep."""
+    mnist = dict(I=1152, J=10, D=16) if not quick else dict(I=40, J=10, D=16)
+    batches = (1, 7, 512, 2048) if not quick else (1, 7)
+    large = dict(I=16384, J=100, D=16) if not quick else dict(I=300, J=33, D=16)
+    em_conv = dict(B=64 * 36, I=288, J=32) if not quick else dict(B=2 * 3, I=18, J=8)
+    em_class = dict(B=64, I=512, J=10) if not quick else dict(B=4, I=24, J=10)
+    for B in batches:
+        yield f"squash B={B}", lambda B=B: squash_case(B, mnist["J"], mnist["D"])
+        yield f"dynamic_routing MNIST B={B}", lambda B=B: routing_case(B, **mnist)
+        yield f"dense_capsules MNIST B={B}", lambda B=B: dense_case(B, **mnist, Din=8)
+    yield "dynamic_routing MNIST B=7 leaky", lambda: routing_case(7, **mnist, leaky=True)
+    yield "dynamic_routing MNIST B=7 detach", lambda: routing_case(7, **mnist, detach=True)
+    yield "dense_capsules MNIST B=7 leaky detach", lambda: dense_case(7, **mnist, Din=8, leaky=True, detach=True)
+    for B in (1, 2):
+        yield f"dynamic_routing I={large['I']} J={large['J']} B={B}", lambda B=B: routing_case(B, **large)
+        yield f"dense_capsules I={large['I']} J={large['J']} B={B}", lambda B=B: dense_case(B, **large, Din=8)
+    yield f"em_routing class B={em_class['B']}", lambda: em_case(**em_class)
+    yield f"em_routing conv B={em_conv['B']}", lambda: em_case(**em_conv)
+    yield f"em_routing_pose class B={em_class['B']}", lambda: em_pose_case(**em_class)
+    yield f"em_routing_pose conv B={em_conv['B']}", lambda: em_pose_case(**em_conv)
+
+
+def outputs_and_grads(run, impl, inputs, cotangents):
+    """The op's outputs and the gradients of sum(out * cotangent) w.r.t. every input."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = run(impl, *leaves)
+    loss = sum((o.double() * g).sum() for o, g in zip(outs, cotangents))
+    return [o.detach() for o in outs] + list(torch.autograd.grad(loss, leaves))
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if expected.numel() == 0:
+        return 0.0
+    actual, expected = actual.double(), expected.double()
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
+
+
+def sweep_case(name, build, device) -> list[dict]:
+    run, inputs, out_shapes, float32_tolerance = build()
+    inputs = [t.to(device) for t in inputs]
+    cotangents = [torch.randn(*s, dtype=torch.float64, device=device) for s in out_shapes]
+    expected = outputs_and_grads(run, reference, inputs, cotangents)
+    records = []
+    for dtype, tol in ((torch.float64, FLOAT64_TOLERANCE), (torch.float32, float32_tolerance)):
+        cast = [t.to(dtype) for t in inputs]
+        start = time.perf_counter()
+        got = outputs_and_grads(run, capsroute, cast, cotangents)
+        again = outputs_and_grads(run, capsroute, cast, cotangents)
+        seconds = time.perf_counter() - start
+        errors = [rel_err(a, b) for a, b in zip(got, expected)]
+        deterministic = all(torch.equal(a, b) for a, b in zip(got, again))
+        records.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "rel_errors": errors,
+                        "max_rel_error": max(errors), "tolerance": tol, "deterministic": deterministic,
+                        "passed": max(errors) <= tol and deterministic, "seconds": round(seconds, 3)})
+    del expected
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="small shapes (checks the script, not the kernels)")
+    p.add_argument("--out", default=".", help="folder for gpu-sweep.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    records = []
+    for name, build in cases(args.quick):
+        for r in sweep_case(name, build, device):
+            records.append(r)
+            print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['case']:45s} {r['dtype']:8s} "
+                  f"max rel err {r['max_rel_error']:.2e} (tol {r['tolerance']:.0e}) "
+                  f"deterministic={r['deterministic']} {r['seconds']:.1f} s", flush=True)
+    failed = [r for r in records if not r["passed"]]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"kind": "gpu-sweep", "device": device_name, "torch": torch.__version__,
+              "build": capsroute.build_info(), "quick": args.quick, "results": records}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-sweep.json").write_text(json.dumps(report, indent=1))
+    print(f"{len(records) - len(failed)} of {len(records)} passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
