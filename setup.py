@@ -3,7 +3,8 @@
 Environment:
   CAPSROUTE_FORCE_CUDA=1   compile the CUDA sources (fail if no toolkit)
   CAPSROUTE_FORCE_CPU=1    skip them even if a toolkit is there
-  TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0"); never guessed from a local GPU
+  TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0+PTX": sm_80 and sm_90 code, and sm_90 PTX that
+                           newer GPUs compile at load time); never guessed from a local GPU
   MAX_JOBS                 parallel compile jobs
   CAPSROUTE_CPU_ARCH       -march for the C++ sources (default: the compiler's baseline). Only
                            "x86-64-v3" has been checked: -march=native on an AVX-512 machine
@@ -17,7 +18,7 @@ import re
 # CUDA_HOME=/usr/local where libcudart is missing; prefer the real toolkit directory.
 if not os.environ.get("CUDA_HOME") and os.path.isdir("/usr/local/cuda"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 
 import torch  # noqa: E402
 from setuptools import find_packages, setup  # noqa: E402
