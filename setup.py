@@ -63,7 +63,8 @@ def extension():
     defines += [("CAPSROUTE_WITH_CUDA", None),
                 ("CAPSROUTE_CUDA_VERSION", f'"{torch.version.cuda}"'),
                 ("CAPSROUTE_CUDA_ARCHS", f'"{archs}"')]
-    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler=-fvisibility=hidden"]
+    # --resource-usage: ptxas reports each kernel's registers and spills (scripts/kernel_resources.py)
+    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler=-fvisibility=hidden", "--resource-usage"]
     return cpp_extension.CUDAExtension("capsroute._C", sources, define_macros=defines,
                                        extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])
 

@@ -38,7 +38,10 @@ stamp=$( { cat setup.py pyproject.toml; find csrc -type f | sort | xargs cat;
            python -c "import torch; print(torch.__version__)"; } | sha256sum | cut -c1-16)
 if [ "$(cat build/.capsroute-stamp 2>/dev/null)" != "$stamp" ] || ! python -c "import capsroute" 2>/dev/null; then
   echo "building capsroute._C (MAX_JOBS=$MAX_JOBS) ..." >&2
-  pip install -q --no-build-isolation --no-deps -e .
-  mkdir -p build && echo "$stamp" > build/.capsroute-stamp
+  # The compiler's output (ptxas' per-kernel report included) goes to build/build.log.
+  mkdir -p build
+  pip install -v --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
+    || { tail -n 80 build/build.log >&2; echo "build failed: the whole log is build/build.log" >&2; exit 1; }
+  echo "$stamp" > build/.capsroute-stamp
 fi
 python -c "import capsroute, json; print('capsroute', json.dumps(capsroute.build_info()))"

@@ -1,0 +1,65 @@
+"""Registers, stack and spills of every CUDA kernel, from the ptxas report of a build.
+
+setup.py compiles the CUDA sources with `--resource-usage`, so ptxas reports each kernel as it is
+built; scripts/env.sh keeps the build's output in build/build.log. This prints one row per kernel
+and architecture and exits 1 if any kernel spills registers to local memory (CI fails on a spill).
+
+    python scripts/kernel_resources.py [build/build.log]
+"""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+a?)'")
+FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def parse(log: str) -> list[dict]:
+    """One record per compiled entry function, in the order ptxas reports them (deduplicated)."""
+    kernels, current = {}, None
+    for line in log.splitlines():
+        if m := ENTRY.search(line):
+            current = {"mangled": m.group(1), "arch": m.group(2)}
+        elif current and (m := FRAME.search(line)):
+            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif current and (m := REGISTERS.search(line)):
+            current["registers"] = int(m.group(1))
+            kernels[(current["mangled"], current["arch"])] = current
+            current = None
+    return list(kernels.values())
+
+
+def demangle(names: list[str]) -> list[str]:
+    if not names or shutil.which("c++filt") is None:
+        return names
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    # the kernel's name and template arguments; the parameter list repeats what they imply
+    return [re.sub(r"^void ", "", name).split("(")[0] for name in out.splitlines()]
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0] if argv else "build/build.log")
+    kernels = parse(path.read_text(errors="replace"))
+    if not kernels:
+        print(f"no ptxas resource report in {path} (built without CUDA, or without --resource-usage?)")
+        return 1
+    for k, name in zip(kernels, demangle([k["mangled"] for k in kernels])):
+        k["name"] = name
+    kernels.sort(key=lambda k: (k["name"], k["arch"]))
+    width = max(len(k["name"]) for k in kernels)
+    print(f"{'kernel':{width}}  arch    regs  stack  spill st/ld")
+    for k in kernels:
+        print(f"{k['name']:{width}}  {k['arch']:6} {k['registers']:5} {k['stack']:6}  "
+              f"{k['spill_stores']}/{k['spill_loads']}")
+    spilling = [k for k in kernels if k["spill_stores"] or k["spill_loads"]]
+    print(f"{len(kernels)} kernels, {len(spilling)} spilling registers")
+    for k in spilling:
+        print(f"SPILL: {k['name']} ({k['arch']}): {k['spill_stores']} bytes stored, {k['spill_loads']} loaded")
+    return 1 if spilling else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
