@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
 
 namespace capsroute {
 
@@ -35,7 +36,7 @@ inline void check_routing_options(int64_t iters, double eps) {
   check_eps(eps);
 }
 
-inline void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& ref, int64_t J, int64_t D) {
+inline void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& ref, int64_t J, int64_t D) {
   if (!bias.has_value()) return;
   check_same(*bias, ref, "bias", "the capsule input");
   TORCH_CHECK(bias->dim() == 2 && bias->size(0) == J && bias->size(1) == D,
@@ -43,7 +44,7 @@ inline void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& 
 }
 
 // votes (B, I, J, D)
-inline void check_dynamic_routing_inputs(const at::Tensor& votes, const c10::optional<at::Tensor>& bias,
+inline void check_dynamic_routing_inputs(const at::Tensor& votes, const std::optional<at::Tensor>& bias,
                                          int64_t iters, double eps) {
   check_float_dtype(votes, "votes");
   check_rank(votes, 4, "votes", "(B, I, J, D)");
@@ -67,7 +68,7 @@ inline void check_dense_shapes(const at::Tensor& u, const at::Tensor& weight) {
 }
 
 inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& weight,
-                                        const c10::optional<at::Tensor>& bias, int64_t iters, double eps) {
+                                        const std::optional<at::Tensor>& bias, int64_t iters, double eps) {
   check_dense_shapes(u, weight);
   check_bias(bias, u, weight.size(1), weight.size(2));
   check_routing_options(iters, eps);
@@ -134,8 +135,6 @@ inline void check_em_routing_pose_inputs(const at::Tensor& pose, const at::Tenso
                   final_lambda, eps);
 }
 
-// What an EM routing backward gets besides the forward's inputs: grad_pose (B, J, H),
-// grad_a_out (B, J) and the saved stats (B, iters, J, 2H + 1).
 // The iteration count of saved EM statistics (B, iters, J, 2H + 1), read before the other inputs
 // are checked, so that a stats tensor of the wrong rank is named as such.
 inline int64_t em_stats_iters(const at::Tensor& stats) {
@@ -143,6 +142,8 @@ inline int64_t em_stats_iters(const at::Tensor& stats) {
   return stats.size(1);
 }
 
+// What an EM routing backward gets besides the forward's inputs: grad_pose (B, J, H),
+// grad_a_out (B, J) and the saved stats (B, iters, J, 2H + 1).
 inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const at::Tensor& stats,
                                      int64_t B, int64_t J, int64_t H) {
   TORCH_CHECK(stats.dim() == 4 && stats.size(0) == B && stats.size(2) == J && stats.size(3) == 2 * H + 1,

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "math.h"
+#include "acc_math.h"
 
 namespace capsroute {
 

@@ -43,7 +43,7 @@ struct VoteTile {
 // Calls route(n0, tile) for consecutive tiles of elements [n0, n0 + tile.T), in parallel, after
 // computing the tile's votes.
 template <typename acc_t, typename F>
-void for_each_vote_tile(const VoteOperands& ops, const cpu::RoutingDims& d, F&& route) {
+void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route) {
   const int64_t B = ops.u_by_input.size(1), JD = d.jd();
   const int64_t slab_bytes = std::max<int64_t>(d.I * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
   const int64_t per_thread = (B + at::get_num_threads() - 1) / at::get_num_threads();
@@ -60,12 +60,12 @@ void for_each_vote_tile(const VoteOperands& ops, const cpu::RoutingDims& d, F&& 
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tensor& u_in, const at::Tensor& weight_in,
-                                                                  const c10::optional<at::Tensor>& bias_in, int64_t iters,
+                                                                  const std::optional<at::Tensor>& bias_in, int64_t iters,
                                                                   bool leaky, bool /*detach: backward only*/, double eps) {
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t B = u_in.size(0);
-  const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), iters, leaky};
+  const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), iters, leaky};
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
   at::Tensor v = at::empty({B, dims.J, dims.D}, u_in.options());
@@ -80,8 +80,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
         cpu::ForwardScratch<acc_t> scratch(dims);
         for (int64_t n = n0; n < n0 + tile.T; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
-              tile.element(n - n0), b, dims, static_cast<acc_t>(eps), scratch, s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
-              c.data_ptr<scalar_t>() + n * dims.I * dims.J);
+              tile.element(n - n0), b, dims, static_cast<acc_t>(eps), scratch, s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(), v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
+              c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
       });
     });
@@ -94,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
                                                                            bool leaky, bool detach, double eps) {
   check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
   const int64_t B = u_in.size(0), Din = u_in.size(2);
-  const cpu::RoutingDims dims{weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
+  const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const int64_t JD = dims.jd();
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const at::Tensor weight_acc = weight_in.to(acc).contiguous();
@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
     const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
     // The backward state of every element (about a third of the votes' size at iters = 3).
     at::Tensor states = at::empty({B, State::numel(dims)}, u_in.options().dtype(acc));
-    acc_t* states_p = states.data_ptr<acc_t>();
+    acc_t* states_p = states.mutable_data_ptr<acc_t>();
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
       // 1. Routing backward per element, on the votes recomputed a tile at a time.
@@ -119,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
         Backward backward(dims, static_cast<acc_t>(eps), detach);
         for (int64_t n = n0; n < n0 + tile.T; ++n) {
           backward.run(tile.element(n - n0), g_v + n * JD,
-                       s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD, grad_bias_items.data_ptr<acc_t>() + n * JD,
+                       s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD, grad_bias_items.mutable_data_ptr<acc_t>() + n * JD,
                        State(states_p + n * State::numel(dims), dims));
         }
       });
@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
       at::Tensor g_votes = at::empty({chunk, B, JD}, u_in.options().dtype(acc));
       for (int64_t i0 = 0; i0 < dims.I; i0 += chunk) {
         const int64_t C = std::min(chunk, dims.I - i0);
-        acc_t* g_p = g_votes.data_ptr<acc_t>();
+        acc_t* g_p = g_votes.mutable_data_ptr<acc_t>();
         at::parallel_for(0, C * B, 1, [&](int64_t begin, int64_t end) {
           const Backward backward(dims, static_cast<acc_t>(eps), detach);
           for (int64_t row = begin; row < end; ++row) {

@@ -10,14 +10,14 @@ namespace capsroute {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Tensor& votes_in,
-                                                                   const c10::optional<at::Tensor>& bias_in,
+                                                                   const std::optional<at::Tensor>& bias_in,
                                                                    int64_t iters, bool leaky, bool /*detach: backward only*/,
                                                                    double eps) {
   check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
   const at::Tensor votes = votes_in.contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t B = votes.size(0);
-  const cpu::RoutingDims dims{votes.size(1), votes.size(2), votes.size(3), iters, leaky};
+  const RoutingDims dims{B, votes.size(1), votes.size(2), votes.size(3), iters, leaky};
   at::Tensor v = at::empty({B, dims.J, dims.D}, votes.options());
   at::Tensor c = at::empty({B, dims.I, dims.J}, votes.options());
   at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, votes.options().dtype(acc_dtype(votes.scalar_type())));
@@ -32,8 +32,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
         for (int64_t n = begin; n < end; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
               cpu::VoteRows<scalar_t>{u + n * dims.I * dims.jd(), dims.jd()}, b, dims, static_cast<acc_t>(eps), scratch,
-              s_hist.data_ptr<acc_t>() + n * iters * dims.jd(), v.data_ptr<scalar_t>() + n * dims.jd(),
-              c.data_ptr<scalar_t>() + n * dims.I * dims.J);
+              s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(), v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
+              c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
       });
     });
@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
                                                                 double eps) {
   check_dynamic_routing_backward_inputs(grad_v_in, votes_in, s_hist_in, eps);
   const int64_t B = votes_in.size(0);
-  const cpu::RoutingDims dims{votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
+  const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
   const at::Tensor votes = votes_in.contiguous();
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   const at::Tensor grad_v = grad_v_in.to(votes.scalar_type()).contiguous();
@@ -67,8 +67,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
         for (int64_t n = begin; n < end; ++n) {
           backward.run(cpu::VoteRows<scalar_t>{u + n * dims.I * dims.jd(), dims.jd()}, g_v + n * dims.jd(),
                        s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
-                       grad_bias_items.data_ptr<acc_t>() + n * dims.jd(), state);
-          scalar_t* g_un = grad_votes.data_ptr<scalar_t>() + n * dims.I * dims.jd();
+                       grad_bias_items.mutable_data_ptr<acc_t>() + n * dims.jd(), state);
+          scalar_t* g_un = grad_votes.mutable_data_ptr<scalar_t>() + n * dims.I * dims.jd();
           for (int64_t i = 0; i < dims.I; ++i) {
             backward.vote_grad_row(state, i, g_u.data());
             std::copy(g_u.begin(), g_u.end(), g_un + i * dims.jd());

@@ -7,31 +7,25 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/dims.h"
 #include "../common/em_math.h"
 
 namespace capsroute {
 namespace cpu {
-
-struct EmDims {
-  int64_t I, J, H, iters;
-  double final_lambda, eps;
-  int64_t stats_row() const { return 2 * H + 1; }  // mu (H), var (H), logit
-  double lambda(int64_t t) const { return em_lambda(final_lambda, t); }
-};
 
 // One element: votes V (I, J, H), a_in (I), betas (J); statistics per iteration in `stats`
 // (iters, J, 2H + 1). All scratch is per thread.
 template <typename vote_t, typename acc_t>
 class EmElement {
  public:
-  explicit EmElement(const EmDims& d) : d_(d), R_(d.I * d.J), mass_(d.J), norm_(d.J) {}
+  EmElement(const EmDims& d, double eps) : d_(d), eps_(eps), R_(d.I * d.J), mass_(d.J), norm_(d.J) {}
 
   // The M-step of iteration t from the assignments in R_: writes mu, var, logit into st.
   template <typename beta_t>
   void m_step(const vote_t* V, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, int64_t t,
               acc_t* st) {
     const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H;
-    const acc_t eps = d_.eps;
+    const acc_t eps = static_cast<acc_t>(eps_);
     acc_t* mu = st;
     acc_t* var = st + JH;
     acc_t* logit = st + 2 * JH;
@@ -59,7 +53,7 @@ class EmElement {
         }
       }
     }
-    const acc_t lam = d_.lambda(t);
+    const acc_t lam = em_lambda(d_.final_lambda, t);
     for (int64_t j = 0; j < J; ++j) {
       acc_t cost = 0;
       for (int64_t h = 0; h < H; ++h) {
@@ -123,6 +117,7 @@ class EmElement {
 
  private:
   EmDims d_;
+  double eps_;
   std::vector<acc_t> R_, mass_, norm_;
 };
 
@@ -132,15 +127,15 @@ class EmElement {
 template <typename vote_t, typename acc_t>
 class EmBackward {
  public:
-  explicit EmBackward(const EmDims& d)
-      : d_(d), em_(d), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
+  EmBackward(const EmDims& d, double eps)
+      : d_(d), eps_(eps), em_(d, eps), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
         g_logit_(d.J), mass_(d.J), g_mass_(d.J) {}
 
   template <typename beta_t>
   void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
            const acc_t* g_a_out, acc_t* g_V, acc_t* g_a, acc_t* g_beta_u, acc_t* g_beta_a) {
     const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row();
-    const acc_t e = static_cast<acc_t>(d_.eps);
+    const acc_t e = static_cast<acc_t>(eps_);
     std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_, &g_logit = g_logit_,  // short names
                        &mass = mass_, &g_mass = g_mass_;
     // R^t for every iteration, from the saved statistics.
@@ -191,7 +186,7 @@ class EmBackward {
       std::fill(mass.begin(), mass.end(), acc_t(0));
       for (int64_t i = 0; i < I; ++i)
         for (int64_t j = 0; j < J; ++j) mass[j] += R[i * J + j] * static_cast<acc_t>(a[i]);
-      const acc_t lam = d_.lambda(t);
+      const acc_t lam = em_lambda(d_.final_lambda, t);
       for (int64_t j = 0; j < J; ++j) {
         const acc_t g_cost = -lam * g_logit[j];  // the same for every h
         g_beta_a[j] += lam * g_logit[j];
@@ -233,6 +228,7 @@ class EmBackward {
 
  private:
   EmDims d_;
+  double eps_;
   EmElement<vote_t, acc_t> em_;
   std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, mass_, g_mass_;
 };

@@ -17,7 +17,6 @@ namespace capsroute {
 namespace {
 
 using cpu::EmBackward;
-using cpu::EmDims;
 using cpu::EmElement;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& votes_in, const at::Tensor& a_in_in,
@@ -27,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
   const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const int64_t B = votes.size(0);
-  const EmDims dims{votes.size(1), votes.size(2), votes.size(3), iters, final_lambda, eps};
+  const EmDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, final_lambda};
   const int64_t JH = dims.J * dims.H, stats_numel = iters * dims.J * dims.stats_row();
   at::Tensor pose = at::empty({B, dims.J, dims.H}, votes.options());
   at::Tensor a_out = at::empty({B, dims.J}, votes.options());
@@ -40,10 +39,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
     const scalar_t* bu = beta_u.const_data_ptr<scalar_t>();
     const scalar_t* ba = beta_a.const_data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      EmElement<scalar_t, acc_t> em(dims);
+      EmElement<scalar_t, acc_t> em(dims, eps);
       for (int64_t n = begin; n < end; ++n) {
-        em.forward(V + n * dims.I * JH, a + n * dims.I, bu, ba, stats.data_ptr<acc_t>() + n * stats_numel,
-                   pose.data_ptr<scalar_t>() + n * JH, a_out.data_ptr<scalar_t>() + n * dims.J);
+        em.forward(V + n * dims.I * JH, a + n * dims.I, bu, ba, stats.mutable_data_ptr<acc_t>() + n * stats_numel,
+                   pose.mutable_data_ptr<scalar_t>() + n * JH, a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
       }
     });
   });
@@ -57,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const int64_t B = votes_in.size(0), iters = em_stats_iters(stats_in);
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   check_em_backward_inputs(grad_pose_in, grad_a_out_in, stats_in, B, votes_in.size(2), votes_in.size(3));
-  const EmDims dims{votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda, eps};
+  const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, row = dims.stats_row();
   const at::ScalarType acc = acc_dtype(votes_in.scalar_type());
   const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
@@ -75,17 +74,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
     const scalar_t* a_all = a_in.const_data_ptr<scalar_t>();
     const scalar_t* bu = beta_u.const_data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      EmBackward<scalar_t, acc_t> backward(dims);
+      EmBackward<scalar_t, acc_t> backward(dims, eps);
       std::vector<acc_t> g_V(I * JH), g_a(I);
       for (int64_t n = begin; n < end; ++n) {
         std::fill(g_V.begin(), g_V.end(), acc_t(0));
         std::fill(g_a.begin(), g_a.end(), acc_t(0));
-        acc_t* g_beta_u = grad_beta_items.data_ptr<acc_t>() + n * 2 * J;
+        acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
         backward.run(V + n * I * JH, a_all + n * I, bu, stats.const_data_ptr<acc_t>() + n * iters * J * row,
                      grad_pose.const_data_ptr<acc_t>() + n * JH, grad_a_out.const_data_ptr<acc_t>() + n * J,
                      g_V.data(), g_a.data(), g_beta_u, g_beta_u + J);
-        std::copy(g_a.begin(), g_a.end(), grad_a_in.data_ptr<scalar_t>() + n * I);
-        std::copy(g_V.begin(), g_V.end(), grad_votes.data_ptr<scalar_t>() + n * I * JH);
+        std::copy(g_a.begin(), g_a.end(), grad_a_in.mutable_data_ptr<scalar_t>() + n * I);
+        std::copy(g_V.begin(), g_V.end(), grad_votes.mutable_data_ptr<scalar_t>() + n * I * JH);
       }
     });
   });

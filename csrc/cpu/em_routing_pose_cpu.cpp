@@ -17,20 +17,18 @@ namespace capsroute {
 namespace {
 
 using cpu::EmBackward;
-using cpu::EmDims;
 using cpu::EmElement;
 
-constexpr int64_t kPose = 16;           // a 4x4 pose, row-major
-constexpr int64_t kWeightChunks = 16;   // batch chunks of the weight gradient
+constexpr int64_t kWeightChunks = 16;  // batch chunks of the weight gradient
 
 // votes (I, J, 16) of one element: V_ij = P_i @ W_ij.
 template <typename scalar_t, typename acc_t>
 void compute_votes(const scalar_t* pose, const scalar_t* weight, int64_t I, int64_t J, acc_t* votes) {
   for (int64_t i = 0; i < I; ++i) {
-    const scalar_t* P = pose + i * kPose;
+    const scalar_t* P = pose + i * kPoseSize;
     for (int64_t j = 0; j < J; ++j) {
-      const scalar_t* W = weight + (i * J + j) * kPose;
-      acc_t* V = votes + (i * J + j) * kPose;
+      const scalar_t* W = weight + (i * J + j) * kPoseSize;
+      acc_t* V = votes + (i * J + j) * kPoseSize;
       for (int r = 0; r < 4; ++r)
         for (int c = 0; c < 4; ++c) {
           acc_t sum = 0;
@@ -49,9 +47,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(const at::Ten
   const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const int64_t B = pose.size(0);
-  const EmDims dims{pose.size(1), weight.size(1), kPose, iters, final_lambda, eps};
-  const int64_t JH = dims.J * kPose, stats_numel = iters * dims.J * dims.stats_row();
-  at::Tensor pose_out = at::empty({B, dims.J, kPose}, pose.options());
+  const EmDims dims{B, pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
+  const int64_t JH = dims.J * kPoseSize, stats_numel = iters * dims.J * dims.stats_row();
+  at::Tensor pose_out = at::empty({B, dims.J, kPoseSize}, pose.options());
   at::Tensor a_out = at::empty({B, dims.J}, pose.options());
   at::Tensor stats = at::empty({B, iters, dims.J, dims.stats_row()}, pose.options().dtype(acc_dtype(pose.scalar_type())));
 
@@ -61,14 +59,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(const at::Ten
     const scalar_t* W = weight.const_data_ptr<scalar_t>();
     const scalar_t* a = a_in.const_data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      EmElement<acc_t, acc_t> em(dims);
+      EmElement<acc_t, acc_t> em(dims, eps);
       std::vector<acc_t> votes(dims.I * JH), a_acc(dims.I);
       for (int64_t n = begin; n < end; ++n) {
-        compute_votes(P + n * dims.I * kPose, W, dims.I, dims.J, votes.data());
+        compute_votes(P + n * dims.I * kPoseSize, W, dims.I, dims.J, votes.data());
         for (int64_t i = 0; i < dims.I; ++i) a_acc[i] = static_cast<acc_t>(a[n * dims.I + i]);
         em.forward(votes.data(), a_acc.data(), beta_u.const_data_ptr<scalar_t>(), beta_a.const_data_ptr<scalar_t>(),
-                   stats.data_ptr<acc_t>() + n * stats_numel, pose_out.data_ptr<scalar_t>() + n * JH,
-                   a_out.data_ptr<scalar_t>() + n * dims.J);
+                   stats.mutable_data_ptr<acc_t>() + n * stats_numel, pose_out.mutable_data_ptr<scalar_t>() + n * JH,
+                   a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
       }
     });
   });
@@ -81,9 +79,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
     const at::Tensor& stats_in, double final_lambda, double eps) {
   const int64_t iters = em_stats_iters(stats_in);
   check_em_routing_pose_inputs(pose_in, weight_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
-  const int64_t B = pose_in.size(0), I = pose_in.size(1), J = weight_in.size(1), JH = J * kPose;
-  check_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, B, J, kPose);
-  const EmDims dims{I, J, kPose, iters, final_lambda, eps};
+  const int64_t B = pose_in.size(0), I = pose_in.size(1), J = weight_in.size(1), JH = J * kPoseSize;
+  check_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, B, J, kPoseSize);
+  const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
   const at::ScalarType acc = acc_dtype(pose_in.scalar_type());
   const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous();
@@ -93,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   at::Tensor grad_a_in = at::empty_like(a_in);
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, pose.options().dtype(acc));
   const int64_t chunks = std::max<int64_t>(1, std::min(B, kWeightChunks));
-  at::Tensor grad_weight_parts = at::zeros({chunks, I, J, kPose}, pose.options().dtype(acc));
+  at::Tensor grad_weight_parts = at::zeros({chunks, I, J, kPoseSize}, pose.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pose.scalar_type(), "em_routing_pose_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -101,30 +99,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
     const scalar_t* W = weight.const_data_ptr<scalar_t>();
     const scalar_t* a = a_in.const_data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      EmBackward<acc_t, acc_t> backward(dims);
+      EmBackward<acc_t, acc_t> backward(dims, eps);
       std::vector<acc_t> votes(I * JH), g_V(I * JH), a_acc(I), g_a(I);
       for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
-        acc_t* g_W = grad_weight_parts.data_ptr<acc_t>() + chunk * I * JH;
+        acc_t* g_W = grad_weight_parts.mutable_data_ptr<acc_t>() + chunk * I * JH;
         for (int64_t n = chunk * B / chunks; n < (chunk + 1) * B / chunks; ++n) {
-          const scalar_t* Pn = P + n * I * kPose;
+          const scalar_t* Pn = P + n * I * kPoseSize;
           compute_votes(Pn, W, I, J, votes.data());
           for (int64_t i = 0; i < I; ++i) a_acc[i] = static_cast<acc_t>(a[n * I + i]);
           std::fill(g_V.begin(), g_V.end(), acc_t(0));
           std::fill(g_a.begin(), g_a.end(), acc_t(0));
-          acc_t* g_beta_u = grad_beta_items.data_ptr<acc_t>() + n * 2 * J;
+          acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
           backward.run(votes.data(), a_acc.data(), beta_u.const_data_ptr<scalar_t>(),
                        stats.const_data_ptr<acc_t>() + n * iters * J * dims.stats_row(),
                        grad_pose_out.const_data_ptr<acc_t>() + n * JH, grad_a_out.const_data_ptr<acc_t>() + n * J,
                        g_V.data(), g_a.data(), g_beta_u, g_beta_u + J);
-          std::copy(g_a.begin(), g_a.end(), grad_a_in.data_ptr<scalar_t>() + n * I);
+          std::copy(g_a.begin(), g_a.end(), grad_a_in.mutable_data_ptr<scalar_t>() + n * I);
           // V_ij = P_i W_ij: g_P_i = sum_j g_V_ij W_ij^T, g_W_ij += P_i^T g_V_ij.
           for (int64_t i = 0; i < I; ++i) {
-            acc_t g_P[kPose] = {};
-            const scalar_t* Pi = Pn + i * kPose;
+            acc_t g_P[kPoseSize] = {};
+            const scalar_t* Pi = Pn + i * kPoseSize;
             for (int64_t j = 0; j < J; ++j) {
-              const acc_t* gV = g_V.data() + (i * J + j) * kPose;
-              const scalar_t* Wij = W + (i * J + j) * kPose;
-              acc_t* gW = g_W + (i * J + j) * kPose;
+              const acc_t* gV = g_V.data() + (i * J + j) * kPoseSize;
+              const scalar_t* Wij = W + (i * J + j) * kPoseSize;
+              acc_t* gW = g_W + (i * J + j) * kPoseSize;
               for (int r = 0; r < 4; ++r)
                 for (int k = 0; k < 4; ++k)
                   for (int c = 0; c < 4; ++c) {
@@ -132,8 +130,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
                     gW[k * 4 + c] += static_cast<acc_t>(Pi[r * 4 + k]) * gV[r * 4 + c];
                   }
             }
-            scalar_t* out = grad_pose.data_ptr<scalar_t>() + (n * I + i) * kPose;
-            for (int k = 0; k < kPose; ++k) out[k] = static_cast<scalar_t>(g_P[k]);
+            scalar_t* out = grad_pose.mutable_data_ptr<scalar_t>() + (n * I + i) * kPoseSize;
+            for (int k = 0; k < kPoseSize; ++k) out[k] = static_cast<scalar_t>(g_P[k]);
           }
         }
       }

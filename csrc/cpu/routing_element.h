@@ -11,16 +11,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "../common/math.h"
+#include "../common/acc_math.h"
+#include "../common/dims.h"
 
 namespace capsroute {
 namespace cpu {
-
-struct RoutingDims {
-  int64_t I, J, D, iters;
-  bool leaky;
-  int64_t jd() const { return J * D; }
-};
 
 // The votes of one element: row i (its J x D votes) at data + i * row_stride.
 template <typename vote_t>

@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
-#include "../common/math.h"
+#include "../common/acc_math.h"
 
 namespace capsroute {
 namespace {
@@ -24,7 +24,7 @@ at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, do
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* sp = s.const_data_ptr<scalar_t>();
     const scalar_t* gp = kBackward ? grad.const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, rows, 2048 / std::max<int64_t>(D, 1) + 1, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const scalar_t* x = sp + row * D;

@@ -9,14 +9,14 @@
 
 #include "../common/checks.h"
 #include "routing_launch.cuh"
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Tensor& u_in, const at::Tensor& weight_in,
-                                                                   const c10::optional<at::Tensor>& bias_in,
+                                                                   const std::optional<at::Tensor>& bias_in,
                                                                    int64_t iters, bool leaky,
                                                                    bool /*detach: backward only*/, double eps) {
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);

@@ -6,14 +6,14 @@
 
 #include "../common/checks.h"
 #include "routing_launch.cuh"
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(const at::Tensor& votes_in,
-                                                                    const c10::optional<at::Tensor>& bias_in,
+                                                                    const std::optional<at::Tensor>& bias_in,
                                                                     int64_t iters, bool leaky,
                                                                     bool /*detach: backward only*/, double eps) {
   check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);

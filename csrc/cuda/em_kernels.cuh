@@ -21,7 +21,7 @@
 // Every loop bound is uniform per warp (rows) or per block (iterations), and every phase that
 // reads what other threads wrote is preceded by __syncthreads(). Every sum runs in a fixed
 // order (no atomics): results are deterministic. Sums over i run in the CPU's order; sums over
-// j within a row are warp butterflies. Device code only: the launches are in em_host.cuh, and
+// j within a row are warp butterflies. Device code only: the launches are in em_launch.cuh, and
 // tests/emulator runs these kernels on the host.
 //
 // Saved statistics, stats (B, iters, J, 2H + 1) in the accumulation dtype, laid out as the CPU
@@ -32,21 +32,14 @@
 #include <cstdint>
 
 #include "../common/em_math.h"
-#include "../common/math.h"
+#include "../common/acc_math.h"
+#include "../common/dims.h"
 #include "device_utils.cuh"
 
 namespace capsroute {
 namespace cuda {
 
-struct EmKernelDims {
-  int64_t B, I, J, H, iters;
-  double final_lambda;
-  __host__ __device__ int64_t stats_block() const { return J * (2 * H + 1); }  // per element and iteration
-};
-
 // ---- the pose vote source (em_routing_pose) ----
-
-constexpr int64_t kPoseSize = 16;  // a 4x4 pose matrix, row-major: H of em_routing_pose
 
 // V[b, i, j, (r, c)] = sum_k P[b, i, r, k] W[i, j, k, c] in the accumulation type, k in order
 // (the CPU's compute_votes): pose (B, I, 4, 4), weight (I, J, 4, 4), both contiguous; H = 16,
@@ -120,7 +113,7 @@ struct EmForwardWorkspace {
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads)
     em_forward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
-                      const EmKernelDims dims, const typename Source::acc_type eps,
+                      const EmDims dims, const typename Source::acc_type eps,
                       const EmForwardWorkspace<typename Source::acc_type> ws, typename Source::acc_type* stats,
                       scalar_t* pose, scalar_t* a_out) {
   using acc_t = typename Source::acc_type;
@@ -224,7 +217,7 @@ template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads)
     em_backward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u,
                        const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
-                       const typename Source::acc_type* grad_a_out, const EmKernelDims dims,
+                       const typename Source::acc_type* grad_a_out, const EmDims dims,
                        const typename Source::acc_type eps, const EmBackwardWorkspace<typename Source::acc_type> ws,
                        const EmGrads<typename Source::acc_type> out) {
   using acc_t = typename Source::acc_type;

@@ -8,10 +8,10 @@
 #include <tuple>
 
 #include "../common/checks.h"
-#include "em_host.cuh"
+#include "em_launch.cuh"
 #include "em_kernels.cuh"
 #include "routing_kernels.cuh"  // MemoryVotes
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cuda(const at::Tensor&
   const c10::cuda::CUDAGuard guard(votes_in.device());
   const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
-  const EmKernelDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, final_lambda};
+  const EmDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, final_lambda};
   at::Tensor pose, a_out, stats;  // (not structured bindings: the dispatch lambda captures them)
   std::tie(pose, a_out, stats) = em_forward_outputs(votes, dims);
   if (dims.B == 0) return {pose, a_out, stats};
@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   check_em_backward_inputs(grad_pose_in, grad_a_out_in, stats_in, B, votes_in.size(2), votes_in.size(3));
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
-  const EmKernelDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
+  const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
   const EmBackwardArgs args = prepare_em_backward(grad_pose_in, grad_a_out_in, stats_in, votes_in, "votes", B, dims.J);
   const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous();
@@ -61,7 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.H};
-      // The kernel accumulates in the accumulation dtype (em_host.cuh).
+      // The kernel accumulates in the accumulation dtype (em_launch.cuh).
       at::Tensor g_V = acc_buffer_for(grad_votes), g_a = acc_buffer_for(grad_a_in);
       at::Tensor g_beta = args.grad_beta_items;
       launch_em_backward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(), args.stats,

@@ -31,9 +31,9 @@
 #include <tuple>
 
 #include "../common/checks.h"
-#include "em_host.cuh"
+#include "em_launch.cuh"
 #include "em_kernels.cuh"
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -42,7 +42,7 @@ namespace {
 constexpr int64_t kPoseBackwardChunkBytes = int64_t(256) << 20;
 
 // Batch elements per chunk of the backward (>= 1; see the top of the file).
-int64_t pose_backward_chunk(const EmKernelDims& dims, int64_t acc_bytes) {
+int64_t pose_backward_chunk(const EmDims& dims, int64_t acc_bytes) {
   if (const char* forced = std::getenv("CAPSROUTE_EM_POSE_BACKWARD_CHUNK")) {
     const int64_t n = std::atoll(forced);
     TORCH_CHECK(n >= 1, "capsroute: CAPSROUTE_EM_POSE_BACKWARD_CHUNK must be a positive integer, got '", forced, "'");
@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(const at::Te
   const c10::cuda::CUDAGuard guard(pose_in.device());
   const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
-  const EmKernelDims dims{pose.size(0), pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
+  const EmDims dims{pose.size(0), pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
   at::Tensor pose_out, a_out, stats;  // (not structured bindings: the dispatch lambda captures them)
   std::tie(pose_out, a_out, stats) = em_forward_outputs(pose, dims);
   if (dims.B == 0) return {pose_out, a_out, stats};
@@ -83,12 +83,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(const at::Te
 // g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype.
 template <typename scalar_t, typename acc_t>
 void launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in, const scalar_t* beta_u,
-                          const EmBackwardArgs& args, const EmKernelDims& dims, double eps, scalar_t* grad_pose,
+                          const EmBackwardArgs& args, const EmDims& dims, double eps, scalar_t* grad_pose,
                           acc_t* g_a, acc_t* g_W) {
   const int64_t B = dims.B, I = dims.I, J = dims.J;
   const int64_t chunk = std::min(B, pose_backward_chunk(dims, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
-  EmKernelDims chunk_dims = dims;
+  EmDims chunk_dims = dims;
   chunk_dims.B = chunk;
   // Reused by every chunk: stream order runs each chunk's kernels after the previous chunk's.
   const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(chunk_dims, acc_options);
@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   check_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, B, J, kPoseSize);
   check_cuda(pose_in, "pose");
   const c10::cuda::CUDAGuard guard(pose_in.device());
-  const EmKernelDims dims{B, I, J, kPoseSize, iters, final_lambda};
+  const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
   const EmBackwardArgs args = prepare_em_backward(grad_pose_out_in, grad_a_out_in, stats_in, pose_in, "pose", B, J);
   const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous();

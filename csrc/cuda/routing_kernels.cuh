@@ -26,7 +26,8 @@
 
 #include <cstdint>
 
-#include "../common/math.h"
+#include "../common/acc_math.h"
+#include "../common/dims.h"
 #include "device_utils.cuh"
 
 namespace capsroute {
@@ -35,11 +36,6 @@ namespace cuda {
 // Input rows per tile: phase 1 (warp per row) then phase 2 (column owners) run over the same
 // rows while their votes are still in cache.
 constexpr int64_t kRoutingTile = 32;
-
-struct RoutingDims {
-  int64_t B, I, J, D, iters;
-  bool leaky;
-};
 
 // ---- vote sources ----
 
@@ -73,7 +69,7 @@ struct DenseVotes {
 // ---- device helpers ----
 
 // Coupling of one input row: c = softmax over the J logits (with an extra zero logit when
-// leaky, its share dropped), as coupling_row in common/math.h. Called by a whole warp; lane l
+// leaky, its share dropped), as coupling_row in common/acc_math.h. Called by a whole warp; lane l
 // reads logits[j] and writes c[j] for j = l, l + 32, ... only.
 template <typename acc_t>
 __device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J, bool leaky, acc_t* c, int lane) {

@@ -9,7 +9,7 @@
 #include <cstdlib>
 
 #include "routing_kernels.cuh"
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {

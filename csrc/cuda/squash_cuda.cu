@@ -7,7 +7,7 @@
 
 #include "../common/checks.h"
 #include "squash_kernels.cuh"
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {

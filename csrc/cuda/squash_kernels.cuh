@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "../common/math.h"
+#include "../common/acc_math.h"
 #include "device_utils.cuh"
 
 namespace capsroute {

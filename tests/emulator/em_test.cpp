@@ -108,13 +108,13 @@ struct Results {
 template <typename S, typename A>
 Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
                       const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps) {
-  const cpu::EmDims d{cs.I, cs.J, cs.H, cs.iters, cs.final_lambda, eps};
+  const EmDims d{cs.B, cs.I, cs.J, cs.H, cs.iters, cs.final_lambda};
   const int64_t I = cs.I, J = cs.J, JH = cs.J * cs.H, row = d.stats_row(), sn = cs.iters * J * row;
   Results<S, A> o;
   o.stats.resize(cs.B * sn); o.pose.resize(cs.B * JH); o.a_out.resize(cs.B * J);
   o.g_V.assign(cs.B * I * JH, A(0)); o.g_a.assign(cs.B * I, A(0));
   std::vector<A> gb(cs.B * 2 * J, A(0));
-  cpu::EmElement<S, A> em(d);
+  cpu::EmElement<S, A> em(d, eps);
   for (int64_t n = 0; n < cs.B; ++n) {
     A* st = o.stats.data() + n * sn;
     em.reset_assignments();
@@ -126,7 +126,7 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
     for (int64_t jh = 0; jh < JH; ++jh) o.pose[n * JH + jh] = static_cast<S>(last[jh]);
     for (int64_t j = 0; j < J; ++j) o.a_out[n * J + j] = static_cast<S>(em_sigmoid(last[2 * JH + j]));
   }
-  cpu::EmBackward<S, A> back(d);
+  cpu::EmBackward<S, A> back(d, eps);
   for (int64_t n = 0; n < cs.B; ++n)
     back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn, gp.data() + n * JH,
              ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I, gb.data() + n * 2 * J,
@@ -140,7 +140,7 @@ template <typename S, typename A>
 Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
                       const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps) {
   const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters;
-  const EmKernelDims dims{B, I, J, H, R, cs.final_lambda};
+  const EmDims dims{B, I, J, H, R, cs.final_lambda};
   const MemoryVotes<S, A> src{V.data(), I, JH};
   Results<S, A> o;
   o.stats = nans<A>(B * R * dims.stats_block()); o.pose = nans<S>(B * JH); o.a_out = nans<S>(B * J);
@@ -244,7 +244,7 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   const auto [want_g_pose, want_g_weight] = contract(want.g_V);
   const auto [true_g_pose, true_g_weight] = contract(truth.g_V);
 
-  const EmKernelDims dims{B, I, J, H, iters, 1.0};
+  const EmDims dims{B, I, J, H, iters, 1.0};
   const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
   auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH), a_out = nans<S>(B * J);
   auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J);
@@ -259,7 +259,7 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H), g_weight = nans<S>(I * J * H);
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     const int64_t nb = std::min(chunk, B - b0);
-    const EmKernelDims chunk_dims{nb, I, J, H, iters, 1.0};
+    const EmDims chunk_dims{nb, I, J, H, iters, 1.0};
     const PoseVotes<S, S> chunk_src{pose.data() + b0 * I * H, weight.data(), I, J};
     emu_launch(grid, kBlockThreads, em_backward_kernel<PoseVotes<S, S>, S>, chunk_src, a.data() + b0 * I, bu.data(),
                static_cast<const S*>(stats.data() + b0 * iters * dims.stats_block()), gp.data() + b0 * JH,

@@ -74,7 +74,7 @@ struct Expected {
 
 Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std::vector<double>& bias,
                      const std::vector<double>& grad_v, double eps) {
-  const cpu::RoutingDims d{cs.I, cs.J, cs.D, cs.iters, cs.leaky};
+  const RoutingDims d{cs.B, cs.I, cs.J, cs.D, cs.iters, cs.leaky};
   const int64_t JD = d.jd();
   Expected e;
   e.v.resize(cs.B * JD);
@@ -215,7 +215,7 @@ void check_case(const Case& cs, double tol) {
                    });
 }
 
-// squash_rows_kernel, forward and backward, against the formulas of common/math.h; one row of
+// squash_rows_kernel, forward and backward, against the formulas of common/acc_math.h; one row of
 // zeros (the eps path), rows shorter and longer than a warp.
 template <typename S>
 void check_squash(int64_t rows, int64_t D, double tol) {

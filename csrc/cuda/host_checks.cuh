@@ -1,5 +1,5 @@
-// Host-side helpers of the CUDA backend (device checks), over the device helpers of
-// device_utils.cuh.
+// Host-side argument checks of the CUDA backend (tensors on a CUDA device, on the right one),
+// on top of the backend-neutral checks of common/checks.h.
 //
 // Only c10 CUDA headers here (not ATen/cuda/CUDAContext.h, which pulls in cusparse.h and the
 // build toolkit has no cuSPARSE headers).
@@ -9,8 +9,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-
-#include "device_utils.cuh"
 
 namespace capsroute {
 namespace cuda {

@@ -12,7 +12,7 @@
 
 #include "../common/checks.h"
 #include "em_kernels.cuh"
-#include "utils.cuh"
+#include "host_checks.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -20,7 +20,7 @@ namespace cuda {
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
 template <typename Source, typename scalar_t>
 void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
-                       const EmKernelDims& dims, double eps, at::Tensor& stats, at::Tensor& pose,
+                       const EmDims& dims, double eps, at::Tensor& stats, at::Tensor& pose,
                        at::Tensor& a_out) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = stats.options();
@@ -47,7 +47,7 @@ struct EmBackwardBuffers {
 };
 
 template <typename acc_t>
-EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmKernelDims& dims, const at::TensorOptions& acc_options) {
+EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, const at::TensorOptions& acc_options) {
   const int64_t B = dims.B, I = dims.I, J = dims.J, H = dims.H, R = dims.iters;
   EmBackwardBuffers<acc_t> buf;
   buf.R_hist = at::empty({B, R, I, J}, acc_options);
@@ -75,7 +75,7 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmKernelDims& dims, cons
 template <typename Source, typename scalar_t>
 void launch_em_backward_kernel(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
                                const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
-                               const typename Source::acc_type* grad_a_out, const EmKernelDims& dims, double eps,
+                               const typename Source::acc_type* grad_a_out, const EmDims& dims, double eps,
                                const EmBackwardWorkspace<typename Source::acc_type>& ws,
                                const EmGrads<typename Source::acc_type>& out) {
   using acc_t = typename Source::acc_type;
@@ -90,7 +90,7 @@ void launch_em_backward_kernel(const Source& src, const scalar_t* a_in, const sc
 // g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous).
 template <typename Source, typename scalar_t>
 void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const at::Tensor& stats,
-                        const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmKernelDims& dims,
+                        const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmDims& dims,
                         double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
   using acc_t = typename Source::acc_type;
   // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
@@ -104,7 +104,7 @@ void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t*
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the
 // accumulation dtype, the layout the CPU writes (the backwards of both backends read either).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> em_forward_outputs(const at::Tensor& ref,
-                                                                         const EmKernelDims& dims) {
+                                                                         const EmDims& dims) {
   return {at::empty({dims.B, dims.J, dims.H}, ref.options()), at::empty({dims.B, dims.J}, ref.options()),
           at::empty({dims.B, dims.iters, dims.J, 2 * dims.H + 1}, ref.options().dtype(acc_dtype(ref.scalar_type())))};
 }
