@@ -13,7 +13,7 @@ from capsroute import bench, train
 
 
 def plot(args: argparse.Namespace) -> int:
-    from capsroute.plot import plot_report
+    from capsroute.bench.plot import plot_report
     from capsroute.train_plot import plot_run
 
     for path in args.results:

@@ -2,6 +2,8 @@
 import torch.nn.functional as F
 from torch import Tensor
 
+from .models import CapsNetOutput, MatrixCapsNetOutput
+
 
 def margin_loss(lengths: Tensor, labels: Tensor, m_pos: float = 0.9, m_neg: float = 0.1,
                 down_weight: float = 0.5) -> Tensor:
@@ -38,8 +40,6 @@ def spread_margin(step: int, ramp_steps: int, start: float = 0.2, end: float = 0
 def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> Tensor:
     """The objective of each model of capsroute.models, from its output: CapsNet, margin loss plus
     the scaled reconstruction loss; MatrixCapsNet, spread loss with `margin` (see spread_margin)."""
-    from .models import CapsNetOutput, MatrixCapsNetOutput
-
     if isinstance(out, CapsNetOutput):
         return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
     if isinstance(out, MatrixCapsNetOutput):

@@ -3,6 +3,7 @@
 Both take `backend="fused" | "reference"` (see capsroute.nn) and return a named tuple whose
 `scores` (N, classes) rank the classes.
 """
+import ast
 from typing import NamedTuple
 
 import torch.nn.functional as F
@@ -90,4 +91,26 @@ class MatrixCapsNet(nn.Module):
 
 MODELS = {"capsnet": CapsNet, "matrixcapsnet": MatrixCapsNet}
 
-__all__ = ["MODELS", "CapsNet", "CapsNetOutput", "MatrixCapsNet", "MatrixCapsNetOutput"]
+
+def parse_model_config(items: list[str]) -> dict:
+    """Constructor arguments from KEY=VALUE strings (`capsroute train --model-config`): each value
+    as a Python literal (64, 0.5, (64, 128)) where it is one, else as the string."""
+    config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            config[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            config[key] = value
+    return config
+
+
+def build_model(name: str, backend: str = "fused", config: dict | None = None) -> nn.Module:
+    """The network MODELS[name] with the given routing backend and constructor arguments."""
+    return MODELS[name](backend=backend, **(config or {}))
+
+
+__all__ = ["MODELS", "CapsNet", "CapsNetOutput", "MatrixCapsNet", "MatrixCapsNetOutput", "build_model",
+           "parse_model_config"]

@@ -1,6 +1,6 @@
 """Typed Python API of the capsroute operators, with their autograd and fake implementations.
 
-The schemas live in csrc/ops.cpp; the math is in DESIGN.md section 2.
+The schemas live in csrc/ops.cpp; the contract (math, shapes, saved state, errors) is docs/ops.md.
 """
 import torch
 from torch import Tensor

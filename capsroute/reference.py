@@ -56,7 +56,7 @@ def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | 
 
 def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
                final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """EM routing (Hinton et al. 2018) as DESIGN.md 2.3: votes (B, I, J, H), a_in (B, I), beta_u and
+    """EM routing (Hinton et al. 2018) as docs/ops.md states it: votes (B, I, J, H), a_in (B, I), beta_u and
     beta_a (J,) -> pose (B, J, H), a_out (B, J). Sums over i are divided by m_j + eps, so a capsule
     that receives no mass gets mean 0, variance eps and finite gradients."""
     B, I, J, H = votes.shape

@@ -5,15 +5,13 @@
 
 Everything a run writes goes to --out (default runs/<model>-<dataset>): metrics.csv and
 metrics.json after every epoch, checkpoint.pt (written atomically after every epoch, on Ctrl-C
-and at --max-steps), result.json at the end (the DESIGN.md "train" record) and the PNG figures.
+and at --max-steps), result.json at the end (the "train" record of bench/README.md) and the PNG figures.
 `--resume DIR` continues exactly where the checkpoint stopped: same step, optimizer, scheduler
 and data order (the order and the augmentation are functions of the seed, epoch and step).
 """
 import argparse
-import ast
 import csv
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -26,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data
-from .bench import git_commit
+from ._runinfo import device_name, git_commit, replacing, resolve_device, write_json_atomic
 from .losses import spread_margin, training_loss
-from .models import MODELS
+from .models import MODELS, build_model, parse_model_config
 from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +44,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
-    p.add_argument("--model-config", nargs="*", default=[], metavar="KEY=VALUE",
+    p.add_argument("--model-config", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="constructor arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
     p.add_argument("--dataset", choices=sorted(data.DATASETS), default="mnist", help="the images")
     p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
@@ -75,17 +73,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
 
 
-def parse_model_config(items: list[str]) -> dict:
-    config = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--model-config: expected KEY=VALUE, got {item!r}")
-        try:
-            config[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            config[key] = value
-    return config
+def _key_value(item: str) -> str:
+    """An item of --model-config, checked here and kept as text (the checkpoint stores the arguments as given)."""
+    try:
+        parse_model_config([item])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return item
 
 
 @dataclasses.dataclass
@@ -119,27 +113,6 @@ class Distributed:
         return t.tolist()
 
 
-def pick_device(name: str, ddp: Distributed | None = None) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", ddp.local_rank if ddp else 0)
-    return device
-
-
-def save_atomically(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def write_json_atomically(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 class StoppedBetweenSteps(KeyboardInterrupt):
     """Ctrl-C, taken after a whole training step."""
 
@@ -154,7 +127,7 @@ class Trainer:
         config = parse_model_config(args.model_config)
         if args.model == "capsnet":
             config.setdefault("image_size", self.train_images.shape[-1])
-        self.model = MODELS[args.model](backend=args.backend, **config).to(device)
+        self.model = build_model(args.model, args.backend, config).to(device)
         self.net = nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         # Exponential decay, applied smoothly every step: lr * decay ** (step / decay_steps).
@@ -215,7 +188,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         if self.ddp.main:
-            save_atomically(self.state(), self.args.out / "checkpoint.pt")
+            with replacing(self.args.out / "checkpoint.pt") as tmp:
+                torch.save(self.state(), tmp)
 
     # -- the loop ----------------------------------------------------------------------------
     def train_epoch(self, progress) -> dict:
@@ -351,17 +325,15 @@ class Trainer:
 
     def write_metrics(self) -> None:
         out = self.args.out
-        with open(out / "metrics.csv.tmp", "w", newline="") as f:
+        with replacing(out / "metrics.csv") as tmp, open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, METRIC_FIELDS)
             writer.writeheader()
             writer.writerows({k: row[k] for k in METRIC_FIELDS} for row in self.history)
-        os.replace(out / "metrics.csv.tmp", out / "metrics.csv")
-        write_json_atomically({"run": self.run_info(), "epochs": self.history}, out / "metrics.json")
+        write_json_atomic({"run": self.run_info(), "epochs": self.history}, out / "metrics.json")
 
     def run_info(self) -> dict:
         args = self.args
-        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device,
+        return {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device_name(self.device),
                 "devices": self.ddp.world_size, "torch": torch.__version__, "commit": self.commit,
                 "backend": args.backend, "amp": args.amp, "batch_size": args.batch_size * self.ddp.world_size,
                 "model_config": parse_model_config(args.model_config),
@@ -375,7 +347,7 @@ class Trainer:
                   "test_error": last["test_error"], "test_accuracy": last["test_accuracy"],
                   "date": time.strftime("%Y-%m-%d")}
         if self.ddp.main:
-            write_json_atomically(result, self.args.out / "result.json")
+            write_json_atomic(result, self.args.out / "result.json")
             print(f"test accuracy {100 * last['test_accuracy']:.2f}% (error {100 * last['test_error']:.2f}%), "
                   f"{result['sec_per_epoch']:.1f} s/epoch; files in {self.args.out}")
             if not self.args.no_plots:
@@ -416,11 +388,9 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     state = resolve_run_dir(args)
-    ddp = Distributed.from_env(pick_device(args.device).type)
+    ddp = Distributed.from_env(resolve_device(args.device).type)
     try:
-        device = pick_device(args.device, ddp)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = resolve_device(args.device, ddp.local_rank)
         try:
             if args.download and ddp.main:  # one process downloads; the others wait for it below
                 data.load_dataset(args.dataset, args.data_dir, "train", download=True)

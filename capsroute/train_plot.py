@@ -17,8 +17,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .bench import short_commit
-from .models import MODELS, CapsNet
+from ._runinfo import short_commit
+from .models import CapsNet, build_model, parse_model_config
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
 
@@ -97,11 +97,8 @@ def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
 
 def _load_model(run_dir: Path):
     state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    from .train import parse_model_config
-
     args = state["args"]
-    config = parse_model_config(args["model_config"])
-    model = MODELS[args["model"]](backend=args["backend"], **config)
+    model = build_model(args["model"], args["backend"], parse_model_config(args["model_config"]))
     model.load_state_dict(state["model"])
     return model, args
 

@@ -1,4 +1,4 @@
-"""DESIGN.md 2.4: bad input raises an error that says what is wrong."""
+"""docs/ops.md, "Bad input": bad input raises an error that says what is wrong."""
 import pytest
 import torch
 

@@ -3,6 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("matplotlib")
 
@@ -16,8 +17,8 @@ def run(tmp_path_factory):
     """`capsroute bench` at two small shapes that differ only in I; the floor is not measured (slow)."""
     out = tmp_path_factory.mktemp("bench")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench, "measure_bandwidth", lambda device: 10.0)
-        mp.setattr(bench, "measure_peak_tflops", lambda device, dtype: 0.1)
+        mp.setattr(bench.runner, "measure_bandwidth", lambda device: 10.0)
+        mp.setattr(bench.runner, "measure_peak_tflops", lambda device, dtype: 0.1)
         status = cli.main(["bench", "--device", "cpu", "--op", "dynamic", "--shape", "64,5,8", "32,5,8",
                            "--batch", "2", "4", "--no-compile", "--repeats", "3", "--warmup", "1",
                            "--out", str(out), "--plot", "--no-progress"])
@@ -66,8 +67,9 @@ def test_bad_option(capsys):
 
 
 def test_default_out(tmp_path, monkeypatch):
-    monkeypatch.chdir(Path(bench.__file__).parent)
-    assert bench.default_out() == Path(bench.__file__).resolve().parent.parent / "bench" / "results"
+    root = Path(bench.__file__).resolve().parents[2]  # capsroute/bench/__init__.py -> the checkout
+    monkeypatch.chdir(root / "capsroute" / "bench")
+    assert bench.default_out() == root / "bench" / "results"
     monkeypatch.chdir(tmp_path)
     assert bench.default_out() == Path("bench-results")
 
@@ -101,7 +103,7 @@ def test_model_bench_writes_json(model_run):
     assert report["complete"] and report["bandwidth_gbs"] is None  # no floor for model ops: not measured
     records = {r["impl"]: r for r in report["results"]}
     assert set(records) == set(MODEL_IMPLS) and len(report["results"]) == 3
-    crash = bench.compile_crash(op, bench.torch.device("cpu"))  # torch < 2.14: the compiled impl is skipped
+    crash = bench.compile_crash(op, torch.device("cpu"))  # torch < 2.14: the compiled impl is skipped
     if crash is not None:
         assert records.pop("compiled")["skipped"] == crash
     for impl, r in records.items():
@@ -151,10 +153,10 @@ def test_model_op_names():
 
 
 def test_model_cpu_memory_guard(monkeypatch):
-    monkeypatch.setattr(bench, "available_bytes", lambda device: 2**20)
+    monkeypatch.setattr(bench.measure, "available_bytes", lambda device: 2**20)
     notes = []
     recs = bench.bench_model_case(bench.Case("matrixcapsnet", "1x28x28", 2, 0, 0, 0, 0), ["capsroute", "eager"],
-                                  dtype=bench.torch.float32, iters=3, device=bench.torch.device("cpu"), repeats=1,
+                                  dtype=torch.float32, iters=3, device=torch.device("cpu"), repeats=1,
                                   warmup=1, max_seconds=1.0, inference=False, note=notes.append)
     assert [r["impl"] for r in recs] == ["capsroute", "eager"]
     assert all(r["skipped"].startswith("estimated") for r in recs) and len(notes) == 2
@@ -163,14 +165,14 @@ def test_model_cpu_memory_guard(monkeypatch):
 def test_model_bench_skips_a_compile_known_to_crash(monkeypatch):
     """torch 2.11-2.13 crash the process compiling the MatrixCapsNet step on the CPU: that impl is
     skipped with the reason, the others still run (the check itself is version-based)."""
-    cpu = bench.torch.device("cpu")
+    cpu = torch.device("cpu")
     assert bench.compile_crash("matrixcapsnet", cpu, "2.14.1+cu130") is None
-    assert bench.compile_crash("matrixcapsnet", bench.torch.device("cuda"), "2.11.0") is None
+    assert bench.compile_crash("matrixcapsnet", torch.device("cuda"), "2.11.0") is None
     assert bench.compile_crash("capsnet", cpu, "2.11.0") is None
     assert "2.13.0" in bench.compile_crash("matrixcapsnet", cpu, "2.13.0")
-    monkeypatch.setattr(bench, "compile_crash", lambda op, device: "crashes here")
+    monkeypatch.setattr(bench.model_bench, "compile_crash", lambda op, device: "crashes here")
     recs = bench.bench_model_case(bench.Case("matrixcapsnet", "1x28x28", 2, 0, 0, 0, 0), ["eager", "compiled"],
-                                  dtype=bench.torch.float32, iters=3, device=cpu, repeats=1, warmup=1,
+                                  dtype=torch.float32, iters=3, device=cpu, repeats=1, warmup=1,
                                   max_seconds=1.0, inference=False, note=lambda line: None)
     assert [r["impl"] for r in recs] == ["eager", "compiled"]
     assert "skipped" not in recs[0] and recs[1]["skipped"] == "crashes here"
@@ -182,7 +184,7 @@ def _oom_above(limit, calls):
     def step(b):
         calls.append(b)
         if b > limit:
-            raise bench.torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} GiB")
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} GiB")
     return step
 
 
@@ -230,21 +232,21 @@ def test_model_max_batch(monkeypatch):
         def wrapped():
             sizes.append(images.shape[0])
             if images.shape[0] > 4:
-                raise bench.torch.OutOfMemoryError("CUDA out of memory (fake)")
+                raise torch.OutOfMemoryError("CUDA out of memory (fake)")
             return step()
         return wrapped
 
-    monkeypatch.setattr(bench, "train_step", fake_train_step)
-    cpu = bench.torch.device("cpu")
-    found = bench.model_max_batch("matrixcapsnet", "capsroute", device=cpu, dtype=bench.torch.float32, cap=64)
+    monkeypatch.setattr(bench.model_bench, "train_step", fake_train_step)
+    cpu = torch.device("cpu")
+    found = bench.model_max_batch("matrixcapsnet", "capsroute", device=cpu, dtype=torch.float32, cap=64)
     assert (found["max_batch"], found["capped"], found["tries"]) == (4, False, [1, 2, 4, 8])
     assert sizes == [1, 2, 4, 8]
-    found = bench.model_max_batch("matrixcapsnet", "capsroute", device=cpu, dtype=bench.torch.float32, cap=2)
+    found = bench.model_max_batch("matrixcapsnet", "capsroute", device=cpu, dtype=torch.float32, cap=2)
     assert (found["max_batch"], found["capped"]) == (2, True)
 
 
 def test_max_batch_in_report_and_table(monkeypatch):
-    monkeypatch.setattr(bench, "model_max_batch", lambda op, impl, *, cap, **kw: {
+    monkeypatch.setattr(bench.runner, "model_max_batch", lambda op, impl, *, cap, **kw: {
         "op": op, "impl": impl, "max_batch": {"capsroute": 4096, "eager": 512}.get(impl), "cap": cap,
         "capped": False})
     report = {"device": "fake", "torch": "x", "commit": "0" * 40, "dtype": "float32", "iters": 3, "threads": 1,
@@ -252,8 +254,8 @@ def test_max_batch_in_report_and_table(monkeypatch):
                   {"op": "capsnet", "shape": {"B": b, "model": "capsnet"}, "shape_name": "1x28x28", "impl": impl,
                    "fwd_ms": 1.0, "fwd_bwd_ms": 2.0, "peak_mb": 3.0, "floor_ms": None, "images_per_s": b / 2e-3}
                   for b in (32, 128) for impl in ("capsroute", "eager", "compiled")]}
-    bench.add_max_batches(report, ["capsnet"], ["capsroute", "eager", "compiled"], device=bench.torch.device("cpu"),
-                          dtype=bench.torch.float32, iters=3, seed=0, cap=2**15, note=lambda msg: None)
+    bench.add_max_batches(report, ["capsnet"], ["capsroute", "eager", "compiled"], device=torch.device("cpu"),
+                          dtype=torch.float32, iters=3, seed=0, cap=2**15, note=lambda msg: None)
     assert [(m["impl"], m["max_batch"]) for m in report["max_batch"]] == [("capsroute", 4096), ("eager", 512),
                                                                           ("compiled", None)]
     assert [r["max_batch"] for r in report["results"]] == [4096, 512, None] * 2

@@ -118,7 +118,7 @@ def assert_all_finite(outputs, what):
 
 @pytest.mark.parametrize("case", ["a_in_zeros", "all_a_in_zero", "identical_votes", "large_votes", "no_mass"])
 def test_robust_where_other_implementations_fail(device, case):
-    """DESIGN.md 2.3 / issue 3: no NaN or Inf in outputs or gradients in the classic failure cases."""
+    """docs/ops.md, em_routing / issue 3: no NaN or Inf in outputs or gradients in the classic failure cases."""
     votes, a_in, beta_u, beta_a = make_inputs(3, 24, 5, 16, dtype=torch.float32, device=device)
     with torch.no_grad():
         if case == "a_in_zeros":

@@ -1,4 +1,4 @@
-// Math of EM routing (DESIGN.md 2.3) shared by the CPU and CUDA backends: plain arithmetic on
+// Math of EM routing (docs/ops.md, em_routing) shared by the CPU and CUDA backends: plain arithmetic on
 // the accumulation type (float for float/half/bfloat16 storage, double for double), so that
 // both backends compute the same thing.
 #pragma once

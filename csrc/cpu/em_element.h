@@ -1,4 +1,4 @@
-// EM routing (DESIGN.md 2.3) of one batch element on the CPU: the forward (M-step, E-step)
+// EM routing (docs/ops.md, em_routing) of one batch element on the CPU: the forward (M-step, E-step)
 // and the exact backward, shared by em_routing (votes given) and the fused pose variant.
 #pragma once
 

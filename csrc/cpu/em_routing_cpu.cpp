@@ -1,4 +1,4 @@
-// EM routing (DESIGN.md 2.3) on the CPU, one batch element per task of at::parallel_for
+// EM routing (docs/ops.md, em_routing) on the CPU, one batch element per task of at::parallel_for
 // (the per-element math is in em_element.h). The forward keeps, per iteration, the M-step's
 // statistics (mean, variance, activation logit: (2H + 1) J values); the backward recomputes the
 // assignments R from them and walks the iterations backwards through the E-step (a

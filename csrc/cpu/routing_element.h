@@ -165,7 +165,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
   for (int64_t k = 0; k < JD; ++k) v_out[k] = static_cast<out_t>(v[k]);
 }
 
-// Backward of one element (see shared/notes/routing-math.md). run() walks the iterations
+// Backward of one element (the algorithm: docs/ops.md, dynamic_routing). run() walks the iterations
 // backwards and records, per iteration r, the coupling c^r, G^r = dL/db^{r+1}, gs^r = dL/ds^r
 // and v^r in a BackwardState; the vote gradient is then the small sum
 //   g_u_ij = sum_r c^r_ij gs^r_j + G^r_ij v^r_j,

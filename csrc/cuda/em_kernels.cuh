@@ -1,4 +1,4 @@
-// EM routing kernels (DESIGN.md 2.3): the forward (M-step, E-step) and the exact backward of
+// EM routing kernels (docs/ops.md, em_routing): the forward (M-step, E-step) and the exact backward of
 // csrc/cpu/em_element.h, step by step, with the same saved statistics.
 //
 // The kernels are templated on a vote source, as in routing_kernels.cuh (MemoryVotes reads

@@ -2,7 +2,7 @@
 // backend's element code (csrc/cpu/em_element.h) with the same storage and accumulation types:
 // statistics, outputs and every gradient, over votes read from memory, for J, H, I and iteration
 // counts around the edge cases (J = 1, I = 0 or 1, one iteration), a batch larger and smaller
-// than the grid, and the robustness cases of DESIGN.md 2.3 (zero activations, identical votes,
+// than the grid, and the robustness cases of docs/ops.md, em_routing (zero activations, identical votes,
 // votes of 1e3; a NaN vote must give NaN, not hang). Workspaces start as NaN. Where the two
 // disagree past the tolerance, both are compared with the CPU code in long double: the kernels
 // must be as close to it as the CPU code is (ill-conditioned cases are reported as such).

@@ -1,0 +1,96 @@
+"""What a benchmark or training record says about its run (commit, device, CPU), the device a run
+uses, and the atomic file writes both commands make. A leaf: it imports nothing from capsroute, so
+the benchmark, the trainer and their figures can all use it without importing each other.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+_CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root when capsroute runs from a checkout
+
+
+def _git(*args, cwd=None) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_toplevel(cwd=None) -> Path | None:
+    """The root of the git checkout that `cwd` (default: the current directory) is in, or None."""
+    top = _git("rev-parse", "--show-toplevel", cwd=cwd)
+    return Path(top) if top else None
+
+
+def git_commit() -> str:
+    """HEAD of the checkout capsroute is imported from, + "-dirty" when tracked files differ from it;
+    "unknown" when capsroute is not imported from a checkout (a non-editable install)."""
+    if git_toplevel(_CHECKOUT) != _CHECKOUT:
+        return "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=_CHECKOUT)
+    return _git("rev-parse", "HEAD", cwd=_CHECKOUT) + ("-dirty" if dirty else "")
+
+
+def short_commit(commit: str) -> str:
+    """git_commit()'s value for titles and file names: 7 hex digits, keeping "-dirty"."""
+    return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or "cpu" (the CPU's model is cpu_model())."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
+    """`--device` (auto, cpu, cuda or cuda:N) as a device, made current on CUDA. A CUDA device without an
+    index is `local_rank` (one process per GPU under torchrun), else the current one."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {spec}: no CUDA device is available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device() if local_rank is None else local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.float32 -> "float32", as the records and the command lines spell dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def replacing(path: Path):
+    """Yields a temporary path beside `path`; when the block succeeds the file written there replaces
+    `path` in one step, so a reader (or a run killed mid-write) never sees a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    yield tmp
+    os.replace(tmp, path)
+
+
+def write_json_atomic(obj, path: Path) -> Path:
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    return Path(path)

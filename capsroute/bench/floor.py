@@ -1,0 +1,66 @@
+"""The floor: bytes that must move / measured copy bandwidth, flops / measured matmul peak
+(bench/README.md, "The floor")."""
+from __future__ import annotations
+
+import torch
+
+from .cases import EM_OPS, Case
+from .timing import time_samples
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Copy bandwidth in GB/s (1e9 bytes/s): (bytes read + bytes written) / time, best of `repeats`."""
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    times = time_samples(lambda: dst.copy_(src), device, repeats=repeats, max_seconds=5.0)
+    return 2 * nbytes / (min(times) / 1e3) / 1e9
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float:
+    """Matmul throughput in TFLOP/s in `dtype`: 2 n^3 / time, best of `repeats`."""
+    if n is None:
+        if device.type == "cuda":
+            n = 8192
+        else:
+            n = 2048 if dtype in (torch.float32, torch.float64) else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(2):
+        torch.mm(a, b)
+    times = time_samples(lambda: torch.mm(a, b), device, repeats=repeats,
+                         max_seconds=5.0 if device.type == "cuda" else 3.0)
+    return 2 * n ** 3 / (min(times) / 1e3) / 1e12
+
+
+def floor_model(case: Case, itemsize: int, iters: int) -> dict:
+    """Bytes that must move and flops that must be done by one call (bench/README.md, "The floor")."""
+    B, I, J, D, Din = case.B, case.I, case.J, case.D, case.Din
+    route = 2 * I * J * D * (2 * iters - 1)
+    out = B * J * D * itemsize
+    if case.op in EM_OPS:
+        # per iteration: the mean (2 I J H) and variance (3 I J H) of the M-step, and but for the
+        # last, the E-step's log densities (4 I J H); pose @ weight adds 2 * 64 per (i, j).
+        em = I * J * D * (5 * iters + 4 * (iters - 1))
+        if case.op == "em_routing":
+            inp, flops_fwd = (B * I * J * D + B * I) * itemsize, B * em
+        else:
+            inp, flops_fwd = (B * I * 16 + I * J * 16 + B * I) * itemsize, B * (128 * I * J + em)
+        out = B * J * (D + 1) * itemsize
+    elif case.op == "dynamic_routing":
+        inp = B * I * J * D * itemsize
+        flops_fwd = B * route
+    else:
+        inp = (B * I * Din + I * J * D * Din) * itemsize
+        flops_fwd = B * (2 * I * J * D * Din + route)
+    return {"bytes_fwd": inp + out, "flops_fwd": flops_fwd,
+            "bytes_fwd_bwd": inp + out + out + inp,  # + read grad_v, write input grads
+            "flops_fwd_bwd": 3 * flops_fwd}
+
+
+def floor_ms(nbytes: float, flops: float, bandwidth_gbs: float, peak_tflops: float) -> float:
+    return max(nbytes / (bandwidth_gbs * 1e9), flops / (peak_tflops * 1e12)) * 1e3
+
