@@ -7,6 +7,11 @@ from torch import Tensor
 
 _ops = torch.ops.capsroute
 
+# The public operators, in the order of csrc/ops.cpp. Each has a backward operator _<op>_backward
+# that takes the saved state the forward returns.
+OPS = ("squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose")
+SCHEMA_OPS = tuple(name for op in OPS for name in (op, f"_{op}_backward"))
+
 
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     """squash(s) = |s|^2 / (1 + |s|^2) * s / sqrt(|s|^2 + eps), over `dim`."""
