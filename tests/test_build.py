@@ -13,6 +13,11 @@ def test_build_info():
         assert info["cuda_archs"]
 
 
+def test_the_op_list_names_every_registered_op():
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("capsroute::")}
+    assert registered == {f"capsroute::{op}" for op in SCHEMA_OPS}
+
+
 def test_every_op_has_cpu_kernels_and_cuda_kernels_when_built_with_cuda():
     for op in SCHEMA_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", "CPU"), op
