@@ -7,7 +7,7 @@ import capsroute
 from capsroute import losses
 from capsroute.models import CapsNet, MatrixCapsNet
 from capsroute.nn import ClassCapsules, ConvCapsules, DenseCapsules, PrimaryCapsules, PrimaryMatrixCapsules, set_backend
-from conftest import DEVICES, assert_rel_close
+from helpers import DEVICES, assert_rel_close
 
 
 def both_backends(make_module, *inputs, seed=0):
