@@ -1,9 +1,11 @@
-"""Typed Python API of the capsroute operators, with their autograd and fake implementations.
+"""Typed Python API of the capsroute operators, with their autograd, fake and autocast implementations.
 
 The schemas live in csrc/ops.cpp; the math is in DESIGN.md section 2.
 """
 import torch
 from torch import Tensor
+
+from . import _autocast
 
 _ops = torch.ops.capsroute
 
@@ -228,3 +230,9 @@ def _em_pose_backward(ctx, grad_pose_out, grad_a_out, grad_stats):
 
 
 torch.library.register_autograd("capsroute::em_routing_pose", _em_pose_backward, setup_context=_em_pose_setup)
+
+
+# ---- autocast: the rules of capsroute/_autocast.py, on the operators themselves ----
+
+_lib = torch.library.Library("capsroute", "IMPL")
+_autocast.register(_lib)

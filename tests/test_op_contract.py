@@ -2,14 +2,15 @@
 capsroute matches the float64 reference in every storage dtype (outputs and all gradients),
 finite differences agree with the analytic gradients, torch.library.opcheck passes on the forward
 and the backward op, torch.compile(fullgraph=True) traces it, non-contiguous inputs and an empty
-batch work, results are bitwise deterministic, and a wrong dtype raises an error that names the
-argument. What is specific to one op lives in tests/test_<op>.py."""
+batch work, results are bitwise deterministic, a wrong dtype raises an error that names the
+argument, and under autocast the op follows its declared rule. What is specific to one op lives in
+tests/test_<op>.py."""
 from dataclasses import replace
 
 import pytest
 import torch
 
-from capsroute import ops
+from capsroute import _autocast, ops
 from helpers import assert_rel_close, noncontiguous, randn
 from op_db import DTYPES, OP_DB
 
@@ -121,3 +122,30 @@ def test_bad_dtype_is_named(spec, device):
         with pytest.raises(RuntimeError, match=f"{name} has dtype Float"):
             spec.outputs(spec.fn, replace(sample, tensors=tuple(tensors)))
 
+
+@per_op
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_rule(spec, device, amp):
+    """Under torch.autocast the op casts its inputs by the rule declared in capsroute/_autocast.py
+    (float32 for EM routing, the autocast dtype for dynamic routing and dense capsules, none for
+    squash) and gives bitwise what it gives on the cast inputs outside autocast, gradients
+    included; the reference follows the same rule."""
+    rule = {**dict.fromkeys(_autocast.IN_FLOAT32, torch.float32),
+            **dict.fromkeys(_autocast.IN_AUTOCAST_DTYPE, amp)}.get(spec.name)
+    shape, options = spec.opcheck[0]
+    sample = spec.draw(shape, device, torch.float32, **options)
+    # The first input as the layer below delivers it under autocast; the rest as float32 parameters.
+    sample = replace(sample, tensors=(sample.tensors[0].detach().to(amp).requires_grad_(), *sample.tensors[1:]))
+    cast = replace(sample, tensors=tuple(t if t is None or rule is None else t.to(rule) for t in sample.tensors))
+    with torch.autocast(device, dtype=amp):
+        got, cotangents = spec.run(spec.fn, sample)
+        ref_got = spec.outputs(spec.ref, sample)
+    want, _ = spec.run(spec.fn, cast, cotangents)
+    inputs = sample.inputs()
+    want[len(want) - len(inputs):] = [g.to(t.dtype) for g, t in zip(want[len(want) - len(inputs):], inputs)]
+    for name, a, b in zip(spec.names(sample), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert [o.dtype for o in ref_got] == [o.dtype for o in got[:len(ref_got)]]
+    if rule == torch.float32:  # autocast is off inside: the reference on the float32 inputs, bitwise
+        for name, a, b in zip(spec.output_names, ref_got, spec.outputs(spec.ref, cast)):
+            assert torch.equal(a, b), f"reference {name}"
