@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from . import ops, reference
+from ._autocast import like_op
 
 BACKENDS = {"fused": ops, "reference": reference}
 
@@ -74,10 +75,8 @@ class DenseCapsules(_CapsuleLayer):
         self.bias = nn.Parameter(torch.zeros(out_capsules, out_dim)) if bias else None
 
     def forward(self, u: Tensor) -> Tensor:
-        # Under autocast the input arrives in the low-precision dtype; the ops want one dtype.
-        weight = self.weight.to(u.dtype)
-        bias = None if self.bias is None else self.bias.to(u.dtype)
-        return self.ops.dense_capsules(u, weight, self.iters, bias=bias, leaky=self.leaky, detach=self.detach)
+        return self.ops.dense_capsules(u, self.weight, self.iters, bias=self.bias, leaky=self.leaky,
+                                       detach=self.detach)
 
     def extra_repr(self) -> str:
         I, J, D, Din = self.weight.shape
@@ -101,10 +100,6 @@ class PrimaryMatrixCapsules(nn.Module):
         return pose, torch.sigmoid(self.activation(x)).permute(0, 2, 3, 1)
 
 
-def _no_autocast(t: Tensor):
-    return torch.autocast(t.device.type, enabled=False)
-
-
 class _EmCapsules(_CapsuleLayer):
     """Transformation matrices (inputs, out_types, 4, 4) and the EM betas of the output types."""
 
@@ -114,12 +109,6 @@ class _EmCapsules(_CapsuleLayer):
         self.weight = nn.Parameter(torch.randn(inputs, out_types, 4, 4) / 2)
         self.beta_u = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
-
-    def _routing_inputs(self, *tensors: Tensor) -> list[Tensor]:
-        """The tensors and the parameters in float32 (float64 stays): EM routing divides by variances
-        of small pose differences, so it runs outside autocast in full precision (see _no_autocast)."""
-        dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-        return [t.to(dtype) for t in (*tensors, self.weight, self.beta_u, self.beta_a)]
 
 
 class ConvCapsules(_EmCapsules):
@@ -141,10 +130,8 @@ class ConvCapsules(_EmCapsules):
         Ho, Wo = windows.shape[1], windows.shape[2]
         windows = windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(N * Ho * Wo, k * k * types, 16)
         a_windows = activation.unfold(1, k, s).unfold(2, k, s).permute(0, 1, 2, 4, 5, 3).reshape(N * Ho * Wo, -1)
-        with _no_autocast(pose):
-            windows, a_windows, weight, beta_u, beta_a = self._routing_inputs(windows, a_windows)
-            out_pose, out_a = self.ops.em_routing_pose(windows, weight, a_windows, beta_u, beta_a, self.iters,
-                                                       final_lambda=self.final_lambda)
+        out_pose, out_a = self.ops.em_routing_pose(windows, self.weight, a_windows, self.beta_u, self.beta_a,
+                                                   self.iters, final_lambda=self.final_lambda)
         return out_pose.view(N, Ho, Wo, -1, 16), out_a.view(N, Ho, Wo, -1)
 
     def extra_repr(self) -> str:
@@ -163,21 +150,26 @@ class ClassCapsules(_EmCapsules):
         self.coordinate_addition = coordinate_addition
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
-        N, H, W, types, _ = pose.shape
-        with _no_autocast(pose):
-            pose, activation, weight, beta_u, beta_a = self._routing_inputs(pose, activation)
-            votes = torch.einsum("nhwtrk,tcks->nhwtcrs", pose.view(N, H, W, types, 4, 4), weight)
-            if self.coordinate_addition:
-                offsets = votes.new_zeros(H, W, 4, 4)
-                offsets[..., 0, 3] = (torch.arange(H, dtype=votes.dtype, device=votes.device)[:, None] + 0.5) / H
-                offsets[..., 1, 3] = (torch.arange(W, dtype=votes.dtype, device=votes.device)[None, :] + 0.5) / W
-                votes = votes + offsets[:, :, None, None]
-            votes = votes.reshape(N, H * W * types, -1, 16)
-            return self.ops.em_routing(votes, activation.reshape(N, -1), beta_u, beta_a, self.iters,
-                                       final_lambda=self.final_lambda)
+        votes = _class_votes(pose, self.weight, self.coordinate_addition)
+        return self.ops.em_routing(votes, activation.flatten(1), self.beta_u, self.beta_a, self.iters,
+                                   final_lambda=self.final_lambda)
 
     def extra_repr(self) -> str:
         return f"coordinate_addition={self.coordinate_addition}, iters={self.iters}, {super().extra_repr()}"
+
+
+@like_op("em_routing")
+def _class_votes(pose: Tensor, weight: Tensor, coordinate_addition: bool) -> Tensor:
+    """ClassCapsules' votes (N, H W types, classes, 16), under em_routing's autocast rule: they are
+    its input, and small differences between them are what it divides by."""
+    N, H, W, types, _ = pose.shape
+    votes = torch.einsum("nhwtrk,tcks->nhwtcrs", pose.view(N, H, W, types, 4, 4), weight)
+    if coordinate_addition:
+        offsets = votes.new_zeros(H, W, 4, 4)
+        offsets[..., 0, 3] = (torch.arange(H, dtype=votes.dtype, device=votes.device)[:, None] + 0.5) / H
+        offsets[..., 1, 3] = (torch.arange(W, dtype=votes.dtype, device=votes.device)[None, :] + 0.5) / W
+        votes = votes + offsets[:, :, None, None]
+    return votes.reshape(N, H * W * types, -1, 16)
 
 
 def set_backend(module: nn.Module, backend: str) -> nn.Module:

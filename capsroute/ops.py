@@ -1,11 +1,18 @@
-"""Typed Python API of the capsroute operators, with their autograd and fake implementations.
+"""Typed Python API of the capsroute operators, with their autograd, fake and autocast implementations.
 
 The schemas live in csrc/ops.cpp; the contract (math, shapes, saved state, errors) is docs/ops.md.
 """
 import torch
 from torch import Tensor
 
+from . import _autocast
+
 _ops = torch.ops.capsroute
+
+# The public operators, in the order of csrc/ops.cpp. Each has a backward operator _<op>_backward
+# that takes the saved state the forward returns.
+OPS = ("squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose")
+SCHEMA_OPS = tuple(name for op in OPS for name in (op, f"_{op}_backward"))
 
 
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
@@ -223,3 +230,9 @@ def _em_pose_backward(ctx, grad_pose_out, grad_a_out, grad_stats):
 
 
 torch.library.register_autograd("capsroute::em_routing_pose", _em_pose_backward, setup_context=_em_pose_setup)
+
+
+# ---- autocast: the rules of capsroute/_autocast.py, on the operators themselves ----
+
+_lib = torch.library.Library("capsroute", "IMPL")
+_autocast.register(_lib)

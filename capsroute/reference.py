@@ -1,12 +1,15 @@
 """Plain PyTorch versions of every capsroute op: the test oracle and the benchmark baseline.
 
 Written as a careful user would (einsum over whole tensors, no Python loops over capsules;
-the loop over routing iterations is inherent). Argument names and defaults match capsroute.
+the loop over routing iterations is inherent). Argument names, defaults and autocast rules
+match capsroute.
 """
 import math
 
 import torch
 from torch import Tensor
+
+from ._autocast import like_op
 
 
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
@@ -21,6 +24,7 @@ def _coupling(logits: Tensor, leaky: bool) -> Tensor:
     return torch.softmax(torch.cat([logits, orphan], dim=-1), dim=-1)[..., :-1]
 
 
+@like_op("dynamic_routing")
 def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
                              detach: bool = False, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
     """Returns (v (B, J, D), final coupling c (B, I, J))."""
@@ -49,11 +53,13 @@ def dense_votes(u: Tensor, weight: Tensor) -> Tensor:
     return torch.einsum("ijdk,bik->bijd", weight, u)
 
 
+@like_op("dense_capsules")
 def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
                    detach: bool = False, eps: float = 1e-8) -> Tensor:
     return dynamic_routing(dense_votes(u, weight), iters, bias=bias, leaky=leaky, detach=detach, eps=eps)
 
 
+@like_op("em_routing")
 def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
                final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """EM routing (Hinton et al. 2018) as docs/ops.md states it: votes (B, I, J, H), a_in (B, I), beta_u and
@@ -86,6 +92,7 @@ def pose_votes(pose: Tensor, weight: Tensor) -> Tensor:
     return torch.einsum("bikl,ijlm->bijkm", pose, weight).flatten(-2)  # 2x faster than a broadcast @
 
 
+@like_op("em_routing_pose")
 def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
                     final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """em_routing over votes pose_i @ weight_ij; pose (B, I, 4, 4) or (B, I, 16)."""

@@ -4,14 +4,7 @@ import pytest
 import torch
 
 import capsroute  # noqa: F401  (registers the ops)
-
-HAS_CUDA = torch.cuda.is_available()
-
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
-DEVICES = ["cpu", CUDA]
-
-# Storage dtypes each device supports, with the relative tolerance against a float64 reference.
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+from helpers import DEVICES
 
 
 @pytest.fixture(autouse=True)
@@ -23,22 +16,3 @@ def seeded_rng(request):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in float64."""
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    scale = expected.abs().max().item() if expected.numel() else 1.0
-    return (actual - expected).abs().max().item() / max(scale, 1e-300) if expected.numel() else 0.0
-
-
-def assert_rel_close(actual, expected, tol, what=""):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all() == torch.isfinite(expected).all(), f"{what}: non-finite values differ"
-    err = rel_err(actual, expected)
-    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
-
-
-def randn(*shape, dtype=torch.float64, device="cpu", scale=1.0, requires_grad=False, generator=None):
-    t = torch.randn(*shape, dtype=torch.float64, generator=generator) * scale
-    return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)

@@ -1,9 +1,9 @@
-"""docs/ops.md, "Bad input": bad input raises an error that says what is wrong."""
+"""docs/ops.md, "Bad input": bad input raises an error that says what is wrong (wrong dtypes: test_op_contract)."""
 import pytest
 import torch
 
 import capsroute
-from conftest import HAS_CUDA, randn
+from helpers import HAS_CUDA, randn
 
 
 def votes(*shape, **kw):
@@ -13,8 +13,6 @@ def votes(*shape, **kw):
 @pytest.mark.parametrize("call,message", [
     (lambda d: capsroute.dynamic_routing(votes(2, 5, 3, device=d)), r"votes must have shape \(B, I, J, D\)"),
     (lambda d: capsroute.dynamic_routing(votes(device=d), bias=randn(4, 3, device=d)), r"bias must have shape \(J, D\) = \(3, 4\)"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d), bias=randn(3, 4, dtype=torch.float32, device=d)), "bias has dtype Float"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d).long()), "votes must be float32, float64, float16 or bfloat16"),
     (lambda d: capsroute.dynamic_routing(votes(device=d), iters=0), "iters must be >= 1, got 0"),
     (lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("nan")), "eps must be finite"),
     (lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("inf")), "eps must be finite"),
@@ -24,10 +22,8 @@ def votes(*shape, **kw):
     (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, device=d)), r"weight must have shape \(I, J, D, Din\)"),
     (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)), "I = 5 and Din = 8"),
     (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 7, device=d)), "I = 5 and Din = 8"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 8, dtype=torch.float32, device=d)), "weight has dtype Float"),
     (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=-2), "iters must be >= 1"),
     (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), bias=randn(3, 5, device=d)), r"bias must have shape \(J, D\)"),
-    (lambda d: capsroute.squash(torch.ones(3, 4, dtype=torch.int32, device=d)), "s must be float32"),
     (lambda d: capsroute.squash(randn(3, 4, device=d), eps=float("nan")), "eps must be finite"),
 ])
 def test_bad_input_raises_a_clear_error(device, call, message):

@@ -1,9 +1,7 @@
 import torch
 
 import capsroute
-
-OPS = ["squash", "_squash_backward", "dynamic_routing", "_dynamic_routing_backward", "dense_capsules",
-       "_dense_capsules_backward", "em_routing", "_em_routing_backward", "em_routing_pose", "_em_routing_pose_backward"]
+from capsroute.ops import SCHEMA_OPS
 
 
 def test_build_info():
@@ -15,8 +13,13 @@ def test_build_info():
         assert info["cuda_archs"]
 
 
+def test_the_op_list_names_every_registered_op():
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("capsroute::")}
+    assert registered == {f"capsroute::{op}" for op in SCHEMA_OPS}
+
+
 def test_every_op_has_cpu_kernels_and_cuda_kernels_when_built_with_cuda():
-    for op in OPS:
+    for op in SCHEMA_OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", "CPU"), op
         has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", "CUDA")
         assert has_cuda == capsroute.build_info()["cuda"], op

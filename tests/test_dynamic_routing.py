@@ -1,3 +1,5 @@
+"""dynamic_routing beyond the contract (tests/test_op_contract.py): every option combination, the
+detached coupling, NaN isolation, the coupling output, the CUDA row ranges, random shapes."""
 import itertools
 
 import pytest
@@ -6,38 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capsroute
-from capsroute import reference
-from conftest import CUDA, HAS_CUDA, TOLERANCE, assert_rel_close, randn
+from helpers import CUDA, assert_rel_close, randn
+from op_db import DYNAMIC_ROUTING
 
-# Odd sizes: I and J not multiples of 32, D in {4, 8, 16, 32}.
-SHAPES = [(3, 37, 7, 16), (2, 65, 33, 4), (1, 5, 1, 8), (4, 19, 10, 32), (2, 1, 3, 8)]
 OPTIONS = list(itertools.product([1, 2, 3], [False, True], [False, True], [False, True]))  # iters, leaky, detach, bias
 
 
-def run_both(votes, bias, iters, leaky, detach, grad):
-    """(v, c, grad_votes, grad_bias) from capsroute and from the float64 reference on the same values."""
-    out = []
-    for impl, cast in ((capsroute, lambda t: t), (reference, lambda t: t.detach().double().requires_grad_())):
-        x = cast(votes)
-        b = cast(bias) if bias is not None else None
-        v, c = impl.dynamic_routing_coupling(x, iters, bias=b, leaky=leaky, detach=detach)
-        inputs = (x,) if b is None else (x, b)
-        grads = torch.autograd.grad(v, inputs, grad.to(v.dtype))
-        out.append((v, c) + grads)
-    return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_matches_reference_on_odd_shapes(device, dtype, shape):
-    B, I, J, D = shape
-    votes = randn(*shape, dtype=dtype, device=device, requires_grad=True)
-    bias = randn(J, D, dtype=dtype, device=device, scale=0.1, requires_grad=True)
-    grad = randn(B, J, D, device=device)
-    ours, ref = run_both(votes, bias, 3, False, False, grad)
-    for name, a, e in zip(["v", "c", "grad_votes", "grad_bias"], ours, ref):
-        assert a.dtype == dtype
-        assert_rel_close(a, e, TOLERANCE[dtype], name)
+def compare(votes, bias, iters, leaky, detach, generator=None):
+    """(name, capsroute's, the float64 reference's) for v, c, grad_votes and grad_bias."""
+    sample = DYNAMIC_ROUTING.sample((votes, bias), iters=iters, leaky=leaky, detach=detach)
+    return DYNAMIC_ROUTING.compare(sample, generator)
 
 
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", OPTIONS)
@@ -45,78 +25,17 @@ def test_every_option_combination(device, iters, leaky, detach, with_bias):
     B, I, J, D = 3, 13, 6, 8
     votes = randn(B, I, J, D, device=device, requires_grad=True)
     bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
-    ours, ref = run_both(votes, bias, iters, leaky, detach, randn(B, J, D, device=device))
-    for name, a, e in zip(["v", "c", "grad_votes", "grad_bias"], ours, ref):
+    for name, a, e in compare(votes, bias, iters, leaky, detach):
         assert_rel_close(a, e, 1e-10, name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_storage(device, dtype):
-    B, I, J, D = 4, 37, 10, 16
-    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
-    bias = randn(J, D, dtype=dtype, device=device, scale=0.1, requires_grad=True)
-    ours, ref = run_both(votes, bias, 3, False, False, randn(B, J, D, device=device))
-    for name, a, e in zip(["v", "c", "grad_votes", "grad_bias"], ours, ref):
-        assert a.dtype == dtype
-        assert_rel_close(a, e, TOLERANCE[dtype], name)
-
-
-@pytest.mark.parametrize("leaky,detach", [(False, False), (True, False), (False, True)])
-def test_gradcheck(device, leaky, detach):
+def test_detached_coupling_gradient(device):
+    """With detach=True the coupling is a constant of the backward pass, which finite differences
+    cannot see (the contract's gradcheck skips it): the gradients are the reference's instead."""
     votes = randn(2, 5, 3, 4, device=device, requires_grad=True)
     bias = randn(3, 4, device=device, scale=0.3, requires_grad=True)
-
-    def fn(x, b):
-        return capsroute.dynamic_routing(x, 3, bias=b, leaky=leaky, detach=detach)
-
-    if detach:  # the coupling is a constant: check against the reference's gradient instead of finite differences
-        ours, ref = run_both(votes, bias, 3, leaky, True, randn(2, 3, 4, device=device))
-        for a, e in zip(ours[2:], ref[2:]):
-            assert_rel_close(a, e, 1e-10)
-    else:
-        assert torch.autograd.gradcheck(fn, (votes, bias), fast_mode=False)
-
-
-def test_opcheck(device):
-    votes = randn(2, 7, 3, 4, device=device, requires_grad=True)
-    bias = randn(3, 4, device=device, requires_grad=True)
-    for args in [(votes, bias, 3, False, False, 1e-8), (votes, None, 2, True, True, 1e-8)]:
-        torch.library.opcheck(torch.ops.capsroute.dynamic_routing.default, args)
-
-
-def test_torch_compile_fullgraph(device):
-    votes = randn(2, 9, 3, 4, dtype=torch.float32, device=device, requires_grad=True)
-
-    @torch.compile(fullgraph=True)
-    def step(x):
-        return capsroute.dynamic_routing(x, 3).square().sum()
-
-    loss = step(votes)
-    (g,) = torch.autograd.grad(loss, votes)
-    x = votes.detach().requires_grad_()
-    loss_ref = capsroute.dynamic_routing(x, 3).square().sum()
-    (g_ref,) = torch.autograd.grad(loss_ref, x)
-    assert_rel_close(loss.detach(), loss_ref.detach(), 1e-6)
-    assert_rel_close(g, g_ref, 1e-6)
-
-
-def test_non_contiguous(device):
-    base = randn(5, 3, 11, 8, device=device)  # (J, B, I, D) storage
-    votes = base.permute(1, 2, 0, 3).requires_grad_()
-    bias = randn(8, 5, device=device).t().requires_grad_()
-    assert not votes.is_contiguous() and not bias.is_contiguous()
-    ours, ref = run_both(votes, bias, 3, True, False, randn(3, 5, 8, device=device))
-    for a, e in zip(ours, ref):
-        assert_rel_close(a, e, 1e-10)
-
-
-def test_empty_batch(device):
-    votes = randn(0, 7, 3, 4, device=device, requires_grad=True)
-    bias = randn(3, 4, device=device, requires_grad=True)
-    v, c = capsroute.dynamic_routing_coupling(votes, bias=bias)
-    assert v.shape == (0, 3, 4) and c.shape == (0, 7, 3)
-    gv, gb = torch.autograd.grad(v.sum(), (votes, bias))
-    assert gv.shape == votes.shape and torch.equal(gb, torch.zeros_like(bias))
+    for name, a, e in compare(votes, bias, 3, False, True)[2:]:
+        assert_rel_close(a, e, 1e-10, name)
 
 
 def test_nan_stays_in_its_batch_element(device):
@@ -137,18 +56,6 @@ def test_coupling_is_not_differentiable(device):
     assert torch.allclose(c.sum(-1), torch.ones(2, 5, dtype=c.dtype, device=device))
 
 
-def test_deterministic(device):
-    votes = randn(4, 33, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
-    bias = randn(10, 16, dtype=torch.float32, device=device, requires_grad=True)
-    grad = randn(4, 10, 16, dtype=torch.float32, device=device)
-    runs = []
-    for _ in range(2):
-        v = capsroute.dynamic_routing(votes, bias=bias)
-        runs.append((v,) + torch.autograd.grad(v, (votes, bias), grad))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-
-
 # Options for the row-range tests: (iters, leaky, detach, bias).
 SPLIT_OPTIONS = [(3, False, False, True), (3, True, True, False), (1, False, False, True), (2, True, False, True)]
 
@@ -164,8 +71,7 @@ def test_row_ranges_match_reference(device, monkeypatch, splits, iters, leaky, d
     B, I, J, D = 3, 133, 10, 16
     votes = randn(B, I, J, D, device=device, scale=0.3, requires_grad=True)
     bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
-    ours, ref = run_both(votes, bias, iters, leaky, detach, randn(B, J, D, device=device))
-    for name, a, e in zip(["v", "c", "grad_votes", "grad_bias"], ours, ref):
+    for name, a, e in compare(votes, bias, iters, leaky, detach):
         assert_rel_close(a, e, 1e-10, name)
 
 
@@ -191,6 +97,5 @@ def test_row_ranges_deterministic_and_checked(device, monkeypatch):
 def test_property_matches_reference(B, I, J, D, iters, leaky, scale, seed):
     g = torch.Generator().manual_seed(seed)
     votes = randn(B, I, J, D, scale=scale, requires_grad=True, generator=g)
-    ours, ref = run_both(votes, None, iters, leaky, False, randn(B, J, D, generator=g))
-    for name, a, e in zip(["v", "c", "grad_votes"], ours, ref):
+    for name, a, e in compare(votes, None, iters, leaky, False, generator=g):
         assert_rel_close(a, e, 1e-9, name)

@@ -7,7 +7,7 @@ import capsroute
 from capsroute import losses
 from capsroute.models import CapsNet, MatrixCapsNet
 from capsroute.nn import ClassCapsules, ConvCapsules, DenseCapsules, PrimaryCapsules, PrimaryMatrixCapsules, set_backend
-from conftest import DEVICES, assert_rel_close
+from helpers import CUDA, DEVICES, assert_rel_close
 
 
 def both_backends(make_module, *inputs, seed=0):
@@ -167,6 +167,39 @@ def test_em_layers_route_in_float32_under_autocast():
             outs[backend] = model(images)
     assert outs["fused"].activations.dtype == torch.float32
     torch.testing.assert_close(outs["fused"].activations, outs["reference"].activations, rtol=1e-4, atol=1e-5)
+
+
+AUTOCAST = [pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+            *(pytest.param("cuda", amp, id=f"cuda-{name}", marks=CUDA.marks)
+              for amp, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")))]
+
+
+@pytest.mark.parametrize("device,amp", AUTOCAST)
+def test_layers_and_ops_agree_under_autocast(device, amp):
+    """The layers carry no autocast rule of their own: under autocast a layer gives bitwise what its
+    op gives to a user who calls it with the layer's parameters, and the EM layers give what they
+    give on float32 inputs outside autocast, as when the rule lived in the layers."""
+    torch.manual_seed(0)
+    dense = DenseCapsules(11, 8, 5, 16).to(device)
+    conv = ConvCapsules(3, 4, kernel_size=3, stride=2).to(device)
+    classes = ClassCapsules(3, 5).to(device)
+    u = capsroute.squash(torch.randn(3, 11, 8, device=device)).to(amp)  # as PrimaryCapsules delivers it
+    pose = torch.randn(2, 5, 6, 3, 16, device=device).to(amp)
+    activation = torch.rand(2, 5, 6, 3, device=device).to(amp)
+    # ConvCapsules' windows (kernel 3, stride 2: 2 x 2 positions of 27 input capsules)
+    windows = pose.unfold(1, 3, 2).unfold(2, 3, 2).permute(0, 1, 2, 5, 6, 3, 4).reshape(8, 27, 16)
+    a_windows = activation.unfold(1, 3, 2).unfold(2, 3, 2).permute(0, 1, 2, 4, 5, 3).reshape(8, 27)
+    with torch.autocast(device, dtype=amp):
+        v = dense(u)
+        v_op = capsroute.dense_capsules(u, dense.weight, bias=dense.bias)
+        conv_out = conv(pose, activation)
+        conv_op = capsroute.em_routing_pose(windows, conv.weight, a_windows, conv.beta_u, conv.beta_a)
+        class_out = classes(pose[:, :3], activation[:, :3])
+    assert v.dtype == amp and torch.equal(v, v_op)
+    for name, a, b, c in zip(["pose", "a"], conv_out, conv_op, conv(pose.float(), activation.float())):
+        assert a.dtype == torch.float32 and torch.equal(a.reshape(b.shape), b) and torch.equal(a, c), f"conv {name}"
+    for name, a, c in zip(["pose", "a"], class_out, classes(pose[:, :3].float(), activation[:, :3].float())):
+        assert a.dtype == torch.float32 and torch.equal(a, c), f"classes {name}"
 
 
 def test_bad_backend_is_named():

@@ -13,7 +13,7 @@ import torch
 
 import capsroute
 from capsroute import reference
-from conftest import HAS_CUDA, assert_rel_close
+from helpers import HAS_CUDA, assert_rel_close
 
 I, D, DIN = 16384, 32, 8
 GPU_CASES = [

@@ -88,8 +88,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
       }
     });
   });
+  // Two tensors of their own, not two rows of one: the schema's outputs must not alias (opcheck).
   const at::Tensor grad_betas = grad_beta_items.sum(0).to(votes.scalar_type());
-  return {grad_votes, grad_a_in, grad_betas[0], grad_betas[1]};
+  return {grad_votes, grad_a_in, grad_betas[0].clone(), grad_betas[1].clone()};
 }
 
 }  // namespace

@@ -137,9 +137,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
       }
     });
   });
+  // Two tensors of their own, not two rows of one: the schema's outputs must not alias (opcheck).
   const at::Tensor grad_betas = grad_beta_items.sum(0).to(pose.scalar_type());
-  return {grad_pose, grad_weight_parts.sum(0).view(weight.sizes()).to(pose.scalar_type()), grad_a_in, grad_betas[0],
-          grad_betas[1]};
+  return {grad_pose, grad_weight_parts.sum(0).view(weight.sizes()).to(pose.scalar_type()), grad_a_in,
+          grad_betas[0].clone(), grad_betas[1].clone()};
 }
 
 }  // namespace

@@ -1,0 +1,69 @@
+"""The ops' autocast rules, declared once: capsroute.ops registers them on the operators and
+capsroute.reference applies them to its plain-PyTorch versions, so under torch.autocast an op,
+its reference and the layers built on either compute in the same dtypes.
+
+- EM routing divides by variances of small pose differences: its inputs are cast to float32 and
+  it runs with autocast off, as torch runs softmax and norms.
+- Dynamic routing and dense capsules take their inputs in the autocast dtype, as torch runs
+  matmul (their kernels accumulate in float32 whatever the storage dtype).
+
+As in torch's own rules, float64 tensors and tensors on another device type are left alone.
+"""
+import functools
+
+import torch
+
+IN_FLOAT32 = ("em_routing", "em_routing_pose")
+IN_AUTOCAST_DTYPE = ("dynamic_routing", "dense_capsules")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _cast(value, device_type: str, dtype: torch.dtype):
+    if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+            and value.device.type == device_type):
+        return value.to(dtype)
+    return value
+
+
+def register(lib: torch.library.Library):
+    """Registers the rules on the capsroute:: operators (the backward operators run outside autocast)."""
+    for name in IN_FLOAT32:
+        for device_type in DEVICE_TYPES:
+            torch.library.register_autocast(f"capsroute::{name}", device_type, torch.float32, lib=lib)
+    for name in IN_AUTOCAST_DTYPE:
+        for device_type in DEVICE_TYPES:
+            lib.impl(name, _autocast_dtype_kernel(getattr(torch.ops.capsroute, name).default, device_type),
+                     "Autocast" + device_type.upper())
+
+
+def _autocast_dtype_kernel(op, device_type: str):
+    # torch.library.register_autocast takes one fixed dtype; these ops follow the autocast dtype.
+    def kernel(*args):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return op(*(_cast(a, device_type, dtype) for a in args))
+    return kernel
+
+
+def like_op(name: str):
+    """Decorates a plain-PyTorch function with the autocast rule of op `name` (its tensor arguments
+    decide the device type). The autocast-dtype rule leaves autocast on inside, so plain PyTorch keeps
+    torch's own per-op choices (the honest baseline); the float32 rule turns it off."""
+    float32 = name in IN_FLOAT32
+    assert float32 or name in IN_AUTOCAST_DTYPE, f"no autocast rule for {name}"
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+            if not torch.is_autocast_enabled(device_type):
+                return fn(*args, **kwargs)
+            dtype = torch.float32 if float32 else torch.get_autocast_dtype(device_type)
+            args = [_cast(a, device_type, dtype) for a in args]
+            kwargs = {k: _cast(v, device_type, dtype) for k, v in kwargs.items()}
+            if not float32:
+                return fn(*args, **kwargs)
+            with torch.autocast(device_type, enabled=False):
+                return fn(*args, **kwargs)
+        return wrapper
+    return decorate

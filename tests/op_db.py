@@ -1,0 +1,230 @@
+"""One spec per public capsroute op: the table that tests/test_op_contract.py runs every contract
+check over (in the manner of extension-cpp's sample_inputs and torchvision's RoIOpTester).
+
+A spec says how to call the op and its plain-PyTorch reference, how to draw sample inputs (random
+values, odd sizes) per dtype, which outputs carry gradients, the tolerance against the float64
+reference, and how to call the schema ops, forward and backward, directly. The per-op test files
+use the same samplers for what is specific to their op. Adding an op: add a spec to OP_DB.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import capsroute
+from capsroute import reference
+from helpers import TOLERANCE, randn
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """spec.fn(*tensors, **options). tensors are the differentiable inputs in the op's order (None for
+    an absent optional one); options are the rest, complete and in the schema's order."""
+    tensors: tuple
+    options: dict
+
+    def inputs(self) -> list:
+        return [t for t in self.tensors if t is not None]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    fn: Callable                 # capsroute's Python API: fn(*tensors, **options) -> outputs
+    ref: Callable                # the same function from capsroute.reference
+    make: Callable               # (shape, device, dtype) -> the sample's tensors
+    defaults: dict               # the options of the schema op, in its order
+    shapes: dict                 # dtype -> sample shapes matched against the float64 reference
+    input_names: tuple
+    output_names: tuple          # the first `grad_outputs` outputs are differentiable
+    grad_outputs: int
+    tolerance: Callable          # dtype -> relative tolerance against the float64 reference
+    backward_args: Callable      # (sample, outputs of the schema op, output gradients) -> backward op arguments
+    gradcheck: list              # (shape, options): finite differences in float64 (small shapes)
+    opcheck: list                # (shape, options): torch.library.opcheck of both schema ops; the first is compiled
+
+    @property
+    def op(self):
+        return getattr(torch.ops.capsroute, self.name).default
+
+    @property
+    def backward_op(self):
+        return getattr(torch.ops.capsroute, f"_{self.name}_backward").default
+
+    def sample(self, tensors, **options) -> Sample:
+        unknown = set(options) - set(self.defaults)
+        assert not unknown, f"{self.name} has no options {unknown}"
+        return Sample(tuple(tensors), {**self.defaults, **options})
+
+    def draw(self, shape, device, dtype, **options) -> Sample:
+        """A random sample; options the schema does not know (bias=False) go to the sampler."""
+        sampler_options = {k: options.pop(k) for k in list(options) if k not in self.defaults}
+        return self.sample(self.make(shape, device, dtype, **sampler_options), **options)
+
+    def samples(self, device, dtype) -> list[Sample]:
+        return [self.draw(shape, device, dtype) for shape in self.shapes[dtype]]
+
+    def schema_args(self, sample: Sample) -> tuple:
+        return (*sample.tensors, *sample.options.values())
+
+    def outputs(self, impl, sample: Sample) -> tuple:
+        out = impl(*sample.tensors, **sample.options)
+        return out if isinstance(out, tuple) else (out,)
+
+    def run(self, impl, sample: Sample, cotangents=None, generator=None) -> tuple[list, list]:
+        """(outputs and the gradients of sum(output * cotangent) w.r.t. the sample's tensors, the
+        cotangents): random float64 ones unless given."""
+        out = self.outputs(impl, sample)
+        diff = out[:self.grad_outputs]
+        if cotangents is None:
+            cotangents = [randn(*o.shape, device=o.device, generator=generator) for o in diff]
+        grads = torch.autograd.grad(diff, sample.inputs(), [g.to(o.dtype) for o, g in zip(diff, cotangents)])
+        return [*out, *grads], cotangents
+
+    def compare(self, sample: Sample, generator=None) -> list[tuple]:
+        """(name, capsroute's value, the float64 reference's value) for every output and gradient."""
+        ref_sample = Sample(tuple(None if t is None else t.detach().double().requires_grad_() for t in sample.tensors),
+                            sample.options)
+        ours, cotangents = self.run(self.fn, sample, generator=generator)
+        ref, _ = self.run(self.ref, ref_sample, cotangents)
+        return list(zip(self.names(sample), ours, ref))
+
+    def names(self, sample: Sample) -> list[str]:
+        """The names of what run returns: the outputs, then grad_<input> for every tensor given."""
+        return [*self.output_names, *(f"grad_{n}" for n, t in zip(self.input_names, sample.tensors) if t is not None)]
+
+
+# ---- samplers: random values with odd sizes, shared with the per-op test files ----
+
+def squash_inputs(shape, device="cpu", dtype=torch.float64):
+    return (randn(*shape, dtype=dtype, device=device, requires_grad=True),)
+
+
+def routing_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
+    B, I, J, D = shape
+    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
+    b = randn(J, D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
+    return votes, b
+
+
+def dense_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
+    B, I, J, D, Din = shape
+    u = randn(B, I, Din, dtype=dtype, device=device, requires_grad=True)
+    weight = randn(I, J, D, Din, dtype=dtype, device=device, scale=0.5, requires_grad=True)
+    b = randn(J, D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
+    return u, weight, b
+
+
+def em_activations_and_betas(B, I, J, dtype=torch.float64, device="cpu", generator=None):
+    # Activations well inside (0, 1]: near 0 the outputs bend too sharply for finite differences
+    # (gradcheck); exact zeros have their own robustness tests.
+    a_in = (0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64, generator=generator)).to(device, dtype).requires_grad_()
+    beta_u = randn(J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator)
+    beta_a = randn(J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator)
+    return a_in, beta_u, beta_a
+
+
+def em_inputs(shape, device="cpu", dtype=torch.float64, generator=None, vote_scale=1.0):
+    B, I, J, H = shape
+    votes = randn(B, I, J, H, dtype=dtype, device=device, scale=vote_scale, requires_grad=True, generator=generator)
+    return (votes, *em_activations_and_betas(B, I, J, dtype, device, generator))
+
+
+def em_pose_inputs(shape, device="cpu", dtype=torch.float64):
+    B, I, J = shape
+    pose = randn(B, I, 4, 4, dtype=dtype, device=device, requires_grad=True)
+    weight = randn(I, J, 4, 4, dtype=dtype, device=device, scale=0.5, requires_grad=True)
+    return (pose, weight, *em_activations_and_betas(B, I, J, dtype, device))
+
+
+def _em_tolerance(dtype):
+    """EM routing divides by variances: float32 and low-precision storage lose a little more."""
+    return TOLERANCE[dtype] * {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}.get(dtype, 1)
+
+
+def _shapes(full_precision, low_precision):
+    return {torch.float64: full_precision, torch.float32: full_precision,
+            torch.float16: low_precision, torch.bfloat16: low_precision}
+
+
+SQUASH_SHAPES = [(7, 16), (3, 5, 8), (33,), (2, 0, 4)]
+# Odd sizes: I and J not multiples of 32, D in {4, 8, 16, 32}.
+ROUTING_SHAPES = [(3, 37, 7, 16), (2, 65, 33, 4), (1, 5, 1, 8), (4, 19, 10, 32), (2, 1, 3, 8)]  # B, I, J, D
+DENSE_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 4, 5), (1, 5, 1, 8, 1), (4, 19, 10, 32, 3)]  # B, I, J, D, Din
+EM_SHAPES = [(3, 37, 7, 16), (2, 19, 10, 4), (1, 5, 1, 16), (2, 33, 3, 1)]  # B, I, J, H
+EM_POSE_SHAPES = [(3, 37, 7), (1, 5, 1), (20, 9, 32)]  # B, I, J
+
+SQUASH = OpSpec(
+    name="squash",
+    fn=lambda s, eps: capsroute.squash(s, eps=eps),
+    ref=lambda s, eps: reference.squash(s, eps=eps),
+    make=squash_inputs,
+    defaults=dict(eps=1e-8),
+    shapes=_shapes(SQUASH_SHAPES, SQUASH_SHAPES),
+    input_names=("s",), output_names=("v",), grad_outputs=1,
+    tolerance=TOLERANCE.get,
+    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, sample.options["eps"]),
+    gradcheck=[((5, 7), {})],
+    opcheck=[((5, 7), {})],
+)
+
+DYNAMIC_ROUTING = OpSpec(
+    name="dynamic_routing",
+    fn=lambda votes, bias, **options: capsroute.dynamic_routing_coupling(votes, bias=bias, **options),
+    ref=lambda votes, bias, **options: reference.dynamic_routing_coupling(votes, bias=bias, **options),
+    make=routing_inputs,
+    defaults=dict(iters=3, leaky=False, detach=False, eps=1e-8),
+    shapes=_shapes(ROUTING_SHAPES, [(4, 37, 10, 16)]),
+    input_names=("votes", "bias"), output_names=("v", "c"), grad_outputs=1,  # the coupling c is for inspection
+    tolerance=TOLERANCE.get,
+    backward_args=lambda sample, out, grads: (*grads, sample.tensors[0], out[2], *list(sample.options.values())[1:]),
+    # With detach=True the coupling is a constant: no finite differences (test_dynamic_routing checks it).
+    gradcheck=[((2, 5, 3, 4), dict(leaky=False)), ((2, 5, 3, 4), dict(leaky=True))],
+    opcheck=[((2, 7, 3, 4), {}), ((2, 7, 3, 4), dict(bias=False, iters=2, leaky=True, detach=True))],
+)
+
+DENSE_CAPSULES = OpSpec(
+    name="dense_capsules",
+    fn=lambda u, weight, bias, **options: capsroute.dense_capsules(u, weight, bias=bias, **options),
+    ref=lambda u, weight, bias, **options: reference.dense_capsules(u, weight, bias=bias, **options),
+    make=dense_inputs,
+    defaults=dict(iters=3, leaky=False, detach=False, eps=1e-8),
+    shapes=_shapes(DENSE_SHAPES, [(4, 37, 10, 16, 8)]),
+    input_names=("u", "weight", "bias"), output_names=("v",), grad_outputs=1,
+    tolerance=TOLERANCE.get,
+    backward_args=lambda sample, out, grads: (*grads, *sample.tensors[:2], out[2], *list(sample.options.values())[1:]),
+    gradcheck=[((2, 4, 3, 4, 3), dict(leaky=True))],
+    opcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(bias=False, iters=2, leaky=True, detach=True))],
+)
+
+EM_ROUTING = OpSpec(
+    name="em_routing",
+    fn=capsroute.em_routing,
+    ref=reference.em_routing,
+    make=em_inputs,
+    defaults=dict(iters=3, final_lambda=0.01, eps=1e-6),
+    shapes=_shapes(EM_SHAPES, [(3, 37, 10, 16)]),
+    input_names=("votes", "a_in", "beta_u", "beta_a"), output_names=("pose", "a_out"), grad_outputs=2,
+    tolerance=_em_tolerance,
+    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
+    gradcheck=[((2, 5, 3, 4), dict(final_lambda=0.5))],
+    opcheck=[((2, 7, 3, 4), {})],
+)
+
+EM_ROUTING_POSE = OpSpec(
+    name="em_routing_pose",
+    fn=capsroute.em_routing_pose,
+    ref=reference.em_routing_pose,
+    make=em_pose_inputs,
+    defaults=dict(iters=3, final_lambda=0.01, eps=1e-6),
+    shapes=_shapes(EM_POSE_SHAPES, [(3, 37, 10)]),
+    input_names=("pose", "weight", "a_in", "beta_u", "beta_a"), output_names=("pose", "a_out"), grad_outputs=2,
+    tolerance=_em_tolerance,
+    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
+    gradcheck=[((2, 3, 2), dict(iters=2, final_lambda=0.5))],
+    opcheck=[((2, 3, 2), {})],
+)
+
+OP_DB = [SQUASH, DYNAMIC_ROUTING, DENSE_CAPSULES, EM_ROUTING, EM_ROUTING_POSE]
