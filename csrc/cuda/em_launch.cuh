@@ -115,10 +115,10 @@ struct EmBackwardArgs {
   at::Tensor grad_beta_items;               // (B, 2, J) per element [beta_u | beta_a], accumulation dtype
 
   // The beta gradients: the per-element rows summed over the batch (a reduction in a fixed
-  // order: deterministic), in the given dtype.
+  // order: deterministic), in the given dtype; two tensors of their own, since the schema's
+  // outputs must not alias (opcheck).
   std::pair<at::Tensor, at::Tensor> beta_grads(at::ScalarType dtype) const {
-    const at::Tensor sums = grad_beta_items.sum(0).to(dtype);
-    return {sums[0], sums[1]};
+    return {grad_beta_items.select(1, 0).sum(0).to(dtype), grad_beta_items.select(1, 1).sum(0).to(dtype)};
   }
 };
 
