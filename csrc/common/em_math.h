@@ -57,13 +57,14 @@ CAPSROUTE_HD T em_log_sigmoid(T x) {
 }
 
 // Inverse temperature of iteration t (0-based): lam_t = final_lambda * (1 - 0.95^(t + 1)), in
-// double whatever the accumulation type (callers cast it, as the CPU does).
+// double whatever the accumulation type (callers cast it, as the CPU does). The power is a
+// product of t + 1 factors, not pow(): IEEE multiplications round the same on the host and the
+// GPU (both backends get the bitwise same schedule), and a device pow() is an out-of-line call
+// that made the EM kernels spill registers around it.
 CAPSROUTE_HD double em_lambda(double final_lambda, int64_t t) {
-#if defined(__CUDA_ARCH__)
-  return final_lambda * (1.0 - ::pow(0.95, static_cast<double>(t + 1)));
-#else
-  return final_lambda * (1.0 - std::pow(0.95, static_cast<double>(t + 1)));
-#endif
+  double decay = 1.0;
+  for (int64_t k = 0; k <= t; ++k) decay *= 0.95;
+  return final_lambda * (1.0 - decay);
 }
 
 }  // namespace capsroute

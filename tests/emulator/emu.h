@@ -18,7 +18,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 
 struct EmuDim3 {
   unsigned x = 0, y = 1, z = 1;
