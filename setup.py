@@ -6,9 +6,13 @@ Environment:
   TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0+PTX": sm_80 and sm_90 code, and sm_90 PTX that
                            newer GPUs compile at load time); never guessed from a local GPU
   MAX_JOBS                 parallel compile jobs
-  CAPSROUTE_CPU_ARCH       -march for the C++ sources (default: the compiler's baseline). Only
-                           "x86-64-v3" has been checked: -march=native on an AVX-512 machine
-                           broke tensor metadata across the torch headers (wrong dtypes seen).
+  CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": x86-64-v3 (AVX2, FMA) where
+                           torch runs its own AVX2 or AVX-512 kernels on the build machine, else
+                           the compiler's baseline; "x86-64" builds for any x86-64 CPU. With
+                           x86-64-v3, at::vec::Vectorized is its AVX2 implementation (the CPU
+                           kernels' inner loops), else its portable one. Only x86-64-v3 and the
+                           baseline have been checked: -march=native on an AVX-512 machine broke
+                           tensor metadata across the torch headers (wrong dtypes seen).
 """
 import glob
 import os
@@ -47,14 +51,26 @@ def version():
     return re.search(r'__version__ = "([^"]+)"', text).group(1)
 
 
+def cpu_arch():
+    arch = os.environ.get("CAPSROUTE_CPU_ARCH", "auto")
+    if arch != "auto":
+        return arch
+    return "x86-64-v3" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+
+
 def extension():
     with_cuda = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     defines = [("CAPSROUTE_TORCH_VERSION", f'"{torch.__version__}"')]
     # at::parallel_for is inlined from ATen's OpenMP header: without -fopenmp it runs serially.
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
-    if os.environ.get("CAPSROUTE_CPU_ARCH"):
-        cxx.append(f"-march={os.environ['CAPSROUTE_CPU_ARCH']}")
+    arch = cpu_arch()
+    defines.append(("CAPSROUTE_CPU_ARCH", f'"{arch or "baseline"}"'))
+    if arch:
+        cxx.append(f"-march={arch}")
+    if arch == "x86-64-v3":
+        # at::vec picks its implementation from these, as ATen's own AVX2 kernels are built.
+        cxx += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     if not with_cuda:
         return cpp_extension.CppExtension("capsroute._C", sources, define_macros=defines,
                                           extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])

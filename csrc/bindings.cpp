@@ -11,6 +11,9 @@
 #ifndef CAPSROUTE_CUDA_ARCHS
 #define CAPSROUTE_CUDA_ARCHS ""
 #endif
+#ifndef CAPSROUTE_CPU_ARCH
+#define CAPSROUTE_CPU_ARCH "unknown"
+#endif
 
 PYBIND11_MODULE(_C, m) {
   m.def("build_info", [] {
@@ -23,6 +26,7 @@ PYBIND11_MODULE(_C, m) {
     info["torch"] = CAPSROUTE_TORCH_VERSION;
     info["cuda_version"] = CAPSROUTE_CUDA_VERSION;
     info["cuda_archs"] = CAPSROUTE_CUDA_ARCHS;
+    info["cpu_arch"] = CAPSROUTE_CPU_ARCH;  // -march of the C++ sources (setup.py)
     return info;
   });
 }

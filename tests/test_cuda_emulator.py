@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from torch.utils import cpp_extension
 
 EMULATOR = Path(__file__).parent / "emulator"
 
@@ -23,7 +24,9 @@ def build(tmp_path_factory):
 
     def compile_program(name: str) -> Path:
         exe = out / name
-        result = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas",
+        # The CPU element code uses at::vec (header-only, its portable implementation here).
+        includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+        result = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", *includes,
                                  str(EMULATOR / f"{name}.cpp"), "-o", str(exe)], capture_output=True, text=True)
         assert result.returncode == 0, f"compiling tests/emulator/{name}.cpp failed:\n{result.stderr}"
         return exe

@@ -35,14 +35,15 @@ def test_row_ranges_match_reference(device, monkeypatch, splits, detach):
         assert_rel_close(a, e, 1e-10, name)
 
 
-def test_vote_tiles_and_contraction_chunks_cpu():
+def test_vote_tiles_and_contraction_blocks_cpu():
     """The CPU backend computes votes a tile of elements at a time (slabs of at most 1.5 MB per
-    thread) and contracts the vote gradients a chunk of input capsules at a time (4 MB): at this
-    shape, on 2 threads, tiles of 2, 2, 2 and 1 elements and chunks of 468 and 32 capsules."""
+    thread) and contracts the vote gradients input capsule by input capsule, 8 rows of weight_i
+    at a time, then one: at this shape, on 2 threads, tiles of 2, 2, 2 and 1 elements, and
+    Din = 11 is a block of 8 rows and 3 single rows."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        results = compare(*dense_inputs((7, 500, 10, 16, 8)), 3, False, False)
+        results = compare(*dense_inputs((7, 500, 10, 16, 11)), 3, False, False)
     finally:
         torch.set_num_threads(threads)
     for name, a, e in results:

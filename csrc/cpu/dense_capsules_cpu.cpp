@@ -1,12 +1,18 @@
 // dense_capsules on the CPU. The votes weight_ij @ u_i are computed a tile of batch elements at
-// a time, as I small matmuls (T, Din) x (Din, J*D) in one BLAS bmm (4x faster than loops over
-// the short Din rows), into a slab (I, T, J*D) of the thread's own; each element is routed on
-// its rows of the slab. The backward recomputes the slabs instead of keeping votes from the
-// forward, then contracts the vote gradients with u and the weight, again as bmm.
+// a time into a slab of the thread's own, input capsule by input capsule so that weight_i
+// (Din x J*D values, 5 KB at MNIST's shape) stays in L1 while the tile's elements use it; each
+// element is then routed on its rows of the slab. The backward recomputes the slabs instead of
+// keeping votes from the forward, then, input capsule by input capsule, rebuilds each element's
+// vote gradient row from the routing state and contracts it with u_i and weight_i on the spot.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <vector>
 
 #include "../common/checks.h"
 #include "routing_element.h"
@@ -18,45 +24,104 @@ namespace {
 // slab should stay in a core's L2 (1.5 MB: 2 elements at MNIST's shape; with 4 MB, 5 elements,
 // the passes ran 1.3x slower on a Xeon with 2 MB of L2 per core).
 constexpr int64_t kVoteSlabBytes = 3 << 19;
-// Bytes of the vote gradients that the backward contracts at a time.
-constexpr int64_t kContractionBytes = 4 << 20;
+// Input capsules per task of the backward's contractions.
+constexpr int64_t kContractionGrain = 16;
 
-// The operands of the vote transform in the accumulation type, input capsule first, so that
-// the votes of elements [n0, n0 + T) are u_by_input[:, n0:n0+T] @ weight_t.
+// The operands of the vote transform in the accumulation type: u (B, I, Din) and weight_t
+// (I, Din, J*D), so that the votes of element n and input capsule i are
+// sum_k u[n, i, k] weight_t[i, k].
 struct VoteOperands {
-  at::Tensor u_by_input;  // (I, B, Din)
-  at::Tensor weight_t;    // (I, Din, J*D)
+  at::Tensor u;         // (B, I, Din)
+  at::Tensor weight_t;  // (I, Din, J*D)
 
-  VoteOperands(const at::Tensor& u, const at::Tensor& weight, at::ScalarType acc)
-      : u_by_input(u.to(acc).transpose(0, 1).contiguous()),
+  VoteOperands(const at::Tensor& u_in, const at::Tensor& weight, at::ScalarType acc)
+      : u(u_in.to(acc).contiguous()),
         weight_t(weight.to(acc).permute({0, 3, 1, 2}).reshape({weight.size(0), weight.size(3), -1}).contiguous()) {}
 };
 
-// The votes of a tile of T elements, (I, T, J*D): the rows of its elements interleave.
-template <typename acc_t>
-struct VoteTile {
-  const acc_t* data;
-  int64_t T, JD;
-  cpu::VoteRows<acc_t> element(int64_t t) const { return {data + t * JD, T * JD}; }
-};
-
-// Calls route(n0, tile) for consecutive tiles of elements [n0, n0 + tile.T), in parallel, after
-// computing the tile's votes.
+// Calls route(n0, T, slab) for consecutive tiles of elements [n0, n0 + T), in parallel, after
+// computing the tile's votes into slab (T, I, J*D).
 template <typename acc_t, typename F>
 void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route) {
-  const int64_t B = ops.u_by_input.size(1), JD = d.jd();
-  const int64_t slab_bytes = std::max<int64_t>(d.I * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
+  const int64_t B = d.B, I = d.I, JD = d.jd(), Din = ops.u.size(2);
+  const int64_t element_bytes = std::max<int64_t>(I * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
   const int64_t per_thread = (B + at::get_num_threads() - 1) / at::get_num_threads();
-  const int64_t tile = std::max<int64_t>(std::min(kVoteSlabBytes / slab_bytes, per_thread), 1);
+  const int64_t tile = std::max<int64_t>(std::min(kVoteSlabBytes / element_bytes, per_thread), 1);
+  const acc_t* u = ops.u.const_data_ptr<acc_t>();
+  const acc_t* w = ops.weight_t.const_data_ptr<acc_t>();
+  constexpr int64_t W = cpu::Vec<acc_t>::size();
   at::parallel_for(0, (B + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor slab = at::empty({d.I * tile * JD}, ops.weight_t.options());
+    std::unique_ptr<acc_t[]> slab(new acc_t[tile * I * JD]);  // left uninitialised: every value is written
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, T = std::min(tile, B - n0);
-      at::Tensor votes = slab.narrow(0, 0, d.I * T * JD).view({d.I, T, JD});
-      at::bmm_out(votes, ops.u_by_input.narrow(1, n0, T), ops.weight_t);  // in a parallel region: BLAS on this thread
-      route(n0, VoteTile<acc_t>{votes.const_data_ptr<acc_t>(), T, JD});
+      for (int64_t i = 0; i < I; ++i) {
+        const acc_t* w_i = w + i * Din * JD;
+        for (int64_t e = 0; e < T; ++e) {
+          const acc_t* u_ni = u + ((n0 + e) * I + i) * Din;
+          acc_t* votes = slab.get() + (e * I + i) * JD;
+          for (int64_t c0 = 0; c0 < JD; c0 += W) {  // a vector of vote values summed over k in a register
+            const int64_t n = std::min(W, JD - c0);
+            cpu::Vec<acc_t> sum(acc_t(0));
+            for (int64_t k = 0; k < Din; ++k)
+              sum = at::vec::fmadd(cpu::Vec<acc_t>(u_ni[k]), cpu::Vec<acc_t>::loadu(w_i + k * JD + c0, n), sum);
+            sum.store(votes + c0, n);
+          }
+        }
+      }
+      route(n0, T, slab.get());
     }
   });
+}
+
+// The backward's contractions for input capsule i, from the vote gradient rows G (B, J*D) of
+// its elements: grad_weight_t[i, k] = sum_n u[n, i, k] G[n] and grad_u[n, i, k] = <weight_t[i, k],
+// G[n]>, for kRows values of k from k0 per call, their sums held in registers (a GEMM
+// micro-kernel each). u_i and g_u_i step by u_stride from one element to the next; grad_weight's
+// row i is (J*D, Din), so the sums are written transposed.
+template <int kRows, typename acc_t>
+void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_stride, int64_t Din, int64_t JD,
+                      int64_t k0, acc_t* g_w_i) {
+  constexpr int64_t W = cpu::Vec<acc_t>::size();
+  for (int64_t c0 = 0; c0 < JD; c0 += W) {
+    const int64_t n = std::min(W, JD - c0);
+    cpu::Vec<acc_t> sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = cpu::Vec<acc_t>(acc_t(0));
+    for (int64_t e = 0; e < B; ++e) {
+      const cpu::Vec<acc_t> g = cpu::Vec<acc_t>::loadu(G + e * JD + c0, n);
+      const acc_t* u = u_i + e * u_stride + k0;
+      for (int r = 0; r < kRows; ++r) sum[r] = at::vec::fmadd(cpu::Vec<acc_t>(u[r]), g, sum[r]);
+    }
+    acc_t columns[kRows][W];
+    for (int r = 0; r < kRows; ++r) sum[r].store(columns[r]);
+    for (int64_t l = 0; l < n; ++l)
+      for (int r = 0; r < kRows; ++r) g_w_i[(c0 + l) * Din + k0 + r] = columns[r][l];
+  }
+}
+
+template <int kRows, typename acc_t>
+void input_grad_rows(const acc_t* G, const acc_t* w_i, int64_t B, int64_t u_stride, int64_t JD, int64_t k0,
+                     acc_t* g_u_i) {
+  constexpr int64_t W = cpu::Vec<acc_t>::size();
+  for (int64_t e = 0; e < B; ++e) {
+    cpu::Vec<acc_t> sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = cpu::Vec<acc_t>(acc_t(0));
+    for (int64_t c0 = 0; c0 < JD; c0 += W) {
+      const int64_t n = std::min(W, JD - c0);
+      const cpu::Vec<acc_t> g = cpu::Vec<acc_t>::loadu(G + e * JD + c0, n);
+      for (int r = 0; r < kRows; ++r)
+        sum[r] = at::vec::fmadd(cpu::Vec<acc_t>::loadu(w_i + (k0 + r) * JD + c0, n), g, sum[r]);
+    }
+    for (int r = 0; r < kRows; ++r)
+      g_u_i[e * u_stride + k0 + r] = at::vec::vec_reduce_all<acc_t>(std::plus<cpu::Vec<acc_t>>(), sum[r]);
+  }
+}
+
+// Calls f(std::integral_constant<int, rows>, k0) over [0, Din) in blocks of 8 rows, then 1.
+template <typename F>
+void for_each_row_block(int64_t Din, F&& f) {
+  int64_t k0 = 0;
+  for (; k0 + 8 <= Din; k0 += 8) f(std::integral_constant<int, 8>{}, k0);
+  for (; k0 < Din; ++k0) f(std::integral_constant<int, 1>{}, k0);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tensor& u_in, const at::Tensor& weight_in,
@@ -76,12 +141,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, VoteTile<acc_t> tile) {
+      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
         cpu::ForwardScratch<acc_t> scratch(dims);
-        for (int64_t n = n0; n < n0 + tile.T; ++n) {
+        for (int64_t n = n0; n < n0 + T; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
-              tile.element(n - n0), b, dims, static_cast<acc_t>(eps), scratch, s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(), v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
-              c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
+              cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd()}, b, dims, static_cast<acc_t>(eps),
+              scratch, s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
+              v.mutable_data_ptr<scalar_t>() + n * dims.jd(), c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
       });
     });
@@ -97,11 +163,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const int64_t JD = dims.jd();
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
-  const at::Tensor weight_acc = weight_in.to(acc).contiguous();
-  const VoteOperands ops(u_in, weight_acc, acc);
+  const VoteOperands ops(u_in, weight_in, acc);
   const at::Tensor grad_v = grad_v_in.to(u_in.scalar_type()).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_u_by_input = at::empty({dims.I, B, Din}, u_in.options().dtype(acc));
+  at::Tensor grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u_in.options().dtype(acc));
   at::Tensor grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
 
@@ -115,41 +180,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
       // 1. Routing backward per element, on the votes recomputed a tile at a time.
-      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, VoteTile<acc_t> tile) {
+      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
         Backward backward(dims, static_cast<acc_t>(eps), detach);
-        for (int64_t n = n0; n < n0 + tile.T; ++n) {
-          backward.run(tile.element(n - n0), g_v + n * JD,
-                       s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD, grad_bias_items.mutable_data_ptr<acc_t>() + n * JD,
+        for (int64_t n = n0; n < n0 + T; ++n) {
+          backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD}, g_v + n * JD,
+                       s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
+                       grad_bias_items.mutable_data_ptr<acc_t>() + n * JD,
                        State(states_p + n * State::numel(dims), dims));
         }
       });
-      // 2. Contract the vote gradients with u and the weight as bmm over input capsules, a chunk
-      //    of input capsules at a time so the vote gradients held stay near kContractionBytes:
-      //    grad_weight[i] = g_u[:, i]^T u[:, i] and grad_u[:, i] = g_u[:, i] weight_i.
-      const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
-      const int64_t chunk = std::max<int64_t>(std::min(kContractionBytes / row_bytes, dims.I), 1);
-      at::Tensor g_votes = at::empty({chunk, B, JD}, u_in.options().dtype(acc));
-      for (int64_t i0 = 0; i0 < dims.I; i0 += chunk) {
-        const int64_t C = std::min(chunk, dims.I - i0);
-        acc_t* g_p = g_votes.mutable_data_ptr<acc_t>();
-        at::parallel_for(0, C * B, 1, [&](int64_t begin, int64_t end) {
-          const Backward backward(dims, static_cast<acc_t>(eps), detach);
-          for (int64_t row = begin; row < end; ++row) {
-            const int64_t i = i0 + row / B, n = row % B;
-            backward.vote_grad_row(State(states_p + n * State::numel(dims), dims), i, g_p + row * JD);
-          }
-        });
-        const at::Tensor g = g_votes.narrow(0, 0, C);
-        at::Tensor grad_weight_chunk = grad_weight.narrow(0, i0, C).view({C, JD, Din});
-        at::Tensor grad_u_chunk = grad_u_by_input.narrow(0, i0, C);
-        at::bmm_out(grad_weight_chunk, g.transpose(1, 2), ops.u_by_input.narrow(0, i0, C));
-        at::bmm_out(grad_u_chunk, g, weight_acc.narrow(0, i0, C).view({C, JD, Din}));
-      }
+      // 2. Per input capsule i, the vote gradient rows of all elements (B x J*D values, in L1 or
+      //    L2), contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
+      //    and grad_u, so the sum over elements runs in order whatever the thread count.
+      const acc_t* u = ops.u.const_data_ptr<acc_t>();
+      const acc_t* w = ops.weight_t.const_data_ptr<acc_t>();
+      acc_t* g_u = grad_u.mutable_data_ptr<acc_t>();
+      acc_t* g_w = grad_weight.mutable_data_ptr<acc_t>();
+      const int64_t u_stride = dims.I * Din;
+      at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
+        const Backward backward(dims, static_cast<acc_t>(eps), detach);
+        std::vector<acc_t> G(B * JD);
+        for (int64_t i = begin; i < end; ++i) {
+          for (int64_t n = 0; n < B; ++n)
+            backward.vote_grad_row(State(states_p + n * State::numel(dims), dims), i, G.data() + n * JD);
+          for_each_row_block(Din, [&](auto rows, int64_t k0) {
+            weight_grad_rows<decltype(rows)::value>(G.data(), u + i * Din, B, u_stride, Din, JD, k0, g_w + i * JD * Din);
+            input_grad_rows<decltype(rows)::value>(G.data(), w + i * Din * JD, B, u_stride, JD, k0, g_u + i * Din);
+          });
+        }
+      });
     });
   });
   const at::ScalarType dtype = u_in.scalar_type();
-  at::Tensor grad_u = at::empty({B, dims.I, Din}, u_in.options()).copy_(grad_u_by_input.transpose(0, 1));
-  return {grad_u, grad_weight.to(dtype), grad_bias_items.sum(0).to(dtype)};
+  return {grad_u.to(dtype), grad_weight.to(dtype), grad_bias_items.sum(0).to(dtype)};
 }
 
 }  // namespace

@@ -18,7 +18,8 @@ namespace cpu {
 template <typename vote_t, typename acc_t>
 class EmElement {
  public:
-  EmElement(const EmDims& d, double eps) : d_(d), eps_(eps), R_(d.I * d.J), mass_(d.J), norm_(d.J) {}
+  EmElement(const EmDims& d, double eps)
+      : d_(d), eps_(eps), R_(d.I * d.J), mass_(d.J), norm_(d.J), inv_2var_(d.J * d.H) {}
 
   // The M-step of iteration t from the assignments in R_: writes mu, var, logit into st.
   template <typename beta_t>
@@ -77,6 +78,7 @@ class EmElement {
       for (int64_t h = 0; h < H; ++h) norm -= acc_t(0.5) * std::log(var[j * H + h]) + half_log_2pi;
       norm_[j] = norm;
     }
+    for (int64_t jh = 0; jh < JH; ++jh) inv_2var_[jh] = 1 / (2 * var[jh]);  // no division in the loop over (i, j, h)
     for (int64_t i = 0; i < I; ++i) {
       acc_t* Ri = R_.data() + i * J;
       acc_t max_log = -INFINITY;
@@ -85,7 +87,7 @@ class EmElement {
         acc_t log_p = norm_[j];
         for (int64_t h = 0; h < H; ++h) {
           const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
-          log_p -= diff * diff / (acc_t(2) * var[j * H + h]);
+          log_p -= diff * diff * inv_2var_[j * H + h];
         }
         Ri[j] = log_p;
         max_log = log_p > max_log ? log_p : max_log;
@@ -118,7 +120,7 @@ class EmElement {
  private:
   EmDims d_;
   double eps_;
-  std::vector<acc_t> R_, mass_, norm_;
+  std::vector<acc_t> R_, mass_, norm_, inv_2var_;
 };
 
 // Backward of one element: from the saved statistics st (iters, J, 2H + 1), the gradients of
@@ -129,7 +131,7 @@ class EmBackward {
  public:
   EmBackward(const EmDims& d, double eps)
       : d_(d), eps_(eps), em_(d, eps), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
-        g_logit_(d.J), mass_(d.J), g_mass_(d.J) {}
+        g_logit_(d.J), mass_(d.J), g_mass_(d.J), inv_var_(d.J * d.H), g_mu_M_(d.J * d.H), g_var_M_(d.J * d.H) {}
 
   template <typename beta_t>
   void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
@@ -137,7 +139,7 @@ class EmBackward {
     const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row();
     const acc_t e = static_cast<acc_t>(eps_);
     std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_, &g_logit = g_logit_,  // short names
-                       &mass = mass_, &g_mass = g_mass_;
+                       &mass = mass_, &g_mass = g_mass_, &inv_var = inv_var_, &g_mu_M = g_mu_M_, &g_var_M = g_var_M_;
     // R^t for every iteration, from the saved statistics.
     em_.reset_assignments();
     for (int64_t t = 0; t < iters; ++t) {
@@ -162,6 +164,7 @@ class EmBackward {
         std::fill(g_var.begin(), g_var.end(), acc_t(0));
         std::fill(g_logit.begin(), g_logit.end(), acc_t(0));
         const acc_t* R_next = R_hist.data() + (t + 1) * I * J;
+        for (int64_t jh = 0; jh < JH; ++jh) inv_var[jh] = 1 / var[jh];  // no division in the loops over (i, j, h)
         for (int64_t i = 0; i < I; ++i) {
           acc_t weighted = 0;
           for (int64_t j = 0; j < J; ++j) weighted += R_next[i * J + j] * g_R[i * J + j];
@@ -170,12 +173,12 @@ class EmBackward {
             g_logit[j] += g_L * (1 - em_sigmoid(logit[j]));  // d log sigmoid(x) / dx = 1 - sigmoid(x)
             const vote_t* v = Vn + (i * J + j) * H;
             acc_t* gv = g_V + (i * J + j) * H;
+            const acc_t* iv = inv_var.data() + j * H;
             for (int64_t h = 0; h < H; ++h) {
-              const acc_t inv_var = 1 / var[j * H + h];
               const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
-              gv[h] -= g_L * diff * inv_var;
-              g_mu[j * H + h] += g_L * diff * inv_var;
-              g_var[j * H + h] += g_L * acc_t(0.5) * inv_var * (diff * diff * inv_var - 1);
+              gv[h] -= g_L * diff * iv[h];
+              g_mu[j * H + h] += g_L * diff * iv[h];
+              g_var[j * H + h] += g_L * acc_t(0.5) * iv[h] * (diff * diff * iv[h] - 1);
             }
           }
         }
@@ -203,20 +206,27 @@ class EmBackward {
         const acc_t M = mass[jh / H] + e;
         g_mu[jh] -= g_var[jh] * 2 * e * mu[jh] / M;
       }
+      // The loops over (i, j, h) below take g_mu / M and g_var / M, divided once here.
+      for (int64_t jh = 0; jh < JH; ++jh) {
+        const acc_t inv_M = 1 / (mass[jh / H] + e);
+        g_mu_M[jh] = g_mu[jh] * inv_M;
+        g_var_M[jh] = g_var[jh] * inv_M;
+      }
       for (int64_t i = 0; i < I; ++i) {
         const acc_t ai = static_cast<acc_t>(a[i]);
         acc_t g_ai = 0;
         for (int64_t j = 0; j < J; ++j) {
-          const acc_t M = mass[j] + e;
           const acc_t r = R[i * J + j] * ai;
           const vote_t* v = Vn + (i * J + j) * H;
           acc_t* gv = g_V + (i * J + j) * H;
+          const acc_t* gm = g_mu_M.data() + j * H;
+          const acc_t* gvar = g_var_M.data() + j * H;
           acc_t g_r = g_mass[j];
           for (int64_t h = 0; h < H; ++h) {
             const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
             const acc_t var0 = var[j * H + h] - e;
-            g_r += (g_mu[j * H + h] * diff + g_var[j * H + h] * (diff * diff - var0)) / M;
-            gv[h] += r * (g_mu[j * H + h] + 2 * g_var[j * H + h] * diff) / M;
+            g_r += gm[h] * diff + gvar[h] * (diff * diff - var0);
+            gv[h] += r * (gm[h] + 2 * gvar[h] * diff);
           }
           g_R[i * J + j] = g_r * ai;
           g_ai += g_r * R[i * J + j];
@@ -230,7 +240,7 @@ class EmBackward {
   EmDims d_;
   double eps_;
   EmElement<vote_t, acc_t> em_;
-  std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, mass_, g_mass_;
+  std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, mass_, g_mass_, inv_var_, g_mu_M_, g_var_M_;
 };
 
 }  // namespace cpu

@@ -1,13 +1,17 @@
 // Dynamic routing of one batch element on the CPU, shared by dynamic_routing (votes given)
 // and dense_capsules (votes computed a tile of elements at a time). An element's votes are I
-// rows of J x D values (VoteRows); all arithmetic is in acc_t. `#pragma omp simd` on the short
-// loops over a capsule tells the compiler the pointers don't alias: without it nothing here
-// vectorises.
+// rows of J x D values (VoteRows); all arithmetic is in acc_t. The loops over a capsule's
+// values are written with at::vec::Vectorized (AVX2 where the build enables it, see setup.py):
+// whole vectors first, then a scalar tail, so any D works and D = 8, 16, 32 have no tail.
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -25,47 +29,36 @@ struct VoteRows {
   const vote_t* operator[](int64_t i) const { return data + i * row_stride; }
 };
 
-// exp(x) for x <= 0, the softmax arguments, without calls or branches so that loops over it
-// vectorise (libm's exp is a call per value): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its
-// Taylor series to float / double precision, times 2^n built from its exponent bits.
-// NaN stays NaN; x below the smallest normal's log gives that normal instead of 0, which
-// no sum of softmax terms (the largest of which is 1) can tell apart.
 template <typename T>
-inline T exp_nonpositive(T x);
+using Vec = at::vec::Vectorized<T>;
 
-template <>
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;  // NaN: p is NaN already
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+// sum_k a[k] b[k], k < n.
+template <typename T, typename U, typename acc_t>
+inline acc_t dot(const T* a, const U* b, int64_t n) {
+  acc_t sum = 0;
+  int64_t k = 0;
+  if constexpr (std::is_same_v<T, acc_t> && std::is_same_v<U, acc_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    if (n >= W) {
+      Vec<acc_t> acc = Vec<acc_t>::loadu(a) * Vec<acc_t>::loadu(b);
+      for (k = W; k + W <= n; k += W) acc = at::vec::fmadd(Vec<acc_t>::loadu(a + k), Vec<acc_t>::loadu(b + k), acc);
+      sum = at::vec::vec_reduce_all<acc_t>(std::plus<Vec<acc_t>>(), acc);
+    }
+  }
+  for (; k < n; ++k) sum += static_cast<acc_t>(a[k]) * static_cast<acc_t>(b[k]);
+  return sum;
 }
 
-template <>
-inline double exp_nonpositive(double x) {
-  x = x < -708.0 ? -708.0 : x;
-  const double n = (x * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0;
-  const double r = (x - n * 0.6931471803691238) - n * 1.9082149292705877e-10;
-  constexpr double kInverseFactorial[14] = {1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040,
-                                            1.0 / 40320, 1.0 / 362880, 1.0 / 3628800, 1.0 / 39916800,
-                                            1.0 / 479001600, 1.0 / 6227020800};
-  double p = kInverseFactorial[13];
-  for (int k = 12; k >= 0; --k) p = p * r + kInverseFactorial[k];
-  const int64_t bits = (static_cast<int64_t>(n == n ? n : 0.0) + 1023) << 52;
-  double scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+// y[k] += alpha x[k], k < n.
+template <typename T, typename acc_t>
+inline void axpy(acc_t alpha, const T* x, acc_t* y, int64_t n) {
+  int64_t k = 0;
+  if constexpr (std::is_same_v<T, acc_t>) {
+    constexpr int64_t W = Vec<acc_t>::size();
+    const Vec<acc_t> a(alpha);
+    for (; k + W <= n; k += W) at::vec::fmadd(a, Vec<acc_t>::loadu(x + k), Vec<acc_t>::loadu(y + k)).store(y + k);
+  }
+  for (; k < n; ++k) y[k] += alpha * static_cast<acc_t>(x[k]);
 }
 
 // Coupling coefficients of one input capsule: c = softmax over the J logits, with an extra
@@ -74,14 +67,14 @@ template <typename T>
 inline void coupling_row(const T* logits, int64_t J, bool leaky, T* c) {
   T max_logit = leaky ? T(0) : logits[0];
   for (int64_t j = 0; j < J; ++j) max_logit = logits[j] > max_logit ? logits[j] : max_logit;
-  T denom = leaky ? exp_nonpositive(-max_logit) : T(0);
-#pragma omp simd reduction(+ : denom)
-  for (int64_t j = 0; j < J; ++j) {
-    c[j] = exp_nonpositive(logits[j] - max_logit);
-    denom += c[j];
+  const Vec<T> shift(max_logit);
+  for (int64_t j = 0; j < J; j += Vec<T>::size()) {
+    const int64_t n = std::min<int64_t>(Vec<T>::size(), J - j);
+    (Vec<T>::loadu(logits + j, n) - shift).exp().store(c + j, n);
   }
+  T denom = leaky ? std::exp(-max_logit) : T(0);
+  for (int64_t j = 0; j < J; ++j) denom += c[j];
   const T inv_denom = T(1) / denom;
-#pragma omp simd
   for (int64_t j = 0; j < J; ++j) c[j] *= inv_denom;
 }
 
@@ -104,19 +97,10 @@ inline int64_t capsule_dim(const RoutingDims& d) {
   return kD > 0 ? kD : d.D;
 }
 
-template <typename T, typename U, typename acc_t>
-inline acc_t dot(const T* a, const U* b, int64_t n) {
-  acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t k = 0; k < n; ++k) sum += static_cast<acc_t>(a[k]) * static_cast<acc_t>(b[k]);
-  return sum;
-}
-
 template <typename acc_t>
 inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc_t* v) {
   for (int64_t j = 0; j < J; ++j) {
     const acc_t scale = squash_scale(dot<acc_t, acc_t, acc_t>(s + j * D, s + j * D, D), eps);
-#pragma omp simd
     for (int64_t d = 0; d < D; ++d) v[j * D + d] = scale * s[j * D + d];
   }
 }
@@ -149,13 +133,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
         for (int64_t j = 0; j < J; ++j) bi[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
       }
       coupling_row(bi, J, d.leaky, c);
-      for (int64_t j = 0; j < J; ++j) {
-        const acc_t cj = c[j];
-        const vote_t* uij = ui + j * D;
-        acc_t* sj = s + j * D;
-#pragma omp simd
-        for (int64_t k = 0; k < D; ++k) sj[k] += cj * static_cast<acc_t>(uij[k]);
-      }
+      for (int64_t j = 0; j < J; ++j) axpy(c[j], ui + j * D, s + j * D, D);
       if (r == d.iters - 1) {
         for (int64_t j = 0; j < J; ++j) c_out[i * J + j] = static_cast<out_t>(c[j]);
       }
@@ -217,10 +195,7 @@ class RoutingBackward {
         for (int64_t j = 0; j < J; ++j) {
           const acc_t g = g_next[i * J + j] + c[i * J + j] * (row_[j] - weighted);
           g_here[i * J + j] = g;
-          const vote_t* uij = ui + j * D;
-          acc_t* gvj = gv_next_.data() + j * D;
-#pragma omp simd
-          for (int64_t k = 0; k < D; ++k) gvj[k] += g * static_cast<acc_t>(uij[k]);
+          axpy(g, ui + j * D, gv_next_.data() + j * D, D);
         }
       }
       std::swap(gv_, gv_next_);
@@ -230,16 +205,17 @@ class RoutingBackward {
   // The vote gradient of input capsule i, g_u_i (J * D values), into out.
   void vote_grad_row(const BackwardState<acc_t>& st, int64_t i, acc_t* out) const {
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
-    std::fill(out, out + JD, acc_t(0));
-    for (int64_t r = first_r_; r < d_.iters; ++r) {
-      const acc_t* c = st.coupling + r * I * J + i * J;
-      const acc_t* g = st.g_logits + r * I * J + i * J;  // 0 at r = iters - 1, the only r with detach
-      const acc_t* gs = st.gs_hist + r * JD;
-      const acc_t* v = st.v_hist + r * JD;
-      for (int64_t j = 0; j < J; ++j) {
-        const acc_t cj = c[j], gj = g[j];
-#pragma omp simd
-        for (int64_t k = j * D; k < (j + 1) * D; ++k) out[k] += cj * gs[k] + gj * v[k];
+    constexpr int64_t W = Vec<acc_t>::size();
+    for (int64_t j = 0; j < J; ++j) {
+      for (int64_t d0 = 0; d0 < D; d0 += W) {  // the sum over r in a register
+        const int64_t n = std::min(W, D - d0), k = j * D + d0;
+        Vec<acc_t> sum(acc_t(0));
+        for (int64_t r = first_r_; r < d_.iters; ++r) {
+          const int64_t ij = r * I * J + i * J + j;  // g_logits is 0 at r = iters - 1, the only r with detach
+          sum = at::vec::fmadd(Vec<acc_t>(st.coupling[ij]), Vec<acc_t>::loadu(st.gs_hist + r * JD + k, n), sum);
+          sum = at::vec::fmadd(Vec<acc_t>(st.g_logits[ij]), Vec<acc_t>::loadu(st.v_hist + r * JD + k, n), sum);
+        }
+        sum.store(out + k, n);
       }
     }
   }
@@ -269,7 +245,6 @@ class RoutingBackward {
       const acc_t* gj = g_v + j * D;
       const SquashVjp<acc_t> k = squash_vjp_coeffs(dot<acc_t, acc_t, acc_t>(sj, sj, D), eps_);
       const acc_t radial = k.radial * dot<acc_t, acc_t, acc_t>(sj, gj, D);
-#pragma omp simd
       for (int64_t e = 0; e < D; ++e) g_s[j * D + e] = k.scale * gj[e] + radial * sj[e];
     }
   }
