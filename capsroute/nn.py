@@ -159,7 +159,8 @@ class ConvCapsules(_EmCapsules):
     """A convolutional matrix-capsule layer: every k x k window of input capsules (k*k*in_types
     of them) is routed on its own with EM routing to `out_types` capsules at that output position.
     The transformation matrices depend on the position inside the window and the types, not on
-    the window. The fused backend computes votes = pose @ W inside the kernel (em_routing_pose)."""
+    the window. The fused backend computes votes = pose @ W inside the kernel (em_routing_pose).
+    `routing`: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules)."""
 
     def __init__(self, in_types: int, out_types: int, kernel_size: int = 3, stride: int = 1, iters: int = 3, *,
                  final_lambda: float = 0.01, backend: str = "fused", **routing):
@@ -189,7 +190,8 @@ class ClassCapsules(_EmCapsules):
     """The last matrix-capsule layer: every input capsule at every position votes for each class
     with a matrix shared across positions; with coordinate addition the scaled (row, column) of
     the position's centre is added to the first two entries of the vote's last column, so the
-    class poses know where their parts were. All H*W*in_types votes are routed together."""
+    class poses know where their parts were. All H*W*in_types votes are routed together.
+    `routing`: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules)."""
 
     def __init__(self, in_types: int, classes: int, iters: int = 3, *, coordinate_addition: bool = True,
                  final_lambda: float = 0.01, backend: str = "fused", **routing):
