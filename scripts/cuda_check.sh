@@ -56,7 +56,12 @@ for stage in $stages; do
       rc=0
       timeout -s INT "${TRAIN_SECONDS:-540}" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
-      mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true ;;
+      mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true
+      if [ "$model" = matrixcapsnet ] && [ -f "$run/result.json" ]; then  # a finished run must reach the GPU target
+        target=0.994; [ "$dataset" = mnist ] || target=0.90
+        python -c "import json, sys; a = json.load(open('$run/result.json'))['test_accuracy']
+print(f'$model $dataset: test accuracy {a:.4f}, target $target'); sys.exit(a < $target)" || status=1
+      fi ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
