@@ -36,8 +36,8 @@ from .nn import BACKENDS
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A resumed run keeps its own arguments (model, data, optimizer, seed...) except these: taken from
 # the new command line always, or only when given there.
-RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download"}
-RESUME_OVERRIDES = {"epochs", "device", "data_dir"}
+RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download", "evaluate"}
+RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
 METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
                  "epoch_seconds", "images_per_sec"]
 
@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<model>-<dataset>)")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue the run in this folder")
+    p.add_argument("--evaluate", action="store_true",
+                   help="with --resume: score the checkpoint's network as it stands (even mid-epoch) on the test set "
+                        "into RUN_DIR/evaluation.json and draw its figures, without training")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
 
@@ -422,6 +425,27 @@ class Trainer:
             info.update(train_pairs=self.train_size, test_pairs=self.test_size, test_checksum=self.test_checksum)
         return info
 
+    def evaluate_checkpoint(self) -> dict:
+        """--evaluate: the test metrics of the network at the checkpoint's step, into evaluation.json,
+        and the figures that need only the network (pairs.png or reconstructions.png, perturbations.png)."""
+        seen = self.step * self.args.batch_size * self.ddp.world_size
+        result = {**self.run_info(), "step": self.step, "epochs": self.step / self.steps_per_epoch,
+                  "training_samples_seen": seen, **self.evaluate(), "date": time.strftime("%Y-%m-%d")}
+        if self.ddp.main:
+            write_json_atomically(result, self.args.out / "evaluation.json")
+            print(f"step {self.step} ({seen} training samples): test accuracy {100 * result['test_accuracy']:.2f}% "
+                  f"(error {100 * result['test_error']:.2f}%); wrote {self.args.out / 'evaluation.json'}")
+            if not self.args.no_plots:
+                for png in self.plot(curves=bool(self.history)):
+                    print(f"wrote {png}")
+        return result
+
+    def plot(self, curves: bool = True) -> list[Path]:
+        from .train_plot import plot_run
+
+        test = {"pairs": self.test_pairs} if self.pairs else {"images": self.test_images[:64]}
+        return plot_run(self.args.out, model=self.model, curves=curves, **test)
+
     def finish(self) -> dict:
         last = self.history[-1]
         seconds = [m["epoch_seconds"] for m in self.history]
@@ -434,10 +458,7 @@ class Trainer:
             print(f"test accuracy {100 * last['test_accuracy']:.2f}% (error {100 * last['test_error']:.2f}%), "
                   f"{result['sec_per_epoch']:.1f} s/epoch; files in {self.args.out}")
             if not self.args.no_plots:
-                from .train_plot import plot_run
-
-                test = {"pairs": self.test_pairs} if self.pairs else {"images": self.test_images[:64]}
-                for png in plot_run(self.args.out, model=self.model, **test):
+                for png in self.plot():
                     print(f"wrote {png}")
         return result
 
@@ -488,6 +509,11 @@ def run(args: argparse.Namespace) -> int:
             trainer.load_state(state)
         elif ddp.main:
             args.out.mkdir(parents=True, exist_ok=True)
+        if args.evaluate:
+            if state is None:
+                raise SystemExit("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
+            trainer.evaluate_checkpoint()
+            return 0
         try:
             trainer.fit()
         except KeyboardInterrupt:

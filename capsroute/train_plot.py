@@ -143,16 +143,18 @@ def _load_model(run_dir: Path):
 
 
 def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None,
-             pairs: MultiMNIST | None = None) -> list[Path]:
+             pairs: MultiMNIST | None = None, curves: bool = True) -> list[Path]:
     """Draws the run's figures into run_dir; returns their paths. Without `model` the network is
     loaded from run_dir/checkpoint.pt and the test images (or MultiMNIST test pairs) from the
-    run's dataset."""
+    run's dataset. curves=False: not curves.png (a run scored mid-epoch has no epochs to draw)."""
     run_dir = Path(run_dir)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    run = metrics["run"]
-    title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
-             f"commit {short_commit(run['commit'])}")
-    written = [plot_curves(metrics["epochs"], run_dir / "curves.png", title)]
+    written = []
+    if curves:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        run = metrics["run"]
+        title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
+                 f"commit {short_commit(run['commit'])}")
+        written.append(plot_curves(metrics["epochs"], run_dir / "curves.png", title))
     if model is None:
         model, args = _load_model(run_dir)
         if isinstance(model, CapsNet):
