@@ -105,7 +105,7 @@ class CNN(nn.Module):
     """The plain convolutional baseline: conv 64@5x5, max-pool 2, conv 128@5x5, max-pool 2,
     conv 128@3x3 (all ReLU, "same" padding), a hidden layer of `hidden` units and one logit per
     class, trained with a sigmoid per class (several digits may be present). At 36x36 and the
-    default width it has 10.9M parameters, about CapsNet's 11.4M, at a tenth of CapsNet's
+    default width it has 11.0M parameters, about CapsNet's 11.4M, at a sixth of CapsNet's
     multiply-adds. `backend` is accepted so that every model takes the trainer's arguments; a
     CNN has no routing to run."""
 

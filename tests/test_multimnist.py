@@ -1,5 +1,6 @@
 """MultiMNIST (capsroute.multimnist): the pair generator, its losses and evaluation, and
 `capsroute train --dataset multimnist` end to end on the committed MNIST subset."""
+import argparse
 import json
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def run_args(out: Path, *extra: str) -> list[str]:
 
 
 def trainer(argv: list[str]) -> train.Trainer:
-    parser = train.argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     args = parser.parse_args(argv)
     train.resolve_run_dir(args)
