@@ -183,6 +183,10 @@ class Trainer:
             self.train_size = len(self.train_pairs)
             self.test_size = min(len(self.test_pairs), args.test_subset or len(self.test_pairs))
             self.test_checksum = multimnist.checksum(self.test_pairs, count=self.test_size)
+            if len(self.test_pairs) == self.test_size == 10_000 and self.test_checksum != multimnist.MNIST_TEST_CHECKSUM:
+                print(f"warning: these 10,000 test pairs are not the standard ones (checksum {self.test_checksum}, "
+                      f"expected {multimnist.MNIST_TEST_CHECKSUM}): are {args.data_dir}'s files MNIST's?",
+                      file=sys.stderr)
         self.model = build_model(vars(args)).to(device)
         self.net = nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
