@@ -125,8 +125,8 @@ def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -
                              color="black" if right else "red")
         _show(axes[2, k], empty[k])
         axes[2, k].set_title(f"*{absent[k].item()} ({out.lengths[k, absent[k]]:.2f})", fontsize="small")
-    fig.suptitle("test pairs (L: labels); reconstructions from the two longest capsules in red and green "
-                 "(R: their classes, red when wrong); reconstruction from an absent class (*: class, its length)",
+    fig.suptitle("top: test pairs (L: labels); middle: reconstructions from the two longest capsules in red and\n"
+                 "green (R: their classes, red when wrong); bottom: from an absent class (*: class, capsule length)",
                  fontsize="medium")
     fig.savefig(path, dpi=100)
     return path
