@@ -1,7 +1,7 @@
 """The `capsroute` command (also `python -m capsroute.cli`).
 
   capsroute bench ...            routing benchmark: capsroute vs the PyTorch reference, eager and compiled
-  capsroute train ...            train CapsNet or MatrixCapsNet on MNIST / Fashion-MNIST
+  capsroute train ...            train CapsNet or MatrixCapsNet on MNIST / Fashion-MNIST, or CapsNet on MultiMNIST
   capsroute plot PATH ...        redraw figures: of saved benchmark results (a JSON) or of a training run (its folder)
 """
 import argparse

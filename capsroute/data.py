@@ -7,7 +7,8 @@
   verify_files(name, files)                check found files against the published checksums
   load_dataset(name, root, split)          -> images uint8 (N, 1, 28, 28), labels int64 (N,)
   shift_augment(images, max_shift=2)       the CapsNet paper's random shift of up to 2 pixels
-  batches(images, labels, batch_size, ...) shuffled, resumable, rank-sharded minibatches
+  batch_indices(n, batch_size, ...)        shuffled, resumable, rank-sharded minibatch indices
+  batches(images, labels, batch_size, ...) those minibatches of images and labels
   num_batches(n, batch_size, ...)          how many batches `batches` yields per epoch and rank
 
 The data are never fetched implicitly: `load_dataset` downloads only with download=True, and
@@ -391,13 +392,12 @@ def num_batches(n: int, batch_size: int, *, drop_last: bool = False, world_size:
     return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
 
 
-def batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuffle: bool = True,
-            generator: torch.Generator | None = None, drop_last: bool = False, rank: int = 0,
-            world_size: int = 1, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """One epoch of minibatches (images, labels) for this rank; uint8 images come out as float32 / 255.
+def batch_indices(n: int, batch_size: int, *, shuffle: bool = True, generator: torch.Generator | None = None,
+                  drop_last: bool = False, rank: int = 0, world_size: int = 1, skip: int = 0) -> Iterator[torch.Tensor]:
+    """The sample indices (int64, CPU) of each of this rank's minibatches of one epoch of n samples.
 
-    The order is drawn when `batches` is called (not lazily on first use): a random permutation
-    from `generator` (a CPU torch.Generator) if shuffle, else 0..N-1. So the epoch is a pure
+    The order is drawn when `batch_indices` is called (not lazily on first use): a random permutation
+    from `generator` (a CPU torch.Generator) if shuffle, else 0..n-1. So the epoch is a pure
     function of the generator's state: seed a fresh generator per epoch (e.g. with seed + epoch)
     and training can resume mid-epoch by passing the same seed and skip = batches already done.
 
@@ -405,11 +405,7 @@ def batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuf
     multiple of world_size, and rank r takes every world_size-th sample from position r. Every
     rank thus gets the same number of samples (and batches); the shards are disjoint apart from
     the fewer than world_size padded repeats. drop_last drops this rank's last incomplete batch.
-    Images and labels stay on their device; the index tensors follow them there.
     """
-    n = len(images)
-    if len(labels) != n:
-        raise ValueError(f"batches: {n} images but {len(labels)} labels")
     if batch_size < 1:
         raise ValueError(f"batches: batch_size must be >= 1, got {batch_size}")
     if not 0 <= rank < world_size:
@@ -420,9 +416,25 @@ def batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuf
     if n:
         total = math.ceil(n / world_size) * world_size
         order = order.repeat(math.ceil(total / n))[:total]
-    shard = order[rank::world_size].to(images.device)
+    shard = order[rank::world_size]
     count = num_batches(n, batch_size, drop_last=drop_last, world_size=world_size)
-    return (_batch(images, labels, shard[b * batch_size:(b + 1) * batch_size]) for b in range(skip, count))
+    return (shard[b * batch_size:(b + 1) * batch_size] for b in range(skip, count))
+
+
+def batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuffle: bool = True,
+            generator: torch.Generator | None = None, drop_last: bool = False, rank: int = 0,
+            world_size: int = 1, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of minibatches (images, labels) for this rank; uint8 images come out as float32 / 255.
+
+    Order, sharding, drop_last and skip as `batch_indices` (the order is drawn at the call).
+    Images and labels stay on their device; the index tensors follow them there.
+    """
+    n = len(images)
+    if len(labels) != n:
+        raise ValueError(f"batches: {n} images but {len(labels)} labels")
+    indices = batch_indices(n, batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last, rank=rank,
+                            world_size=world_size, skip=skip)
+    return (_batch(images, labels, index.to(images.device)) for index in indices)
 
 
 def _batch(images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

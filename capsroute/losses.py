@@ -1,15 +1,18 @@
-"""Losses of the two capsule papers."""
+"""Losses of the two capsule papers, and the sigmoid loss of the CNN baseline.
+
+Labels are (N,) for one object per image or (N, k) for k objects of different classes (MultiMNIST, k = 2).
+"""
 import torch.nn.functional as F
 from torch import Tensor
 
-from .models import CapsNetOutput, MatrixCapsNetOutput
+from .models import CapsNetOutput, CNNOutput, MatrixCapsNetOutput
 
 
 def margin_loss(lengths: Tensor, labels: Tensor, m_pos: float = 0.9, m_neg: float = 0.1,
                 down_weight: float = 0.5) -> Tensor:
     """Sabour et al. 2017, eq. 4: sum_k T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2,
-    averaged over the batch. lengths (N, classes), labels (N,)."""
-    target = F.one_hot(labels, lengths.shape[-1]).to(lengths.dtype)
+    averaged over the batch. lengths (N, classes), labels (N,) or (N, k): T_k = 1 for every label."""
+    target = present_classes(labels, lengths.shape[-1]).to(lengths.dtype)
     present = target * F.relu(m_pos - lengths) ** 2
     absent = down_weight * (1 - target) * F.relu(lengths - m_neg) ** 2
     return (present + absent).sum(-1).mean()
@@ -17,8 +20,9 @@ def margin_loss(lengths: Tensor, labels: Tensor, m_pos: float = 0.9, m_neg: floa
 
 def reconstruction_loss(reconstructions: Tensor, images: Tensor, scale: float = 0.0005) -> Tensor:
     """Sum of squared pixel errors per image, scaled down (0.0005 in the paper) so it does not
-    dominate the margin loss; averaged over the batch."""
-    diff = reconstructions.float() - images.flatten(1).float()
+    dominate the margin loss; averaged over the batch. reconstructions (N, [k,] pixels) against
+    images (N, [k,] H, W): with k digits per image, each reconstruction against its own digit."""
+    diff = reconstructions.float().flatten(1) - images.flatten(1).float()
     return scale * (diff * diff).sum(-1).mean()
 
 
@@ -37,14 +41,30 @@ def spread_margin(step: int, ramp_steps: int, start: float = 0.2, end: float = 0
     return start + (end - start) * min(1.0, step / ramp_steps)
 
 
+def present_classes(labels: Tensor, classes: int) -> Tensor:
+    """(N, classes) int64, 1 for the classes in labels (N,) or (N, k), 0 elsewhere."""
+    target = F.one_hot(labels, classes)
+    return target.amax(1) if labels.dim() == 2 else target
+
+
+def sigmoid_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Binary cross-entropy of one sigmoid per class against "present" (labels (N,) or (N, k)),
+    summed over the classes, averaged over the batch: the multi-label loss of the CNN baseline."""
+    target = present_classes(labels, logits.shape[-1]).to(logits.dtype)
+    return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
+
+
 def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> Tensor:
     """The objective of each model of capsroute.models, from its output: CapsNet, margin loss plus
-    the scaled reconstruction loss; MatrixCapsNet, spread loss with `margin` (see spread_margin)."""
+    the scaled reconstruction loss (images: the reconstruction targets, (N, k, H, W) for k
+    objects); MatrixCapsNet, spread loss with `margin` (see spread_margin); CNN, sigmoid loss."""
     if isinstance(out, CapsNetOutput):
         return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
     if isinstance(out, MatrixCapsNetOutput):
         return spread_loss(out.activations.float(), labels, margin)
+    if isinstance(out, CNNOutput):
+        return sigmoid_loss(out.logits.float(), labels)
     raise TypeError(f"no training loss for {type(out).__name__}")
 
 
-__all__ = ["margin_loss", "reconstruction_loss", "spread_loss", "spread_margin", "training_loss"]
+__all__ = ["margin_loss", "present_classes", "reconstruction_loss", "sigmoid_loss", "spread_loss", "spread_margin", "training_loss"]

@@ -1,6 +1,7 @@
-"""`capsroute train`: train CapsNet or MatrixCapsNet on MNIST or Fashion-MNIST.
+"""`capsroute train`: train CapsNet or MatrixCapsNet on MNIST or Fashion-MNIST, or CapsNet on MultiMNIST.
 
   capsroute train --model capsnet --data-dir ../shared/data/mnist --epochs 30
+  capsroute train --dataset multimnist --data-dir ../shared/data/mnist --pairs-per-digit 1 --epochs 1
   torchrun --nproc-per-node 4 -m capsroute.train --model capsnet ...      (one process per GPU)
 
 Everything a run writes goes to --out (default runs/<model>-<dataset>): metrics.csv and
@@ -23,17 +24,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import data
+from . import data, multimnist
 from ._runinfo import device_name, git_commit, replacing, resolve_device, write_json_atomic
 from .losses import spread_margin, training_loss
-from .models import MODELS, build_model, parse_model_config
+from .models import MODELS, CapsNet, model_for_run, parse_model_config
+from .multimnist import pair_correct
 from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A resumed run keeps its own arguments (model, data, optimizer, seed...) except these: taken from
 # the new command line always, or only when given there.
-RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download"}
-RESUME_OVERRIDES = {"epochs", "device", "data_dir"}
+RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download", "evaluate"}
+RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
 METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
                  "epoch_seconds", "images_per_sec"]
 
@@ -46,9 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
     p.add_argument("--model-config", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="constructor arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
-    p.add_argument("--dataset", choices=sorted(data.DATASETS), default="mnist", help="the images")
+    p.add_argument("--dataset", choices=sorted([*data.DATASETS, "multimnist"]), default="mnist",
+                   help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.multimnist)")
     p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
-                   help="folder with the IDX .gz files ($CAPSROUTE_DATA when set)")
+                   help="folder with the IDX .gz files ($CAPSROUTE_DATA when set; MNIST's for multimnist)")
+    p.add_argument("--pairs-per-digit", type=int, default=1,
+                   help=f"multimnist: training pairs per training digit, 1..{multimnist.MAX_PAIRS_PER_DIGIT} "
+                        "(an epoch of 60,000 pairs per unit; the test set is fixed: one pair per test digit)")
     p.add_argument("--download", action="store_true", help="download missing files (checksums verified)")
     p.add_argument("--epochs", type=int, default=10, help="passes over the training images")
     p.add_argument("--batch-size", type=int, default=128, help="per process")
@@ -56,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-decay", type=float, default=0.96, help="multiplied into the learning rate every --decay-steps")
     p.add_argument("--decay-steps", type=int, default=2000, help="steps per --lr-decay factor")
     p.add_argument("--weight-decay", type=float, default=0.0, help="Adam's L2 penalty")
-    p.add_argument("--shift", type=int, default=2, help="random shift augmentation in pixels (0: none)")
+    p.add_argument("--shift", type=int, default=2,
+                   help="random shift augmentation in pixels (0: none); multimnist shifts each digit by up to 4")
     p.add_argument("--margin-ramp-epochs", type=float, default=5.0,
                    help="MatrixCapsNet: epochs over which the spread-loss margin grows from 0.2 to 0.9")
     p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision (autocast)")
@@ -65,10 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="initial weights, data order and augmentation")
     p.add_argument("--train-subset", type=int, default=None, help="use the first N training images")
-    p.add_argument("--test-subset", type=int, default=None, help="use the first N test images")
+    p.add_argument("--test-subset", type=int, default=None, help="use the first N test images (multimnist: pairs)")
     p.add_argument("--max-steps", type=int, default=None, help="stop (with a checkpoint) after this many steps")
     p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<model>-<dataset>)")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue the run in this folder")
+    p.add_argument("--evaluate", action="store_true",
+                   help="with --resume: score the checkpoint's network as it stands (even mid-epoch) on the test set "
+                        "into RUN_DIR/evaluation.json and draw its figures, without training")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
 
@@ -122,19 +132,32 @@ class Trainer:
         self.args, self.ddp, self.device = args, ddp, device
         self.commit = git_commit()  # of the code this process imported, whatever HEAD is by the end
         torch.manual_seed(args.seed)
+        self.pairs = args.dataset == "multimnist"
+        if self.pairs and args.model not in ("capsnet", "cnn"):
+            raise SystemExit(f"--dataset multimnist trains capsnet or cnn, not {args.model}")
         self.train_images, self.train_labels = self._load("train", args.train_subset)
-        self.test_images, self.test_labels = self._load("test", args.test_subset)
-        config = parse_model_config(args.model_config)
-        if args.model == "capsnet":
-            config.setdefault("image_size", self.train_images.shape[-1])
-        self.model = build_model(args.model, args.backend, config).to(device)
+        # MultiMNIST's test pairs take their second digits from the whole test split.
+        self.test_images, self.test_labels = self._load("test", None if self.pairs else args.test_subset)
+        self.train_size, self.test_size = len(self.train_labels), len(self.test_labels)
+        if self.pairs:
+            self.train_pairs = multimnist.MultiMNIST(self.train_images, self.train_labels, args.pairs_per_digit,
+                                                     seed=args.seed)
+            self.test_pairs = multimnist.test_pairs(self.test_images, self.test_labels)
+            self.train_size = len(self.train_pairs)
+            self.test_size = min(len(self.test_pairs), args.test_subset or len(self.test_pairs))
+            self.test_checksum = multimnist.checksum(self.test_pairs, count=self.test_size)
+            if len(self.test_pairs) == self.test_size == 10_000 and self.test_checksum != multimnist.MNIST_TEST_CHECKSUM:
+                print(f"warning: these 10,000 test pairs are not the standard ones (checksum {self.test_checksum}, "
+                      f"expected {multimnist.MNIST_TEST_CHECKSUM}): are {args.data_dir}'s files MNIST's?",
+                      file=sys.stderr)
+        self.model = model_for_run(vars(args)).to(device)
         self.net = nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         # Exponential decay, applied smoothly every step: lr * decay ** (step / decay_steps).
         self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, args.lr_decay ** (1 / args.decay_steps))
         self.amp_dtype = AMP_DTYPES[args.amp]
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype is torch.float16)
-        self.steps_per_epoch = data.num_batches(len(self.train_labels), args.batch_size, world_size=ddp.world_size)
+        self.steps_per_epoch = data.num_batches(self.train_size, args.batch_size, world_size=ddp.world_size)
         self.epoch, self.step_in_epoch, self.step = 0, 0, 0
         # This epoch's sums so far (loss * n, correct, n, seconds): kept in checkpoints so that a
         # resumed epoch reports the same metrics as an uninterrupted one.
@@ -143,7 +166,7 @@ class Trainer:
         self.stop_requested = False
 
     def _load(self, split: str, subset: int | None):
-        images, labels = data.load_dataset(self.args.dataset, self.args.data_dir, split)
+        images, labels = data.load_dataset("mnist" if self.pairs else self.args.dataset, self.args.data_dir, split)
         return images[:subset], labels[:subset]
 
     def autocast(self):
@@ -156,11 +179,18 @@ class Trainer:
         return training_loss(out, images, labels, spread_margin(self.step, ramp_steps))
 
     def _training_batches(self):
-        """This epoch's shuffled batches of this rank, from where the epoch stands (resume)."""
+        """This epoch's shuffled batches (images, labels, reconstruction targets) of this rank, from
+        where the epoch stands (resume). The targets are the images themselves, or for MultiMNIST
+        the two digits of each pair."""
         generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.epoch)
-        return data.batches(self.train_images, self.train_labels, self.args.batch_size, shuffle=True,
-                            generator=generator, rank=self.ddp.rank, world_size=self.ddp.world_size,
-                            skip=self.step_in_epoch)
+        shard = {"generator": generator, "rank": self.ddp.rank, "world_size": self.ddp.world_size,
+                 "skip": self.step_in_epoch}
+        if self.pairs:
+            yield from self.train_pairs.batches(self.args.batch_size, **shard)
+            return
+        for images, labels in data.batches(self.train_images, self.train_labels, self.args.batch_size, **shard):
+            images = self._augment(images)  # drawn when the batch is taken: a function of self.step
+            yield images, labels, images
 
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
         if self.args.shift == 0:
@@ -199,21 +229,20 @@ class Trainer:
         seen = self.epoch_sums[2]
         start = time.perf_counter() - self.epoch_sums[3]
         try:
-            for images, labels in self._training_batches():
-                images = self._augment(images).to(self.device, non_blocking=True)
-                labels = labels.to(self.device, non_blocking=True)
+            for batch in self._training_batches():
+                images, labels, targets = (t.to(self.device, non_blocking=True) for t in batch)
                 with self.autocast():
                     out = self.net(images, labels)
-                    loss = self.loss(out, images, labels)
+                    loss = self.loss(out, targets, labels)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scaler.scale(loss).backward()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.scheduler.step()
                 with torch.no_grad():
-                    seen += labels.numel()
-                    sums += torch.stack([loss.detach().double() * labels.numel(),
-                                         (out.scores.argmax(-1) == labels).sum().double()])
+                    seen += len(labels)
+                    sums += torch.stack([loss.detach().double() * len(labels),
+                                         pair_correct(out.scores, labels).sum().double()])
                 self.step += 1
                 self.step_in_epoch += 1
                 progress.update(1)
@@ -247,25 +276,43 @@ class Trainer:
             raise KeyboardInterrupt
         self.stop_requested = True
 
+    def _test_batches(self):
+        """This rank's share of the test set as (images, labels, reconstruction targets): unique
+        samples, no padding to equal shards here."""
+        index = torch.arange(self.test_size)[self.ddp.rank::self.ddp.world_size]
+        for start in range(0, len(index), self.args.batch_size):
+            chunk = index[start:start + self.args.batch_size]
+            if self.pairs:
+                yield self.test_pairs.float_pairs(chunk)
+            else:
+                images = self.test_images[chunk].float().div_(255)
+                yield images, self.test_labels[chunk], images
+
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Test loss and error (MultiMNIST: a pair is right when its two longest capsules are its two
+        labels). MultiMNIST CapsNet also: test_recon_error, the mean squared pixel error of each
+        digit's reconstruction from its own label's capsule against the digit alone."""
         self.net.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss * n, correct
+        reconstructs = self.pairs and isinstance(self.model, CapsNet)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss * n, correct, squared error
         seen = 0
-        # Evaluate on unique test images: no padding to equal shards here.
-        shard = slice(self.ddp.rank, None, self.ddp.world_size)
-        images_all, labels_all = self.test_images[shard], self.test_labels[shard]
-        for start in range(0, len(labels_all), self.args.batch_size):
-            images = images_all[start:start + self.args.batch_size].to(self.device).float().div_(255)
-            labels = labels_all[start:start + self.args.batch_size].to(self.device)
+        for batch in self._test_batches():
+            images, labels, targets = (t.to(self.device) for t in batch)
             with self.autocast():
-                out = self.model(images)
-                loss = self.loss(out, images, labels)
-            sums += torch.stack([loss.double() * labels.numel(), (out.scores.argmax(-1) == labels).sum().double()])
-            seen += labels.numel()
-        loss_sum, correct, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
+                # MultiMNIST reconstructs each digit from its label's capsule, as in training.
+                out = self.model(images, labels if self.pairs else None)
+                loss = self.loss(out, targets, labels)
+            squared_error = (out.reconstructions.float() - targets.flatten(2)).square().sum() if reconstructs else 0
+            sums += torch.stack([loss.double() * len(labels), pair_correct(out.scores, labels).sum().double(),
+                                 torch.as_tensor(squared_error, dtype=torch.float64, device=self.device)])
+            seen += len(labels)
+        loss_sum, correct, squared_error, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
         accuracy = correct / max(seen, 1)
-        return {"test_loss": loss_sum / max(seen, 1), "test_accuracy": accuracy, "test_error": 1 - accuracy}
+        metrics = {"test_loss": loss_sum / max(seen, 1), "test_accuracy": accuracy, "test_error": 1 - accuracy}
+        if reconstructs:
+            metrics["test_recon_error"] = squared_error / max(2 * seen * multimnist.SIZE ** 2, 1)
+        return metrics
 
     def fit(self) -> dict | None:
         from tqdm import tqdm
@@ -279,8 +326,9 @@ class Trainer:
         if self.ddp.main:
             params = sum(p.numel() for p in self.model.parameters())
             start = f"resuming at epoch {self.epoch + 1}, step {self.step}" if self.step else "starting"
+            samples = "pairs" if self.pairs else "images"
             print(f"{args.model} ({params / 1e6:.2f}M parameters, {args.backend} backend, amp {args.amp}) on "
-                  f"{args.dataset}: {len(self.train_labels)} training / {len(self.test_labels)} test images, "
+                  f"{args.dataset}: {self.train_size} training / {self.test_size} test {samples}, "
                   f"{self.ddp.world_size} x {self.device}, batch {args.batch_size} x {self.ddp.world_size}, "
                   f"{self.steps_per_epoch} steps per epoch; {start}; writing to {args.out}")
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
@@ -325,19 +373,44 @@ class Trainer:
 
     def write_metrics(self) -> None:
         out = self.args.out
+        fields = METRIC_FIELDS + [k for k in self.history[0] if k not in METRIC_FIELDS]  # test_recon_error
         with replacing(out / "metrics.csv") as tmp, open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, METRIC_FIELDS)
+            writer = csv.DictWriter(f, fields)
             writer.writeheader()
-            writer.writerows({k: row[k] for k in METRIC_FIELDS} for row in self.history)
+            writer.writerows({k: row[k] for k in fields} for row in self.history)
         write_json_atomic({"run": self.run_info(), "epochs": self.history}, out / "metrics.json")
 
     def run_info(self) -> dict:
         args = self.args
-        return {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device_name(self.device),
+        info = {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device_name(self.device),
                 "devices": self.ddp.world_size, "torch": torch.__version__, "commit": self.commit,
                 "backend": args.backend, "amp": args.amp, "batch_size": args.batch_size * self.ddp.world_size,
                 "model_config": parse_model_config(args.model_config),
                 "command": "capsroute train " + " ".join(sys.argv[1:])}
+        if self.pairs:  # equal checksums: the same test pairs (README: MultiMNIST)
+            info.update(train_pairs=self.train_size, test_pairs=self.test_size, test_checksum=self.test_checksum)
+        return info
+
+    def evaluate_checkpoint(self) -> dict:
+        """--evaluate: the test metrics of the network at the checkpoint's step, into evaluation.json,
+        and the figures that need only the network (pairs.png or reconstructions.png, perturbations.png)."""
+        seen = self.step * self.args.batch_size * self.ddp.world_size
+        result = {**self.run_info(), "step": self.step, "epochs": self.step / self.steps_per_epoch,
+                  "training_samples_seen": seen, **self.evaluate(), "date": time.strftime("%Y-%m-%d")}
+        if self.ddp.main:
+            write_json_atomic(result, self.args.out / "evaluation.json")
+            print(f"step {self.step} ({seen} training samples): test accuracy {100 * result['test_accuracy']:.2f}% "
+                  f"(error {100 * result['test_error']:.2f}%); wrote {self.args.out / 'evaluation.json'}")
+            if not self.args.no_plots:
+                for png in self.plot(curves=bool(self.history)):
+                    print(f"wrote {png}")
+        return result
+
+    def plot(self, curves: bool = True) -> list[Path]:
+        from .train_plot import plot_run
+
+        test = {"pairs": self.test_pairs} if self.pairs else {"images": self.test_images[:64]}
+        return plot_run(self.args.out, model=self.model, curves=curves, **test)
 
     def finish(self) -> dict:
         last = self.history[-1]
@@ -351,9 +424,7 @@ class Trainer:
             print(f"test accuracy {100 * last['test_accuracy']:.2f}% (error {100 * last['test_error']:.2f}%), "
                   f"{result['sec_per_epoch']:.1f} s/epoch; files in {self.args.out}")
             if not self.args.no_plots:
-                from .train_plot import plot_run
-
-                for png in plot_run(self.args.out, model=self.model, images=self.test_images[:64]):
+                for png in self.plot():
                     print(f"wrote {png}")
         return result
 
@@ -402,6 +473,11 @@ def run(args: argparse.Namespace) -> int:
             trainer.load_state(state)
         elif ddp.main:
             args.out.mkdir(parents=True, exist_ok=True)
+        if args.evaluate:
+            if state is None:
+                raise SystemExit("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
+            trainer.evaluate_checkpoint()
+            return 0
         try:
             trainer.fit()
         except KeyboardInterrupt:

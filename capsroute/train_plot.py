@@ -4,7 +4,11 @@
   reconstructions.png test digits (top) and the decoder's reconstruction from their class capsule (bottom)
   perturbations.png   Sabour et al. 2017, fig. 4: each row tweaks one dimension of the class
                       capsule by -0.25 .. 0.25 and shows what the decoder draws
-The last two need a CapsNet (the network with a decoder).
+  pairs.png           MultiMNIST runs, Sabour et al. 2017, fig. 5: test pairs (top), the reconstructions
+                      from the two longest capsules in red and green (middle), and the reconstruction
+                      from the longest capsule of a class that is not in the pair (bottom)
+The last three need a CapsNet (the network with a decoder); MultiMNIST runs draw pairs.png in
+place of reconstructions.png.
 """
 from __future__ import annotations
 
@@ -12,13 +16,15 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from ._runinfo import short_commit
-from .models import CapsNet, build_model, parse_model_config
+from .models import CapsNet, model_for_run
+from .multimnist import SIZE, MultiMNIST
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
 
@@ -95,33 +101,75 @@ def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
     return path
 
 
+@torch.no_grad()
+def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -> Path:
+    model.eval()
+    images, labels, _ = pairs.float_pairs(np.arange(count))
+    out = model(images)
+    predicted = out.lengths.topk(2).indices
+    drawn = model.reconstruct(out.capsules, predicted).view(count, 2, SIZE, SIZE)
+    # The most tempting wrong class: the longest capsule of a class in neither the pair nor the prediction.
+    excluded = torch.zeros_like(out.lengths, dtype=torch.bool).scatter_(1, torch.cat([labels, predicted], 1), True)
+    absent = out.lengths.masked_fill(excluded, -1).argmax(-1)
+    empty = model.reconstruct(out.capsules, absent).view(count, SIZE, SIZE)
+    fig = _new_figure((count * 1.0, 3.6))
+    axes = fig.subplots(3, count, squeeze=False)
+    for k in range(count):
+        _show(axes[0, k], images[k, 0])
+        axes[0, k].set_title("L:({},{})".format(*labels[k].tolist()), fontsize="small")
+        red_green = torch.stack([drawn[k, 0], drawn[k, 1], torch.zeros(SIZE, SIZE)], -1).clamp(0, 1)
+        axes[1, k].imshow(red_green.numpy())
+        axes[1, k].set_axis_off()
+        right = set(predicted[k].tolist()) == set(labels[k].tolist())
+        axes[1, k].set_title("R:({},{})".format(*predicted[k].tolist()), fontsize="small",
+                             color="black" if right else "red")
+        _show(axes[2, k], empty[k])
+        axes[2, k].set_title(f"*{absent[k].item()} ({out.lengths[k, absent[k]]:.2f})", fontsize="small")
+    fig.suptitle("top: test pairs (L: labels); middle: reconstructions from the two longest capsules in red and\n"
+                 "green (R: their classes, red when wrong); bottom: from an absent class (*: class, capsule length)",
+                 fontsize="medium")
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def _load_model(run_dir: Path):
     state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     args = state["args"]
-    model = build_model(args["model"], args["backend"], parse_model_config(args["model_config"]))
+    model = model_for_run(args)
     model.load_state_dict(state["model"])
     return model, args
 
 
-def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None) -> list[Path]:
+def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None,
+             pairs: MultiMNIST | None = None, curves: bool = True) -> list[Path]:
     """Draws the run's figures into run_dir; returns their paths. Without `model` the network is
-    loaded from run_dir/checkpoint.pt and the test images from the run's dataset."""
+    loaded from run_dir/checkpoint.pt and the test images (or MultiMNIST test pairs) from the
+    run's dataset. curves=False: not curves.png (a run scored mid-epoch has no epochs to draw)."""
     run_dir = Path(run_dir)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    run = metrics["run"]
-    title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
-             f"commit {short_commit(run['commit'])}")
-    written = [plot_curves(metrics["epochs"], run_dir / "curves.png", title)]
+    written = []
+    if curves:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        run = metrics["run"]
+        title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
+                 f"commit {short_commit(run['commit'])}")
+        written.append(plot_curves(metrics["epochs"], run_dir / "curves.png", title))
     if model is None:
         model, args = _load_model(run_dir)
         if isinstance(model, CapsNet):
-            from . import data
+            from . import data, multimnist
 
-            images, _ = data.load_dataset(args["dataset"], Path(args["data_dir"]), "test")
-            images = images[:64]
+            if args["dataset"] == "multimnist":
+                pairs = multimnist.test_pairs(*data.load_dataset("mnist", Path(args["data_dir"]), "test"))
+            else:
+                images, _ = data.load_dataset(args["dataset"], Path(args["data_dir"]), "test")
+                images = images[:64]
     if isinstance(model, CapsNet):
         model = copy.deepcopy(model).float().cpu()
-        images = images.float().div(255) if images.dtype == torch.uint8 else images.float()
-        written.append(plot_reconstructions(model, images, run_dir / "reconstructions.png"))
+        if pairs is not None:
+            written.append(plot_pairs(model, pairs, run_dir / "pairs.png"))
+            images = pairs.float_pairs(np.arange(1))[0]
+        else:
+            images = images.float().div(255) if images.dtype == torch.uint8 else images.float()
+            written.append(plot_reconstructions(model, images, run_dir / "reconstructions.png"))
         written.append(plot_perturbations(model, images[0], run_dir / "perturbations.png"))
     return written
