@@ -192,6 +192,13 @@ class Trainer:
             images = self._augment(images)  # drawn when the batch is taken: a function of self.step
             yield images, labels, images
 
+    def _on_device(self, batch, non_blocking: bool = False):
+        """(images, labels, targets) on the device; targets that are the images move only once."""
+        images, labels, targets = batch
+        same = targets is images
+        images, labels = (t.to(self.device, non_blocking=non_blocking) for t in (images, labels))
+        return images, labels, images if same else targets.to(self.device, non_blocking=non_blocking)
+
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
         if self.args.shift == 0:
             return images
@@ -230,7 +237,7 @@ class Trainer:
         start = time.perf_counter() - self.epoch_sums[3]
         try:
             for batch in self._training_batches():
-                images, labels, targets = (t.to(self.device, non_blocking=True) for t in batch)
+                images, labels, targets = self._on_device(batch, non_blocking=True)
                 with self.autocast():
                     out = self.net(images, labels)
                     loss = self.loss(out, targets, labels)
@@ -298,7 +305,7 @@ class Trainer:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss * n, correct, squared error
         seen = 0
         for batch in self._test_batches():
-            images, labels, targets = (t.to(self.device) for t in batch)
+            images, labels, targets = self._on_device(batch)
             with self.autocast():
                 # MultiMNIST reconstructs each digit from its label's capsule, as in training.
                 out = self.model(images, labels if self.pairs else None)
