@@ -54,3 +54,26 @@ def test_matches_dynamic_routing_on_the_same_votes(device):
     u, weight, bias = dense_inputs((3, 17, 6, 8, 5), device=device, dtype=torch.float32)
     votes = reference.dense_votes(u, weight)
     assert_rel_close(capsroute.dense_capsules(u, weight, bias=bias), capsroute.dynamic_routing(votes, bias=bias), 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_float16_backward_keeps_a_gradient_above_float16_range():
+    """The backward takes the incoming gradient in the accumulation dtype: a float32 gradient of
+    1e5 (float16 tops out at 65504) for float16 inputs gives the float32 result, not inf. One
+    iteration keeps the vote gradients c_ij gs_j (c = 1/J) well inside the float16 range."""
+    B, I, J, D, Din = 2, 6, 16, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(B, I, Din, generator=gen).to("cuda", torch.float16)
+    weight = (0.5 * torch.randn(I, J, D, Din, generator=gen)).to("cuda", torch.float16)
+    grad_v = torch.randn(B, J, D, generator=gen).cuda()
+    grad_v[0, 3, 2] = 1e5
+    options = (False, False, 1e-8)  # leaky, detach, eps
+    results = []
+    for x, w in ((u, weight), (u.float(), weight.float())):
+        _, _, s_hist = torch.ops.capsroute.dense_capsules(x, w, None, 1, *options)
+        results.append(torch.ops.capsroute._dense_capsules_backward(grad_v, x, w, s_hist, *options)[:2])
+    (grad_u_half, grad_w_half), (grad_u_float, grad_w_float) = results
+    for name, half, full in (("grad_u", grad_u_half, grad_u_float), ("grad_weight", grad_w_half, grad_w_float)):
+        assert full.abs().max() < 65504 and torch.isfinite(half).all(), name
+        assert_rel_close(half.float(), full, 1e-2, name)

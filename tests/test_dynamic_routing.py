@@ -99,3 +99,24 @@ def test_property_matches_reference(B, I, J, D, iters, leaky, scale, seed):
     votes = randn(B, I, J, D, scale=scale, requires_grad=True, generator=g)
     for name, a, e in compare(votes, None, iters, leaky, False, generator=g):
         assert_rel_close(a, e, 1e-9, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
+def test_float16_backward_keeps_a_gradient_above_float16_range():
+    """The backward takes the incoming gradient in the accumulation dtype: a float32 gradient of
+    1e5 (float16 tops out at 65504) for float16 votes gives the float32 result, not inf. One
+    iteration keeps every vote gradient c_ij gs_j (c = 1/J) well inside the float16 range."""
+    B, I, J, D = 2, 6, 16, 8
+    gen = torch.Generator().manual_seed(0)
+    votes = torch.randn(B, I, J, D, generator=gen).to("cuda", torch.float16)
+    grad_v = torch.randn(B, J, D, generator=gen).cuda()
+    grad_v[0, 3, 2] = 1e5
+    options = (False, False, 1e-8)  # leaky, detach, eps
+    results = []
+    for x in (votes, votes.float()):
+        _, _, s_hist = torch.ops.capsroute.dynamic_routing(x, None, 1, *options)
+        results.append(torch.ops.capsroute._dynamic_routing_backward(grad_v, x, s_hist, *options)[0])
+    grad_half, grad_float = results
+    assert grad_float.abs().max() < 65504 and torch.isfinite(grad_half).all()
+    assert_rel_close(grad_half.float(), grad_float, 1e-2, "grad_votes")

@@ -55,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
   const at::Tensor u = u_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   const at::ScalarType acc = acc_dtype(u.scalar_type());
-  const at::Tensor grad_v = grad_v_in.to(u.scalar_type()).contiguous();
+  // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
+  const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   at::Tensor grad_u = at::empty_like(u);
   // With B == 0 the sums over the batch are empty: zero gradients.
@@ -69,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
       const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
                                             dims.J * dims.D, Din};
       const BackwardBuffers<acc_t> buf =
-          launch_routing_backward(src, grad_v.const_data_ptr<scalar_t>(), s_hist, dims, detach, eps, grad_bias_items);
+          launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
       const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
       const int64_t n_u = grad_u.numel();
       if (n_u > 0) {

@@ -48,7 +48,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
   const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
   const at::Tensor votes = votes_in.contiguous();
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
-  const at::Tensor grad_v = grad_v_in.to(votes.scalar_type()).contiguous();
+  // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
+  const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   at::Tensor grad_votes = at::empty_like(votes);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
@@ -59,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
       using acc_t = at::opmath_type<scalar_t>;
       const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
       const BackwardBuffers<acc_t> buf =
-          launch_routing_backward(src, grad_v.const_data_ptr<scalar_t>(), s_hist, dims, detach, eps, grad_bias_items);
+          launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
       const int64_t n = grad_votes.numel();
       if (n > 0) {
         const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -324,16 +324,17 @@ __device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv
 }
 
 // Start of the backward of element b: v^r = squash(s^r) for every r, gv = grad_v, and
-// gs^{iters-1} = squash_vjp(s^{iters-1}, gv).
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void backward_start(int64_t b, const scalar_t* grad_v, const acc_t* s_hist,
+// gs^{iters-1} = squash_vjp(s^{iters-1}, gv). grad_v is in the accumulation dtype: a float16
+// gradient above 65504 is finite in float32.
+template <typename acc_t>
+__device__ __forceinline__ void backward_start(int64_t b, const acc_t* grad_v, const acc_t* s_hist,
                                                const RoutingDims& dims, acc_t eps, const BackwardState<acc_t>& st,
                                                acc_t* gv) {
   const int64_t JD = dims.J * dims.D, R = dims.iters;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   block_squash(s_hist + b * R * JD, R * dims.J, dims.D, eps, st.v_hist + b * R * JD, tid / kWarpSize,
                nthreads / kWarpSize, tid % kWarpSize);
-  for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = static_cast<acc_t>(grad_v[b * JD + jd]);
+  for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = grad_v[b * JD + jd];
   __syncthreads();  // gv complete
   block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv, dims.J, dims.D, eps, st.gs_hist + (b * st.nkeep + st.nkeep - 1) * JD);
   __syncthreads();  // v_hist and gs^{iters-1} complete
@@ -421,10 +422,12 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
 }
 
 // Fills the BackwardState buffers and grad_bias_items (B, J, D) = sum_r gs^r for each b.
-// grad_v (B, J, D), s_hist (B, iters, J, D); detach is st.first_r = iters - 1. One block per element.
-template <typename Source, typename scalar_t>
+// grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype; detach is
+// st.first_r = iters - 1. One block per element.
+template <typename Source>
 __global__ void __launch_bounds__(kBlockThreads)
-    routing_backward_kernel(const Source src, const scalar_t* grad_v, const typename Source::acc_type* s_hist,
+    routing_backward_kernel(const Source src, const typename Source::acc_type* grad_v,
+                            const typename Source::acc_type* s_hist,
                             const RoutingDims dims, const typename Source::acc_type eps,
                             const BackwardState<typename Source::acc_type> st,
                             const BackwardWorkspace<typename Source::acc_type> ws,
@@ -451,9 +454,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // Split backward: backward_start for each b (block per b).
-template <typename scalar_t, typename acc_t>
+template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
-    routing_backward_start_kernel(const scalar_t* grad_v, const acc_t* s_hist, const RoutingDims dims, const acc_t eps,
+    routing_backward_start_kernel(const acc_t* grad_v, const acc_t* s_hist, const RoutingDims dims, const acc_t eps,
                                   const BackwardState<acc_t> st, acc_t* gv_ws) {
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
     backward_start(b, grad_v, s_hist, dims, eps, st, gv_ws + b * dims.J * dims.D);

@@ -80,9 +80,11 @@ struct BackwardBuffers {
 };
 
 // Allocates the state, launches the backward kernels on the current stream (B > 0) and
-// returns the state for the op-specific vote-gradient kernels.
-template <typename Source, typename scalar_t>
-BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source& src, const scalar_t* grad_v,
+// returns the state for the op-specific vote-gradient kernels. grad_v (B, J, D) is in the
+// accumulation dtype.
+template <typename Source>
+BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source& src,
+                                                                   const typename Source::acc_type* grad_v,
                                                                    const at::Tensor& s_hist, const RoutingDims& dims,
                                                                    bool detach, double eps,
                                                                    at::Tensor& grad_bias_items) {
@@ -112,12 +114,12 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t splits = routing_splits(dims);
   if (splits == 1) {
-    routing_backward_kernel<Source, scalar_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
+    routing_backward_kernel<Source><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
         src, grad_v, s, dims, static_cast<acc_t>(eps), st, ws, grad_bias);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
   }
-  routing_backward_start_kernel<scalar_t, acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
+  routing_backward_start_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
       grad_v, s, dims, static_cast<acc_t>(eps), st, ws.gv);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   routing_coupling_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(

@@ -106,7 +106,8 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   using A = typename Source::acc_type;
   const int64_t B = cs.B, I = cs.I, J = cs.J, D = cs.D, JD = J * D, R = cs.iters;
   const RoutingDims dims{B, I, J, D, R, cs.leaky};
-  const std::vector<S> bias_s = cast<S>(bias_d), grad_v = cast<S>(grad_v_d);
+  const std::vector<S> bias_s = cast<S>(bias_d);
+  const std::vector<A> grad_v = cast<A>(grad_v_d);  // the ops pass the gradient in the accumulation dtype
   const S* bias = cs.bias ? bias_s.data() : nullptr;
   const unsigned grid = cs.grid;
 
@@ -140,10 +141,10 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   const BackwardWorkspace<A> bws{logits.data(), gv.data()};
   std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
   if (cs.splits == 1) {
-    emu_launch(grid, kBlockThreads, routing_backward_kernel<Source, S>, src, grad_v.data(),
+    emu_launch(grid, kBlockThreads, routing_backward_kernel<Source>, src, grad_v.data(),
                static_cast<const A*>(s_hist.data()), dims, A(eps), st, bws, grad_bias_items.data());
   } else {
-    emu_launch(grid, kBlockThreads, routing_backward_start_kernel<S, A>, grad_v.data(),
+    emu_launch(grid, kBlockThreads, routing_backward_start_kernel<A>, grad_v.data(),
                static_cast<const A*>(s_hist.data()), dims, A(eps), st, gv.data());
     emu_launch(grid, kBlockThreads, routing_coupling_rows_kernel<Source>, src, dims, cs.splits, st, logits.data());
     if (R - 1 == first_r) emu_launch(grid, kBlockThreads, routing_sum_gs_kernel<A>, dims, st, grad_bias_items.data());
