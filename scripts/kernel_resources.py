@@ -2,10 +2,13 @@
 
 setup.py compiles the CUDA sources with `--resource-usage`, so ptxas reports each kernel as it is
 built; scripts/env.sh keeps the build's output in build/build.log. This prints one row per kernel
-and architecture and exits 1 if any kernel spills registers to local memory (CI fails on a spill).
+and architecture and exits 1 if a kernel spills registers to local memory on an architecture
+named by --fail-on (default: every one). CI fails on a spill for sm_90, the GPUs the kernels are
+tuned and measured on; sm_80's spills (double-precision routing kernels) are listed, not fatal.
 
-    python scripts/kernel_resources.py [build/build.log]
+    python scripts/kernel_resources.py [build/build.log] [--fail-on sm_90 ...]
 """
+import argparse
 import re
 import shutil
 import subprocess
@@ -41,7 +44,11 @@ def demangle(names: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[0] if argv else "build/build.log")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("log", nargs="?", type=Path, default=Path("build/build.log"))
+    p.add_argument("--fail-on", nargs="*", metavar="ARCH", help="archs where a spill fails (default: all)")
+    args = p.parse_args(argv)
+    path = args.log
     kernels = parse(path.read_text(errors="replace"))
     if not kernels:
         print(f"no ptxas resource report in {path} (built without CUDA, or without --resource-usage?)")
@@ -56,9 +63,11 @@ def main(argv: list[str]) -> int:
               f"{k['spill_stores']}/{k['spill_loads']}")
     spilling = [k for k in kernels if k["spill_stores"] or k["spill_loads"]]
     print(f"{len(kernels)} kernels, {len(spilling)} spilling registers")
+    fatal = [k for k in spilling if args.fail_on is None or k["arch"] in args.fail_on]
     for k in spilling:
-        print(f"SPILL: {k['name']} ({k['arch']}): {k['spill_stores']} bytes stored, {k['spill_loads']} loaded")
-    return 1 if spilling else 0
+        print(f"{'SPILL' if k in fatal else 'spill (not fatal)'}: {k['name']} ({k['arch']}): "
+              f"{k['spill_stores']} bytes stored, {k['spill_loads']} loaded")
+    return 1 if fatal else 0
 
 
 if __name__ == "__main__":
