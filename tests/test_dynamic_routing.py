@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capsroute
-from helpers import CUDA, assert_rel_close, randn
+from helpers import CUDA, HAS_CUDA, assert_rel_close, randn
 from op_db import DYNAMIC_ROUTING
 
 OPTIONS = list(itertools.product([1, 2, 3], [False, True], [False, True], [False, True]))  # iters, leaky, detach, bias
