@@ -71,4 +71,8 @@ def test_backward_names_saved_statistics_of_the_wrong_rank(device):
 def test_property_matches_reference(B, I, J, H, iters, scale, seed):
     g = torch.Generator().manual_seed(seed)
     for name, a, e in compare(em_inputs((B, I, J, H), generator=g, vote_scale=scale), iters, generator=g):
-        assert_rel_close(a, e, 1e-8, name)
+        # An output with effectively one vote (I = 1, or one-hot assignments) has mu = V m / (m + eps)
+        # and var ~ eps: V - mu cancels to |V| eps / m, so two float64 implementations of the same
+        # formula differ in grad_votes by up to about 2^-52 m / eps ~ 1e-8 (7.7e-8 seen: B=2, I=1,
+        # J=3, H=16, iters=3, scale 30, seed 0). Every other output agrees to ~1e-11.
+        assert_rel_close(a, e, 1e-6 if name == "grad_votes" else 1e-8, name)

@@ -1,5 +1,7 @@
 // EM routing (docs/ops.md, em_routing) of one batch element on the CPU: the forward (M-step, E-step)
-// and the exact backward, shared by em_routing (votes given) and the fused pose variant.
+// and the exact backward, shared by em_routing (votes given) and the fused pose variant. The loops
+// over a capsule's H pose values are vector loops (vec_math.h), one chunk of up to a vector's width
+// at a time; the sums over h they produce are reduced once per (i, j).
 #pragma once
 
 #include <algorithm>
@@ -9,9 +11,17 @@
 
 #include "../common/dims.h"
 #include "../common/em_math.h"
+#include "vec_math.h"
 
 namespace capsroute {
 namespace cpu {
+
+// Calls f(h, n) for the chunks [h, h + n) of [0, H), n <= Vec<acc_t>::size().
+template <typename acc_t, typename F>
+inline void for_each_pose_chunk(int64_t H, F&& f) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  for (int64_t h = 0; h < H; h += W) f(h, std::min(W, H - h));
+}
 
 // One element: votes V (I, J, H), a_in (I), betas (J); statistics per iteration in `stats`
 // (iters, J, 2H + 1). All scratch is per thread.
@@ -38,7 +48,10 @@ class EmElement {
         const acc_t r = R_[i * J + j] * a;
         mass_[j] += r;
         const vote_t* v = V + (i * J + j) * H;
-        for (int64_t h = 0; h < H; ++h) mu[j * H + h] += r * static_cast<acc_t>(v[h]);
+        acc_t* mu_j = mu + j * H;
+        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
+          at::vec::fmadd(Vec<acc_t>(r), load_acc<acc_t>(v + h, n), Vec<acc_t>::loadu(mu_j + h, n)).store(mu_j + h, n);
+        });
       }
     }
     for (int64_t jh = 0; jh < JH; ++jh) mu[jh] /= mass_[jh / H] + eps;
@@ -48,10 +61,12 @@ class EmElement {
       for (int64_t j = 0; j < J; ++j) {
         const acc_t r = R_[i * J + j] * a;
         const vote_t* v = V + (i * J + j) * H;
-        for (int64_t h = 0; h < H; ++h) {
-          const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
-          var[j * H + h] += r * diff * diff;
-        }
+        const acc_t* mu_j = mu + j * H;
+        acc_t* var_j = var + j * H;
+        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
+          const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
+          at::vec::fmadd(Vec<acc_t>(r) * diff, diff, Vec<acc_t>::loadu(var_j + h, n)).store(var_j + h, n);
+        });
       }
     }
     const acc_t lam = em_lambda(d_.final_lambda, t);
@@ -81,20 +96,18 @@ class EmElement {
     for (int64_t jh = 0; jh < JH; ++jh) inv_2var_[jh] = 1 / (2 * var[jh]);  // no division in the loop over (i, j, h)
     for (int64_t i = 0; i < I; ++i) {
       acc_t* Ri = R_.data() + i * J;
-      acc_t max_log = -INFINITY;
       for (int64_t j = 0; j < J; ++j) {
         const vote_t* v = V + (i * J + j) * H;
-        acc_t log_p = norm_[j];
-        for (int64_t h = 0; h < H; ++h) {
-          const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
-          log_p -= diff * diff * inv_2var_[j * H + h];
-        }
-        Ri[j] = log_p;
-        max_log = log_p > max_log ? log_p : max_log;
+        const acc_t* mu_j = mu + j * H;
+        const acc_t* inv_2var_j = inv_2var_.data() + j * H;
+        Vec<acc_t> sum(acc_t(0));
+        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
+          const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
+          sum = at::vec::fmadd(diff * diff, Vec<acc_t>::loadu(inv_2var_j + h, n), sum);
+        });
+        Ri[j] = norm_[j] - reduce_sum(sum);  // log p_ij
       }
-      acc_t denom = 0;
-      for (int64_t j = 0; j < J; ++j) denom += (Ri[j] = std::exp(Ri[j] - max_log));
-      for (int64_t j = 0; j < J; ++j) Ri[j] /= denom;
+      softmax_row(Ri, J, false, Ri);
     }
   }
 
@@ -131,7 +144,7 @@ class EmBackward {
  public:
   EmBackward(const EmDims& d, double eps)
       : d_(d), eps_(eps), em_(d, eps), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
-        g_logit_(d.J), mass_(d.J), g_mass_(d.J), inv_var_(d.J * d.H), g_mu_M_(d.J * d.H), g_var_M_(d.J * d.H) {}
+        g_logit_(d.J), one_minus_sigmoid_(d.J), mass_(d.J), g_mass_(d.J), inv_var_(d.J * d.H), g_mu_M_(d.J * d.H), g_var_M_(d.J * d.H) {}
 
   template <typename beta_t>
   void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
@@ -164,22 +177,33 @@ class EmBackward {
         std::fill(g_var.begin(), g_var.end(), acc_t(0));
         std::fill(g_logit.begin(), g_logit.end(), acc_t(0));
         const acc_t* R_next = R_hist.data() + (t + 1) * I * J;
-        for (int64_t jh = 0; jh < JH; ++jh) inv_var[jh] = 1 / var[jh];  // no division in the loops over (i, j, h)
+        // No division or exp in the loops over (i, j, h): d log sigmoid(x) / dx = 1 - sigmoid(x).
+        for (int64_t jh = 0; jh < JH; ++jh) inv_var[jh] = 1 / var[jh];
+        for (int64_t j = 0; j < J; ++j) one_minus_sigmoid_[j] = 1 - em_sigmoid(logit[j]);
         for (int64_t i = 0; i < I; ++i) {
           acc_t weighted = 0;
           for (int64_t j = 0; j < J; ++j) weighted += R_next[i * J + j] * g_R[i * J + j];
           for (int64_t j = 0; j < J; ++j) {
             const acc_t g_L = R_next[i * J + j] * (g_R[i * J + j] - weighted);
-            g_logit[j] += g_L * (1 - em_sigmoid(logit[j]));  // d log sigmoid(x) / dx = 1 - sigmoid(x)
+            g_logit[j] += g_L * one_minus_sigmoid_[j];
             const vote_t* v = Vn + (i * J + j) * H;
             acc_t* gv = g_V + (i * J + j) * H;
-            const acc_t* iv = inv_var.data() + j * H;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
-              gv[h] -= g_L * diff * iv[h];
-              g_mu[j * H + h] += g_L * diff * iv[h];
-              g_var[j * H + h] += g_L * acc_t(0.5) * iv[h] * (diff * diff * iv[h] - 1);
-            }
+            const acc_t* mu_j = mu + j * H;
+            const acc_t* iv_j = inv_var.data() + j * H;
+            acc_t* g_mu_j = g_mu.data() + j * H;
+            acc_t* g_var_j = g_var.data() + j * H;
+            // g_V -= g_L q, g_mu += g_L q, g_var += g_L iv (q diff - 1) / 2, with q = diff / var.
+            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
+              const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
+              const Vec<acc_t> iv = Vec<acc_t>::loadu(iv_j + h, n);
+              const Vec<acc_t> q = diff * iv;
+              const Vec<acc_t> gl(g_L);
+              (Vec<acc_t>::loadu(gv + h, n) - gl * q).store(gv + h, n);
+              at::vec::fmadd(gl, q, Vec<acc_t>::loadu(g_mu_j + h, n)).store(g_mu_j + h, n);
+              at::vec::fmadd(Vec<acc_t>(acc_t(0.5) * g_L) * iv, q * diff - Vec<acc_t>(acc_t(1)),
+                             Vec<acc_t>::loadu(g_var_j + h, n))
+                  .store(g_var_j + h, n);
+            });
           }
         }
       }
@@ -219,15 +243,21 @@ class EmBackward {
           const acc_t r = R[i * J + j] * ai;
           const vote_t* v = Vn + (i * J + j) * H;
           acc_t* gv = g_V + (i * J + j) * H;
-          const acc_t* gm = g_mu_M.data() + j * H;
-          const acc_t* gvar = g_var_M.data() + j * H;
-          acc_t g_r = g_mass[j];
-          for (int64_t h = 0; h < H; ++h) {
-            const acc_t diff = static_cast<acc_t>(v[h]) - mu[j * H + h];
-            const acc_t var0 = var[j * H + h] - e;
-            g_r += gm[h] * diff + gvar[h] * (diff * diff - var0);
-            gv[h] += r * (gm[h] + 2 * gvar[h] * diff);
-          }
+          const acc_t* mu_j = mu + j * H;
+          const acc_t* var_j = var + j * H;
+          const acc_t* gm_j = g_mu_M.data() + j * H;
+          const acc_t* gvar_j = g_var_M.data() + j * H;
+          // g_r = g_m + sum_h gm diff + gvar (diff^2 - var0); g_V += r (gm + 2 gvar diff).
+          Vec<acc_t> sum(acc_t(0));
+          for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
+            const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
+            const Vec<acc_t> var0 = Vec<acc_t>::loadu(var_j + h, n) - Vec<acc_t>(e);
+            const Vec<acc_t> gm = Vec<acc_t>::loadu(gm_j + h, n), gvar = Vec<acc_t>::loadu(gvar_j + h, n);
+            sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
+            at::vec::fmadd(Vec<acc_t>(r), at::vec::fmadd(gvar + gvar, diff, gm), Vec<acc_t>::loadu(gv + h, n))
+                .store(gv + h, n);
+          });
+          const acc_t g_r = g_mass[j] + reduce_sum(sum);
           g_R[i * J + j] = g_r * ai;
           g_ai += g_r * R[i * J + j];
         }
@@ -240,7 +270,8 @@ class EmBackward {
   EmDims d_;
   double eps_;
   EmElement<vote_t, acc_t> em_;
-  std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, mass_, g_mass_, inv_var_, g_mu_M_, g_var_M_;
+  std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, one_minus_sigmoid_, mass_, g_mass_, inv_var_, g_mu_M_,
+      g_var_M_;
 };
 
 }  // namespace cpu

@@ -1,22 +1,17 @@
 // Dynamic routing of one batch element on the CPU, shared by dynamic_routing (votes given)
 // and dense_capsules (votes computed a tile of elements at a time). An element's votes are I
 // rows of J x D values (VoteRows); all arithmetic is in acc_t. The loops over a capsule's
-// values are written with at::vec::Vectorized (AVX2 where the build enables it, see setup.py):
-// whole vectors first, then a scalar tail, so any D works and D = 8, 16, 32 have no tail.
+// values are vector loops (vec_math.h).
 #pragma once
-
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <functional>
-#include <type_traits>
 #include <vector>
 
 #include "../common/acc_math.h"
 #include "../common/dims.h"
+#include "vec_math.h"
 
 namespace capsroute {
 namespace cpu {
@@ -28,55 +23,6 @@ struct VoteRows {
   int64_t row_stride;
   const vote_t* operator[](int64_t i) const { return data + i * row_stride; }
 };
-
-template <typename T>
-using Vec = at::vec::Vectorized<T>;
-
-// sum_k a[k] b[k], k < n.
-template <typename T, typename U, typename acc_t>
-inline acc_t dot(const T* a, const U* b, int64_t n) {
-  acc_t sum = 0;
-  int64_t k = 0;
-  if constexpr (std::is_same_v<T, acc_t> && std::is_same_v<U, acc_t>) {
-    constexpr int64_t W = Vec<acc_t>::size();
-    if (n >= W) {
-      Vec<acc_t> acc = Vec<acc_t>::loadu(a) * Vec<acc_t>::loadu(b);
-      for (k = W; k + W <= n; k += W) acc = at::vec::fmadd(Vec<acc_t>::loadu(a + k), Vec<acc_t>::loadu(b + k), acc);
-      sum = at::vec::vec_reduce_all<acc_t>(std::plus<Vec<acc_t>>(), acc);
-    }
-  }
-  for (; k < n; ++k) sum += static_cast<acc_t>(a[k]) * static_cast<acc_t>(b[k]);
-  return sum;
-}
-
-// y[k] += alpha x[k], k < n.
-template <typename T, typename acc_t>
-inline void axpy(acc_t alpha, const T* x, acc_t* y, int64_t n) {
-  int64_t k = 0;
-  if constexpr (std::is_same_v<T, acc_t>) {
-    constexpr int64_t W = Vec<acc_t>::size();
-    const Vec<acc_t> a(alpha);
-    for (; k + W <= n; k += W) at::vec::fmadd(a, Vec<acc_t>::loadu(x + k), Vec<acc_t>::loadu(y + k)).store(y + k);
-  }
-  for (; k < n; ++k) y[k] += alpha * static_cast<acc_t>(x[k]);
-}
-
-// Coupling coefficients of one input capsule: c = softmax over the J logits, with an extra
-// zero logit when leaky (its share is dropped). c may alias logits.
-template <typename T>
-inline void coupling_row(const T* logits, int64_t J, bool leaky, T* c) {
-  T max_logit = leaky ? T(0) : logits[0];
-  for (int64_t j = 0; j < J; ++j) max_logit = logits[j] > max_logit ? logits[j] : max_logit;
-  const Vec<T> shift(max_logit);
-  for (int64_t j = 0; j < J; j += Vec<T>::size()) {
-    const int64_t n = std::min<int64_t>(Vec<T>::size(), J - j);
-    (Vec<T>::loadu(logits + j, n) - shift).exp().store(c + j, n);
-  }
-  T denom = leaky ? std::exp(-max_logit) : T(0);
-  for (int64_t j = 0; j < J; ++j) denom += c[j];
-  const T inv_denom = T(1) / denom;
-  for (int64_t j = 0; j < J; ++j) c[j] *= inv_denom;
-}
 
 // Calls f(std::integral_constant<int, D>) for the common capsule sizes, so that the loops over
 // a capsule's D values get a constant trip count (unrolled, vectorised), else with 0 (any D).
@@ -132,7 +78,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
       if (r > 0) {
         for (int64_t j = 0; j < J; ++j) bi[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
       }
-      coupling_row(bi, J, d.leaky, c);
+      softmax_row(bi, J, d.leaky, c);
       for (int64_t j = 0; j < J; ++j) axpy(c[j], ui + j * D, s + j * D, D);
       if (r == d.iters - 1) {
         for (int64_t j = 0; j < J; ++j) c_out[i * J + j] = static_cast<out_t>(c[j]);
@@ -233,7 +179,7 @@ class RoutingBackward {
           const acc_t* v = st.v_hist + (r - 1) * JD;
           for (int64_t j = 0; j < J; ++j) row_[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
         }
-        if (r >= first_r_) coupling_row(row_.data(), J, d_.leaky, st.coupling + r * I * J + i * J);
+        if (r >= first_r_) softmax_row(row_.data(), J, d_.leaky, st.coupling + r * I * J + i * J);
       }
     }
   }

@@ -78,9 +78,12 @@ void judge(const std::string& what, const std::vector<T>& got, const std::vector
   if (agree <= tol) return;
   const double err_emu = rel_err(got, truth), err_cpu = rel_err(want, truth);
   // Roundoff of a different (but fixed) summation order, amplified by the problem: the
-  // emulated kernel must be about as close to the long double truth as the CPU code is.
+  // emulated kernel must be about as close to the long double truth as the CPU code is. "About":
+  // on an ill-conditioned case the error of one evaluation order is a sample, not a bound; the
+  // CPU code's vector loops (other orders and FMA contractions) moved its own float error by up
+  // to 6.6x against the same kernel (B=7 I=13 J=5 H=16 iters=5 lambda=0.01: 7.8e-5 vs 5.1e-4).
   const double slack = 1000 * double(std::numeric_limits<decltype(want[0] * 1)>::epsilon());
-  if (err_emu <= 4 * err_cpu + slack) {
+  if (err_emu <= 8 * err_cpu + slack) {
     ++ill;
     std::printf("  ill-conditioned %s: emu vs cpu %.2e; vs long double: emu %.2e, cpu %.2e\n", what.c_str(), agree,
                 err_emu, err_cpu);
