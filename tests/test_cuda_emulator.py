@@ -2,7 +2,8 @@
 csrc/cuda/routing_kernels.cuh and em_kernels.cuh on the host (a std::thread per CUDA thread,
 barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h) against the CPU
 backend's element code: both launch paths of dynamic routing (a block per element, and rows split
-over blocks) and the EM forward and backward. CI has no GPU, so this is what checks the kernels'
+over blocks, float16/bfloat16 storage included, through c10::Half/BFloat16 from torch's headers)
+and the EM forward and backward. CI has no GPU, so this is what checks the kernels'
 arithmetic, indexing and barriers there; the cuda-marked tests check them on a GPU."""
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 EMULATOR = Path(__file__).parent / "emulator"
 
@@ -23,8 +25,11 @@ def build(tmp_path_factory):
 
     def compile_program(name: str) -> Path:
         exe = out / name
+        # torch's headers for c10::Half / c10::BFloat16 (header-only; nothing of torch is linked)
+        torch_include = Path(torch.__file__).parent / "include"
         result = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas",
-                                 str(EMULATOR / f"{name}.cpp"), "-o", str(exe)], capture_output=True, text=True)
+                                 f"-I{torch_include}", str(EMULATOR / f"{name}.cpp"), "-o", str(exe)],
+                                capture_output=True, text=True)
         assert result.returncode == 0, f"compiling tests/emulator/{name}.cpp failed:\n{result.stderr}"
         return exe
     return compile_program
