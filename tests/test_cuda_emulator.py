@@ -2,7 +2,8 @@
 csrc/cuda/routing_kernels.cuh and em_kernels.cuh on the host (a std::thread per CUDA thread,
 barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h) against the CPU
 backend's element code: both launch paths of dynamic routing (a block per element, and rows split
-over blocks) and the EM forward and backward. CI has no GPU, so this is what checks the kernels'
+over blocks, float16/bfloat16 storage included, through c10::Half/BFloat16 from torch's headers)
+and the EM forward and backward. CI has no GPU, so this is what checks the kernels'
 arithmetic, indexing and barriers there; the cuda-marked tests check them on a GPU."""
 import os
 import shutil
@@ -24,7 +25,8 @@ def build(tmp_path_factory):
 
     def compile_program(name: str) -> Path:
         exe = out / name
-        # The CPU element code uses at::vec (header-only, its portable implementation here).
+        # torch's headers (header-only, nothing of torch is linked): at::vec for the CPU element code
+        # (its portable implementation here), c10::Half / c10::BFloat16 for the half-precision cases.
         includes = [f"-I{path}" for path in cpp_extension.include_paths()]
         result = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", *includes,
                                  str(EMULATOR / f"{name}.cpp"), "-o", str(exe)], capture_output=True, text=True)

@@ -7,7 +7,8 @@
 // disagree past the tolerance, both are compared with the CPU code in long double: the kernels
 // must be as close to it as the CPU code is (ill-conditioned cases are reported as such).
 // em_routing_pose too: votes P_i @ W_ij inside the kernels, the backward in batch chunks, and the
-// contractions into grad_pose and grad_weight.
+// contractions into grad_pose and grad_weight. float16/bfloat16 storage with float accumulation
+// (c10::Half / c10::BFloat16 themselves) on a few shapes, as the extension instantiates them.
 // Prints one line per failure; exits 1 if there is any.
 //   em_test [quick]
 #include "emu.h"
@@ -19,6 +20,9 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 // The long double "truth" runs the CPU code in long double: the math it calls, in long double.
 namespace capsroute {
@@ -320,6 +324,15 @@ int main(int argc, char** argv) {
                 long(cs.H), long(cs.iters), cs.final_lambda, cs.grid, cs.special);
     test_case<double, double>(cs, "double", 1e-12);
     test_case<float, float>(cs, "float", 2e-5);
+  }
+  // float16 / bfloat16 storage, float accumulation: both sides read the same rounded inputs and
+  // accumulate in float, so float's tolerance holds, and one ulp of the storage type on its outputs.
+  const std::vector<Case> low_precision = {{5, 37, 33, 16, 3, 1.0, 2, ""}, {3, 24, 5, 16, 3, 1.0, 2, "a_zero_some"}};
+  for (const Case& cs : low_precision) {
+    std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld %s, low precision\n", long(cs.B), long(cs.I), long(cs.J),
+                long(cs.H), long(cs.iters), cs.special);
+    test_case<c10::Half, float>(cs, "float16", 2e-5);
+    if (mode != "quick") test_case<c10::BFloat16, float>(cs, "bfloat16", 2e-5);
   }
   for (int64_t chunk : {1, 2, 5}) {
     test_pose_case<double>(5, 9, 4, 3, chunk, 2, 1e-12);

@@ -4,8 +4,10 @@
 // squash_rows_kernel too),
 // for votes read from memory and votes computed from a weight, one
 // block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), in
-// float64 and float32. Workspaces and outputs start as NaN, so a value the kernels forget to
-// write shows. Prints one line per failure; exits 1 if there is any.
+// float64 and float32, and float16/bfloat16 storage with float accumulation as the extension
+// instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real ones),
+// including J * D > 256 (a thread owning several columns). Workspaces and outputs start as NaN,
+// so a value the kernels forget to write shows. Prints one line per failure; exits 1 if there is any.
 //   routing_test [quick]
 #include "emu.h"
 
@@ -13,7 +15,11 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <utility>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include "../../csrc/cpu/routing_element.h"
 #include "../../csrc/cuda/routing_kernels.cuh"
@@ -42,6 +48,18 @@ std::vector<T> cast(const std::vector<U>& v) {
 template <typename T>
 std::vector<T> nans(int64_t n) {
   return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN());
+}
+
+// The accumulation type of a storage type, as at::opmath_type: float for float16/bfloat16.
+template <typename S>
+using acc_of = std::conditional_t<std::is_same_v<S, double>, double, float>;
+
+template <typename S>
+const char* dtype_name() {
+  if constexpr (std::is_same_v<S, double>) return "float64";
+  if constexpr (std::is_same_v<S, float>) return "float32";
+  if constexpr (std::is_same_v<S, c10::Half>) return "float16";
+  return "bfloat16";
 }
 
 template <typename T>
@@ -161,6 +179,7 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
 
 template <typename S>
 void check_case(const Case& cs, double tol) {
+  using A = acc_of<S>;
   const double eps = 1e-8;
   const int64_t JD = cs.J * cs.D;
   // Values rounded to S first, so that both sides route the same numbers.
@@ -171,16 +190,16 @@ void check_case(const Case& cs, double tol) {
   const auto grad_v = cast<double>(cast<S>(randn(cs.B * JD, 1.0)));
   char label[200];
   std::snprintf(label, sizeof label, "%s B=%ld I=%ld J=%ld D=%ld Din=%ld iters=%ld leaky=%d detach=%d bias=%d splits=%ld",
-                sizeof(S) == 8 ? "float64" : "float32", long(cs.B), long(cs.I), long(cs.J), long(cs.D), long(cs.Din),
+                dtype_name<S>(), long(cs.B), long(cs.I), long(cs.J), long(cs.D), long(cs.Din),
                 long(cs.iters), cs.leaky, cs.detach, cs.bias, long(cs.splits));
 
   const std::vector<S> votes_s = cast<S>(votes);
   const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
-  check_kernels<S>(label, cs, MemoryVotes<S, S>{votes_s.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol,
-                   [&](const BackwardState<S>& st) {
+  check_kernels<S>(label, cs, MemoryVotes<S, A>{votes_s.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol,
+                   [&](const BackwardState<A>& st) {
                      std::vector<S> grad_votes = nans<S>(cs.B * cs.I * JD);
                      if (!grad_votes.empty())
-                       emu_launch(2, kBlockThreads, write_vote_grad_kernel<S, S>, st, cs.B, grad_votes.data());
+                       emu_launch(2, kBlockThreads, write_vote_grad_kernel<S, A>, st, cs.B, grad_votes.data());
                      compare(label, "grad_votes", grad_votes, from_votes.grad_votes, tol);
                    });
 
@@ -202,14 +221,14 @@ void check_case(const Case& cs, double tol) {
           want_grad_u[(b * cs.I + i) * cs.Din + k] += weight[(i * JD + jd) * cs.Din + k] * g;
           want_grad_weight[(i * JD + jd) * cs.Din + k] += g * u[(b * cs.I + i) * cs.Din + k];
         }
-  check_kernels<S>(label, cs, DenseVotes<S, S>{u_s.data(), weight_s.data(), cs.I, JD, cs.Din}, bias, grad_v,
-                   from_weight, eps, tol, [&](const BackwardState<S>& st) {
+  check_kernels<S>(label, cs, DenseVotes<S, A>{u_s.data(), weight_s.data(), cs.I, JD, cs.Din}, bias, grad_v,
+                   from_weight, eps, tol, [&](const BackwardState<A>& st) {
                      std::vector<S> grad_u = nans<S>(want_grad_u.size()), grad_weight = nans<S>(want_grad_weight.size());
                      if (!grad_u.empty())
-                       emu_launch(3, kBlockThreads, dense_grad_u_kernel<S, S>, st, weight_s.data(), cs.B, cs.Din,
+                       emu_launch(3, kBlockThreads, dense_grad_u_kernel<S, A>, st, weight_s.data(), cs.B, cs.Din,
                                   grad_u.data());
                      if (!grad_weight.empty())
-                       emu_launch(2, kBlockThreads, dense_grad_weight_kernel<S, S>, st, u_s.data(), cs.B, cs.Din,
+                       emu_launch(2, kBlockThreads, dense_grad_weight_kernel<S, A>, st, u_s.data(), cs.B, cs.Din,
                                   grad_weight.data());
                      compare(label, "dense grad_u", grad_u, want_grad_u, tol);
                      compare(label, "dense grad_weight", grad_weight, want_grad_weight, tol);
@@ -260,7 +279,12 @@ int main(int argc, char** argv) {
       {2, 70, 33, 3, 5, 2, false, false, false, 2, 1},  {2, 70, 33, 3, 5, 4, true, true, true, 1, 1},
       {2, 9, 70, 1, 2, 3, true, false, true, 3, 1},     {2, 40, 5, 7, 1, 1, false, false, true, 2, 1},
       {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},     {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
+      // J * D > 256: each column owner holds 2 (320) or 2 of 300 columns, and J = 100 > 3 lanes' worth.
+      {2, 40, 20, 16, 4, 3, false, false, true, 2, 1},  {1, 12, 100, 3, 2, 2, true, false, true, 2, 1},
   };
+  // float16 / bfloat16 storage, float accumulation: a fused and a split launch of an MNIST-like
+  // and a J * D > 256 shape. The outputs are rounded to the storage type: 2 ulps of it.
+  const std::vector<Case> low_precision = {shapes[0], shapes[8]};
   if (quick) shapes.resize(3);
   for (auto [rows, D] : {std::pair<int64_t, int64_t>{37, 16}, {21, 45}, {5, 1}}) {
     check_squash<double>(rows, D, 1e-14);
@@ -272,6 +296,14 @@ int main(int argc, char** argv) {
       cs.splits = splits;
       check_case<double>(cs, 1e-12);
       if (!quick) check_case<float>(cs, 2e-4);
+    }
+  }
+  for (const Case& shape : low_precision) {
+    for (int64_t splits : {1, 3}) {
+      Case cs = shape;
+      cs.splits = splits;
+      check_case<c10::Half>(cs, 2 * 9.77e-4);
+      if (!quick) check_case<c10::BFloat16>(cs, 2 * 7.82e-3);
     }
   }
   std::printf(failures ? "%d failures\n" : "all passed\n", failures);
