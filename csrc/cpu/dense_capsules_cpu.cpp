@@ -39,6 +39,32 @@ struct VoteOperands {
         weight_t(weight.to(acc).permute({0, 3, 1, 2}).reshape({weight.size(0), weight.size(3), -1}).contiguous()) {}
 };
 
+// The votes of one element and input capsule: votes[c] = sum_k u[k] w[k * JD + c], c < JD.
+// kChains vectors of outputs at a time, so that as many FMA chains run side by side: one chain
+// (a vector summed over k) leaves the FMA units idle for its latency at every step.
+template <typename acc_t>
+inline void vote_row(const acc_t* u, const acc_t* w, int64_t Din, int64_t JD, acc_t* votes) {
+  constexpr int64_t W = cpu::Vec<acc_t>::size(), kChains = 4;
+  int64_t c0 = 0;
+  for (; c0 + kChains * W <= JD; c0 += kChains * W) {
+    cpu::Vec<acc_t> sum[kChains];
+    for (int64_t b = 0; b < kChains; ++b) sum[b] = cpu::Vec<acc_t>(acc_t(0));
+    for (int64_t k = 0; k < Din; ++k) {
+      const cpu::Vec<acc_t> u_k(u[k]);
+      for (int64_t b = 0; b < kChains; ++b)
+        sum[b] = at::vec::fmadd(u_k, cpu::Vec<acc_t>::loadu(w + k * JD + c0 + b * W), sum[b]);
+    }
+    for (int64_t b = 0; b < kChains; ++b) sum[b].store(votes + c0 + b * W);
+  }
+  for (; c0 < JD; c0 += W) {
+    const int64_t n = std::min(W, JD - c0);
+    cpu::Vec<acc_t> sum(acc_t(0));
+    for (int64_t k = 0; k < Din; ++k)
+      sum = at::vec::fmadd(cpu::Vec<acc_t>(u[k]), cpu::Vec<acc_t>::loadu(w + k * JD + c0, n), sum);
+    sum.store(votes + c0, n);
+  }
+}
+
 // Calls route(n0, T, slab) for consecutive tiles of elements [n0, n0 + T), in parallel, after
 // computing the tile's votes into slab (T, I, J*D).
 template <typename acc_t, typename F>
@@ -49,24 +75,13 @@ void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route
   const int64_t tile = std::max<int64_t>(std::min(kVoteSlabBytes / element_bytes, per_thread), 1);
   const acc_t* u = ops.u.const_data_ptr<acc_t>();
   const acc_t* w = ops.weight_t.const_data_ptr<acc_t>();
-  constexpr int64_t W = cpu::Vec<acc_t>::size();
   at::parallel_for(0, (B + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<acc_t[]> slab(new acc_t[tile * I * JD]);  // left uninitialised: every value is written
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, T = std::min(tile, B - n0);
       for (int64_t i = 0; i < I; ++i) {
-        const acc_t* w_i = w + i * Din * JD;
-        for (int64_t e = 0; e < T; ++e) {
-          const acc_t* u_ni = u + ((n0 + e) * I + i) * Din;
-          acc_t* votes = slab.get() + (e * I + i) * JD;
-          for (int64_t c0 = 0; c0 < JD; c0 += W) {  // a vector of vote values summed over k in a register
-            const int64_t n = std::min(W, JD - c0);
-            cpu::Vec<acc_t> sum(acc_t(0));
-            for (int64_t k = 0; k < Din; ++k)
-              sum = at::vec::fmadd(cpu::Vec<acc_t>(u_ni[k]), cpu::Vec<acc_t>::loadu(w_i + k * JD + c0, n), sum);
-            sum.store(votes + c0, n);
-          }
-        }
+        for (int64_t e = 0; e < T; ++e)
+          vote_row(u + ((n0 + e) * I + i) * Din, w + i * Din * JD, Din, JD, slab.get() + (e * I + i) * JD);
       }
       route(n0, T, slab.get());
     }
