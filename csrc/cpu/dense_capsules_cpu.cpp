@@ -1,6 +1,7 @@
 // dense_capsules on the CPU. The votes weight_ij @ u_i are computed a tile of batch elements at
 // a time into a slab of the thread's own, input capsule by input capsule so that weight_i
-// (Din x J*D values, 5 KB at MNIST's shape) stays in L1 while the tile's elements use it; each
+// (J*D x Din values, 5 KB at MNIST's shape), transposed once per tile, stays in L1 while the
+// tile's elements use it; each
 // element is then routed on its rows of the slab. The backward recomputes the slabs instead of
 // keeping votes from the forward, then, input capsule by input capsule, rebuilds each element's
 // vote gradient row from the routing state and contracts it with u_i and weight_i on the spot.
@@ -27,17 +28,31 @@ constexpr int64_t kVoteSlabBytes = 3 << 19;
 // Input capsules per task of the backward's contractions.
 constexpr int64_t kContractionGrain = 16;
 
-// The operands of the vote transform in the accumulation type: u (B, I, Din) and weight_t
-// (I, Din, J*D), so that the votes of element n and input capsule i are
-// sum_k u[n, i, k] weight_t[i, k].
+// The operands of the vote transform in the accumulation type, in their own layouts: u (B, I, Din)
+// and weight (I, J*D, Din), so that the votes of element n and input capsule i are
+// weight[i] @ u[n, i].
 struct VoteOperands {
-  at::Tensor u;         // (B, I, Din)
-  at::Tensor weight_t;  // (I, Din, J*D)
+  at::Tensor u;       // (B, I, Din)
+  at::Tensor weight;  // (I, J*D, Din)
 
-  VoteOperands(const at::Tensor& u_in, const at::Tensor& weight, at::ScalarType acc)
+  VoteOperands(const at::Tensor& u_in, const at::Tensor& weight_in, at::ScalarType acc)
       : u(u_in.to(acc).contiguous()),
-        weight_t(weight.to(acc).permute({0, 3, 1, 2}).reshape({weight.size(0), weight.size(3), -1}).contiguous()) {}
+        weight(weight_in.to(acc).contiguous().view({weight_in.size(0), -1, weight_in.size(3)})) {}
 };
+
+// weight_i (JD, Din) transposed into w_t (Din, JD), where the vote and input-gradient loops want
+// it: 8 x 8 blocks (in registers where at::vec has an AVX2 transpose) into a buffer that stays in
+// L1, instead of a transposed copy of the whole weight in memory.
+template <typename acc_t>
+void transpose_weight_rows(const acc_t* w_i, int64_t JD, int64_t Din, acc_t* w_t) {
+  int64_t c0 = 0;
+  for (; c0 + 8 <= JD; c0 += 8) {
+    int64_t k0 = 0;
+    for (; k0 + 8 <= Din; k0 += 8) at::vec::transpose_mxn<acc_t, 8, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
+    if (k0 < Din) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD, 8, Din - k0);
+  }
+  if (c0 < JD) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din, Din, w_t + c0, JD, JD - c0, Din);
+}
 
 // The votes of one element and input capsule: votes[c] = sum_k u[k] w[k * JD + c], c < JD.
 // kChains vectors of outputs at a time, so that as many FMA chains run side by side: one chain
@@ -74,14 +89,16 @@ void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route
   const int64_t per_thread = (B + at::get_num_threads() - 1) / at::get_num_threads();
   const int64_t tile = std::max<int64_t>(std::min(kVoteSlabBytes / element_bytes, per_thread), 1);
   const acc_t* u = ops.u.const_data_ptr<acc_t>();
-  const acc_t* w = ops.weight_t.const_data_ptr<acc_t>();
+  const acc_t* w = ops.weight.const_data_ptr<acc_t>();
   at::parallel_for(0, (B + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<acc_t[]> slab(new acc_t[tile * I * JD]);  // left uninitialised: every value is written
+    std::vector<acc_t> w_t(Din * JD);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, T = std::min(tile, B - n0);
       for (int64_t i = 0; i < I; ++i) {
+        transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
         for (int64_t e = 0; e < T; ++e)
-          vote_row(u + ((n0 + e) * I + i) * Din, w + i * Din * JD, Din, JD, slab.get() + (e * I + i) * JD);
+          vote_row(u + ((n0 + e) * I + i) * Din, w_t.data(), Din, JD, slab.get() + (e * I + i) * JD);
       }
       route(n0, T, slab.get());
     }
@@ -89,8 +106,8 @@ void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route
 }
 
 // The backward's contractions for input capsule i, from the vote gradient rows G (B, J*D) of
-// its elements: grad_weight_t[i, k] = sum_n u[n, i, k] G[n] and grad_u[n, i, k] = <weight_t[i, k],
-// G[n]>, for kRows values of k from k0 per call, their sums held in registers (a GEMM
+// its elements: grad_weight[i, :, k] = sum_n u[n, i, k] G[n] and grad_u[n, i, k] = <w_t[k], G[n]>
+// (w_t: weight_i transposed, (Din, J*D)), for kRows values of k from k0 per call, their sums held in registers (a GEMM
 // micro-kernel each). u_i and g_u_i step by u_stride from one element to the next; grad_weight's
 // row i is (J*D, Din), so the sums are written transposed.
 template <int kRows, typename acc_t>
@@ -114,7 +131,7 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
 }
 
 template <int kRows, typename acc_t>
-void input_grad_rows(const acc_t* G, const acc_t* w_i, int64_t B, int64_t u_stride, int64_t JD, int64_t k0,
+void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t u_stride, int64_t JD, int64_t k0,
                      acc_t* g_u_i) {
   constexpr int64_t W = cpu::Vec<acc_t>::size();
   for (int64_t e = 0; e < B; ++e) {
@@ -124,7 +141,7 @@ void input_grad_rows(const acc_t* G, const acc_t* w_i, int64_t B, int64_t u_stri
       const int64_t n = std::min(W, JD - c0);
       const cpu::Vec<acc_t> g = cpu::Vec<acc_t>::loadu(G + e * JD + c0, n);
       for (int r = 0; r < kRows; ++r)
-        sum[r] = at::vec::fmadd(cpu::Vec<acc_t>::loadu(w_i + (k0 + r) * JD + c0, n), g, sum[r]);
+        sum[r] = at::vec::fmadd(cpu::Vec<acc_t>::loadu(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
     }
     for (int r = 0; r < kRows; ++r)
       g_u_i[e * u_stride + k0 + r] = at::vec::vec_reduce_all<acc_t>(std::plus<cpu::Vec<acc_t>>(), sum[r]);
@@ -208,19 +225,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
       //    L2), contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
       //    and grad_u, so the sum over elements runs in order whatever the thread count.
       const acc_t* u = ops.u.const_data_ptr<acc_t>();
-      const acc_t* w = ops.weight_t.const_data_ptr<acc_t>();
+      const acc_t* w = ops.weight.const_data_ptr<acc_t>();
       acc_t* g_u = grad_u.mutable_data_ptr<acc_t>();
       acc_t* g_w = grad_weight.mutable_data_ptr<acc_t>();
       const int64_t u_stride = dims.I * Din;
       at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
         const Backward backward(dims, static_cast<acc_t>(eps), detach);
-        std::vector<acc_t> G(B * JD);
+        std::vector<acc_t> G(B * JD), w_t(Din * JD);
         for (int64_t i = begin; i < end; ++i) {
+          transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
           for (int64_t n = 0; n < B; ++n)
             backward.vote_grad_row(State(states_p + n * State::numel(dims), dims), i, G.data() + n * JD);
           for_each_row_block(Din, [&](auto rows, int64_t k0) {
             weight_grad_rows<decltype(rows)::value>(G.data(), u + i * Din, B, u_stride, Din, JD, k0, g_w + i * JD * Din);
-            input_grad_rows<decltype(rows)::value>(G.data(), w + i * Din * JD, B, u_stride, JD, k0, g_u + i * Din);
+            input_grad_rows<decltype(rows)::value>(G.data(), w_t.data(), B, u_stride, JD, k0, g_u + i * Din);
           });
         }
       });
