@@ -7,7 +7,7 @@ import torch
 
 import capsroute
 from capsroute import reference
-from helpers import CUDA, assert_rel_close
+from helpers import CUDA, DEVICES, assert_rel_close
 from op_db import DENSE_CAPSULES, dense_inputs
 
 
@@ -56,17 +56,16 @@ def test_matches_dynamic_routing_on_the_same_votes(device):
     assert_rel_close(capsroute.dense_capsules(u, weight, bias=bias), capsroute.dynamic_routing(votes, bias=bias), 1e-5)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_float16_backward_keeps_a_gradient_above_float16_range():
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_backward_keeps_a_gradient_above_float16_range(device):
     """The backward takes the incoming gradient in the accumulation dtype: a float32 gradient of
     1e5 (float16 tops out at 65504) for float16 inputs gives the float32 result, not inf. One
     iteration keeps the vote gradients c_ij gs_j (c = 1/J) well inside the float16 range."""
     B, I, J, D, Din = 2, 6, 16, 8, 4
     gen = torch.Generator().manual_seed(0)
-    u = torch.randn(B, I, Din, generator=gen).to("cuda", torch.float16)
-    weight = (0.5 * torch.randn(I, J, D, Din, generator=gen)).to("cuda", torch.float16)
-    grad_v = torch.randn(B, J, D, generator=gen).cuda()
+    u = torch.randn(B, I, Din, generator=gen).to(device, torch.float16)
+    weight = (0.5 * torch.randn(I, J, D, Din, generator=gen)).to(device, torch.float16)
+    grad_v = torch.randn(B, J, D, generator=gen).to(device)
     grad_v[0, 3, 2] = 1e5
     options = (False, False, 1e-8)  # leaky, detach, eps
     results = []

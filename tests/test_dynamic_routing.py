@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capsroute
-from helpers import CUDA, HAS_CUDA, assert_rel_close, randn
+from helpers import CUDA, DEVICES, assert_rel_close, randn
 from op_db import DYNAMIC_ROUTING
 
 OPTIONS = list(itertools.product([1, 2, 3], [False, True], [False, True], [False, True]))  # iters, leaky, detach, bias
@@ -101,16 +101,15 @@ def test_property_matches_reference(B, I, J, D, iters, leaky, scale, seed):
         assert_rel_close(a, e, 1e-9, name)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
-def test_float16_backward_keeps_a_gradient_above_float16_range():
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_backward_keeps_a_gradient_above_float16_range(device):
     """The backward takes the incoming gradient in the accumulation dtype: a float32 gradient of
     1e5 (float16 tops out at 65504) for float16 votes gives the float32 result, not inf. One
     iteration keeps every vote gradient c_ij gs_j (c = 1/J) well inside the float16 range."""
     B, I, J, D = 2, 6, 16, 8
     gen = torch.Generator().manual_seed(0)
-    votes = torch.randn(B, I, J, D, generator=gen).to("cuda", torch.float16)
-    grad_v = torch.randn(B, J, D, generator=gen).cuda()
+    votes = torch.randn(B, I, J, D, generator=gen).to(device, torch.float16)
+    grad_v = torch.randn(B, J, D, generator=gen).to(device)
     grad_v[0, 3, 2] = 1e5
     options = (False, False, 1e-8)  # leaky, detach, eps
     results = []

@@ -196,7 +196,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   const int64_t JD = dims.jd();
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
-  const at::Tensor grad_v = grad_v_in.to(u_in.scalar_type()).contiguous();
+  // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
+  const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   at::Tensor grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u_in.options().dtype(acc));
@@ -205,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     using State = cpu::BackwardState<acc_t>;
-    const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
+    const acc_t* g_v = grad_v.const_data_ptr<acc_t>();
     // The backward state of every element (about a third of the votes' size at iters = 3).
     at::Tensor states = at::empty({B, State::numel(dims)}, u_in.options().dtype(acc));
     acc_t* states_p = states.mutable_data_ptr<acc_t>();

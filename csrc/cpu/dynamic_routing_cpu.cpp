@@ -49,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
   const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
   const at::Tensor votes = votes_in.contiguous();
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
-  const at::Tensor grad_v = grad_v_in.to(votes.scalar_type()).contiguous();
+  // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
+  const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   at::Tensor grad_votes = at::empty_like(votes);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
@@ -58,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* u = votes.const_data_ptr<scalar_t>();
-    const scalar_t* g_v = grad_v.const_data_ptr<scalar_t>();
+    const acc_t* g_v = grad_v.const_data_ptr<acc_t>();
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
         cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, static_cast<acc_t>(eps), detach);
