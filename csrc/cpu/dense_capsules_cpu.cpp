@@ -107,9 +107,9 @@ void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route
 
 // The backward's contractions for input capsule i, from the vote gradient rows G (B, J*D) of
 // its elements: grad_weight[i, :, k] = sum_n u[n, i, k] G[n] and grad_u[n, i, k] = <w_t[k], G[n]>
-// (w_t: weight_i transposed, (Din, J*D)), for kRows values of k from k0 per call, their sums held in registers (a GEMM
-// micro-kernel each). u_i and g_u_i step by u_stride from one element to the next; grad_weight's
-// row i is (J*D, Din), so the sums are written transposed.
+// (w_t: weight_i transposed, (Din, J*D)), for kRows values of k from k0 per call, their sums
+// held in registers (a GEMM micro-kernel each). u_i and g_u_i step by u_stride from one element
+// to the next; grad_weight's row i is (J*D, Din), so the sums are written transposed.
 template <int kRows, typename acc_t>
 void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_stride, int64_t Din, int64_t JD,
                       int64_t k0, acc_t* g_w_i) {

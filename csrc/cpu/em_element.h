@@ -144,7 +144,8 @@ class EmBackward {
  public:
   EmBackward(const EmDims& d, double eps)
       : d_(d), eps_(eps), em_(d, eps), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
-        g_logit_(d.J), one_minus_sigmoid_(d.J), mass_(d.J), g_mass_(d.J), inv_var_(d.J * d.H), g_mu_M_(d.J * d.H), g_var_M_(d.J * d.H) {}
+        g_logit_(d.J), one_minus_sigmoid_(d.J), mass_(d.J), g_mass_(d.J), inv_var_(d.J * d.H), g_mu_M_(d.J * d.H),
+        g_var_M_(d.J * d.H) {}
 
   template <typename beta_t>
   void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
