@@ -3,8 +3,9 @@ csrc/cuda/routing_kernels.cuh and em_kernels.cuh on the host (a std::thread per 
 barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h) against the CPU
 backend's element code: both launch paths of dynamic routing (a block per element, and rows split
 over blocks, float16/bfloat16 storage included, through c10::Half/BFloat16 from torch's headers)
-and the EM forward and backward. CI has no GPU, so this is what checks the kernels'
-arithmetic, indexing and barriers there; the cuda-marked tests check them on a GPU."""
+and the EM forward and backward; and a ThreadSanitizer build of the same programs for data races
+(missing barriers). CI has no GPU, so this is what checks the kernels' arithmetic, indexing and
+barriers there; the cuda-marked tests check them on a GPU."""
 import os
 import shutil
 import subprocess
@@ -23,12 +24,12 @@ def build(tmp_path_factory):
         pytest.skip("no C++ compiler (CXX or g++) on PATH")
     out = tmp_path_factory.mktemp("emulator")
 
-    def compile_program(name: str) -> Path:
-        exe = out / name
+    def compile_program(name: str, flags: tuple[str, ...] = ("-O2",)) -> Path:
+        exe = out / (name + "".join(flags).replace("-", "_").replace("=", "_"))
         # torch's headers (header-only, nothing of torch is linked): at::vec for the CPU element code
         # (its portable implementation here), c10::Half / c10::BFloat16 for the half-precision cases.
         includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-        result = subprocess.run([compiler, "-std=c++20", "-O2", "-pthread", "-Wall", "-Wno-unknown-pragmas", *includes,
+        result = subprocess.run([compiler, "-std=c++20", *flags, "-pthread", "-Wall", "-Wno-unknown-pragmas", *includes,
                                  str(EMULATOR / f"{name}.cpp"), "-o", str(exe)], capture_output=True, text=True)
         assert result.returncode == 0, f"compiling tests/emulator/{name}.cpp failed:\n{result.stderr}"
         return exe
@@ -39,3 +40,15 @@ def build(tmp_path_factory):
 def test_cuda_kernels_match_the_cpu_code(build, program):
     run = subprocess.run([str(build(program))], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), run.stdout[-4000:] + run.stderr
+
+
+@pytest.mark.parametrize("program", ["routing_test", "em_test"])
+def test_cuda_kernels_have_no_data_race(build, program):
+    """The same kernels under ThreadSanitizer: every emulated CUDA thread is a thread it follows, so a
+    missing __syncthreads or a shared-memory slot two threads write shows as a data race. The tsan
+    mode runs every kernel once on a small shape (a TSan build is 5-15x slower)."""
+    exe = build(program, ("-O1", "-g", "-fsanitize=thread"))
+    env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
+    run = subprocess.run([str(exe), "tsan"], capture_output=True, text=True, timeout=1200, env=env)
+    assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), run.stdout[-4000:] + run.stderr[-2000:]
