@@ -24,8 +24,9 @@ def build(tmp_path_factory):
         pytest.skip("no C++ compiler (CXX or g++) on PATH")
     out = tmp_path_factory.mktemp("emulator")
 
-    def compile_program(name: str, flags: tuple[str, ...] = ("-O2",)) -> Path:
-        exe = out / (name + "".join(flags).replace("-", "_").replace("=", "_"))
+    def compile_program(name: str, thread_sanitizer: bool = False) -> Path:
+        exe = out / (name + ("-tsan" if thread_sanitizer else ""))
+        flags = ["-O1", "-g", "-fsanitize=thread"] if thread_sanitizer else ["-O2"]
         # torch's headers (header-only, nothing of torch is linked): at::vec for the CPU element code
         # (its portable implementation here), c10::Half / c10::BFloat16 for the half-precision cases.
         includes = [f"-I{path}" for path in cpp_extension.include_paths()]
@@ -47,7 +48,7 @@ def test_cuda_kernels_have_no_data_race(build, program):
     """The same kernels under ThreadSanitizer: every emulated CUDA thread is a thread it follows, so a
     missing __syncthreads or a shared-memory slot two threads write shows as a data race. The tsan
     mode runs every kernel once on a small shape (a TSan build is 5-15x slower)."""
-    exe = build(program, ("-O1", "-g", "-fsanitize=thread"))
+    exe = build(program, thread_sanitizer=True)
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
     run = subprocess.run([str(exe), "tsan"], capture_output=True, text=True, timeout=1200, env=env)
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
