@@ -14,4 +14,11 @@ def build_info():
     return info
 
 
-__all__ = ["build_info", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "squash"]
+def cuda_kernel_set() -> str:
+    """The CUDA kernel set the ops run: "v1" (the first kernels, the default) or "v2" (the roofline
+    redesign, so far dense_capsules only), from the environment variable CAPSROUTE_CUDA_KERNELS,
+    read at every call. Raises RuntimeError on any other value."""
+    return _C.cuda_kernel_set()
+
+
+__all__ = ["build_info", "cuda_kernel_set", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "squash"]

@@ -2,6 +2,8 @@
 // itself only reports how it was built.
 #include <pybind11/pybind11.h>
 
+#include "cuda/kernel_options.h"
+
 #ifndef CAPSROUTE_TORCH_VERSION
 #define CAPSROUTE_TORCH_VERSION "unknown"
 #endif
@@ -29,4 +31,6 @@ PYBIND11_MODULE(_C, m) {
     info["cpu_arch"] = CAPSROUTE_CPU_ARCH;  // -march of the C++ sources (setup.py)
     return info;
   });
+  // The CUDA kernel set the ops run now (CAPSROUTE_CUDA_KERNELS); raises on a bad value.
+  m.def("cuda_kernel_set", [] { return capsroute::cuda::kernel_set_name(capsroute::cuda::cuda_kernel_set()); });
 }

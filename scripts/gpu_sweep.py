@@ -3,9 +3,11 @@ at the sizes the test suite can't afford on a CPU (MNIST B = 1, 7, 512, 2048; I 
 EM at the conv-capsule shape B = 64 x 36), forward and every gradient; then float32 against the same
 float64 reference; then bitwise determinism (two float32 runs, outputs and gradients equal).
 
-    python scripts/gpu_sweep.py [--device cuda] [--quick] [--out DIR]
+    python scripts/gpu_sweep.py [--device cuda] [--quick] [--match TEXT] [--out DIR]
 
---quick shrinks every case (for a CPU check that the script itself works). Writes gpu-sweep.json
+--quick shrinks every case (for a CPU check that the script itself works); --match runs only the
+cases whose name contains TEXT (scripts/cuda_check.sh sweeps dense_capsules again with
+CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes gpu-sweep.json
 (one record per case and dtype: relative errors, pass/fail, determinism) to --out, prints a line per
 case, and exits 1 if any case fails.
 """
@@ -146,12 +148,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="small shapes (checks the script, not the kernels)")
+    p.add_argument("--match", default="", help="only the cases whose name contains this text")
     p.add_argument("--out", default=".", help="folder for gpu-sweep.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     records = []
     for name, build in cases(args.quick):
+        if args.match not in name:
+            continue
         for r in sweep_case(name, build, device):
             records.append(r)
             print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['case']:45s} {r['dtype']:8s} "
@@ -160,7 +165,8 @@ def main(argv=None) -> int:
     failed = [r for r in records if not r["passed"]]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"kind": "gpu-sweep", "device": device_name, "torch": torch.__version__,
-              "build": capsroute.build_info(), "quick": args.quick, "results": records}
+              "build": capsroute.build_info(), "cuda_kernels": capsroute.cuda_kernel_set(), "quick": args.quick,
+              "match": args.match, "results": records}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-sweep.json").write_text(json.dumps(report, indent=1))

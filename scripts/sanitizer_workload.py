@@ -28,15 +28,13 @@ def run(fn, inputs, grad):
     return [v.detach()] + list(torch.autograd.grad(v, leaves, grad.to(v.dtype)))
 
 
-# Dynamic routing, with the rows of each element in one block and (CAPSROUTE_ROUTING_SPLITS) in
-# ranges of one block each, more ranges than rows included.
-for dtype, (B, I, J, D, Din), leaky, detach, splits in itertools.product(
-        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-        [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)],
-        [False, True], [False, True], ["1", "3"]):
-    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
+ROUTING_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)]
+
+
+def check_routing_ops(dtype, shape, leaky, detach, label, ops=("dynamic_routing", "dense_capsules", "squash")):
+    B, I, J, D, Din = shape
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
-    label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach} splits={splits}"
+    label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach} {label}"
     votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
     bias = torch.randn(J, D, dtype=torch.float64) * 0.1
     u = torch.randn(B, I, Din, dtype=torch.float64)
@@ -46,12 +44,35 @@ for dtype, (B, I, J, D, Din), leaky, detach, splits in itertools.product(
     dense = lambda x, w, b: capsroute.dense_capsules(x, w, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
     for name, fn, inputs in [("dynamic_routing", routing, (votes, bias)), ("dense_capsules", dense, (u, weight, bias)),
                              ("squash", capsroute.squash, (votes[:, 0],))]:
+        if name not in ops:
+            continue
         g = grad if name != "squash" else torch.randn_like(votes[:, 0])
         cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
         cpu_out = run(fn, [t.to(dtype).double() for t in inputs], g)  # CPU float64 on the same rounded values
         check(f"{name} {label}", cuda_out, cpu_out, tol)
 
+
+# Dynamic routing, with the rows of each element in one block and (CAPSROUTE_ROUTING_SPLITS) in
+# ranges of one block each, more ranges than rows included.
+for dtype, shape, leaky, detach, splits in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16], ROUTING_SHAPES, [False, True], [False, True],
+        ["1", "3"]):
+    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
+    check_routing_ops(dtype, shape, leaky, detach, f"splits={splits}")
 os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
+
+# dense_capsules on the v2 kernel set (the votes of a chunk of the batch as one batched GEMM): the
+# whole batch in one chunk and (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one included.
+os.environ["CAPSROUTE_CUDA_KERNELS"] = "v2"
+for dtype, shape, detach, chunk in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16], ROUTING_SHAPES, [False, True], [None, "2"]):
+    if chunk is None:
+        os.environ.pop("CAPSROUTE_DENSE_CHUNK", None)
+    else:
+        os.environ["CAPSROUTE_DENSE_CHUNK"] = chunk
+    check_routing_ops(dtype, shape, True, detach, f"kernels=v2 chunk={chunk}", ops=("dense_capsules",))
+for name in ("CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_DENSE_CHUNK"):
+    os.environ.pop(name, None)
 
 # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
 for dtype, (B, I, J, H), iters in itertools.product(

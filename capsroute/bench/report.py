@@ -82,7 +82,8 @@ def format_table(report: dict) -> str:
 
     title = (f"device {report['device']}  torch {report['torch']}  commit {report['commit'][:12]}  "
              f"dtype {report['dtype']}  iters {report['iters']}  threads {report['threads']}"
-             + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else ""))
+             + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else "")
+             + (f"  CUDA kernels {report['cuda_kernels']}" if report["device"] != "cpu" and "cuda_kernels" in report else ""))
     if report.get("bandwidth_gbs") is not None:
         title += (f"\nfloor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak "
                   f"{report['peak_tflops']:.2f} TFLOP/s; floor ms and x floor are for forward+backward")

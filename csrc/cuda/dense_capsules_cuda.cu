@@ -1,19 +1,55 @@
-// dense_capsules on CUDA: the shared routing kernels over votes_ij = weight_ij @ u_i, computed
-// on the fly (DenseVotes); neither the votes nor their gradient is ever stored. The backward
-// contracts the vote gradient of the saved state with weight (grad_u) and with u (grad_weight,
-// a deterministic loop over the batch, no atomics).
+// dense_capsules on CUDA, two kernel sets (CAPSROUTE_CUDA_KERNELS, kernel_options.h):
+//   v1: the shared routing kernels over votes_ij = weight_ij @ u_i computed on the fly
+//       (DenseVotes); neither the votes nor their gradient is ever stored. The backward contracts
+//       the vote gradient of the saved state with weight (grad_u) and with u (grad_weight, a
+//       deterministic loop over the batch, no atomics).
+//   v2: a chunk of the batch at a time, its votes as one batched GEMM into an L2-sized workspace
+//       (kDenseChunkBytes; never the whole batch's votes), the routing kernels over those stored
+//       votes (MemoryVotes), and the backward's contractions as batched GEMMs over the chunk's
+//       written vote gradient. The GEMMs follow torch's float32 matmul precision (TF32 only if
+//       the user allows it, torch.backends.cuda.matmul.allow_tf32).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "../common/checks.h"
-#include "routing_launch.cuh"
 #include "host_checks.cuh"
+#include "kernel_options.h"
+#include "routing_launch.cuh"
 
 namespace capsroute {
 namespace cuda {
 namespace {
+
+// v2: the vote workspace of a chunk, in the accumulation dtype: sized so that the votes the GEMM
+// writes are still in L2 (50 MB on an H100, 40 MB on an A100) when the routing iterations read
+// them, as the CPU backend keeps a tile's votes in its L2. 32 MiB is 45 MNIST elements
+// (I = 1152, J = 10, D = 16, float32), which the row-range split spreads over 405 blocks.
+constexpr int64_t kDenseChunkBytes = int64_t(32) << 20;
+
+// v2: elements per chunk (CAPSROUTE_DENSE_CHUNK=N forces N, for the tests).
+int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
+  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_DENSE_CHUNK")) return *forced;
+  const int64_t per_element = std::max<int64_t>(1, dims.I * dims.J * dims.D * acc_bytes);
+  return std::max<int64_t>(1, kDenseChunkBytes / per_element);
+}
+
+// votes (Bc, I, J, D) = weight_ij @ u_bi for the chunk's u (Bc, I, Din): one GEMM per input
+// capsule, (Bc, Din) x (Din, J*D), written through a transposed view (cuBLAS takes the strides).
+void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::Tensor& votes) {
+  const int64_t I = weight.size(0), JD = weight.size(1) * weight.size(2), Din = weight.size(3);
+  at::Tensor votes_by_row = votes.view({u_chunk.size(0), I, JD}).transpose(0, 1);
+  at::bmm_out(votes_by_row, u_chunk.transpose(0, 1), weight.view({I, JD, Din}).transpose(1, 2));
+}
+
+// The chunks [b0, b0 + Bc) of a batch of B.
+template <typename Body>
+void for_each_chunk(int64_t B, int64_t chunk, Body&& body) {
+  for (int64_t b0 = 0; b0 < B; b0 += chunk) body(b0, std::min(chunk, B - b0));
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Tensor& u_in, const at::Tensor& weight_in,
                                                                    const std::optional<at::Tensor>& bias_in,
@@ -32,11 +68,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Ten
   at::Tensor s_hist = at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
   if (dims.B == 0) return {v, c, s_hist};
 
+  const KernelSet kernels = cuda_kernel_set();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
-                                          dims.J * dims.D, Din};
-    launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, dims, eps, s_hist, v, c);
+    const scalar_t* bias_ptr = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+    if (kernels == KernelSet::v1) {
+      const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
+                                            dims.J * dims.D, Din};
+      launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c);
+      return;
+    }
+    const at::Tensor u_acc = u.to(s_hist.scalar_type()), weight_acc = weight.to(s_hist.scalar_type());
+    const int64_t chunk = std::min(dims.B, dense_chunk(dims, sizeof(acc_t)));
+    at::Tensor votes_ws = at::empty({chunk, dims.I, dims.J, dims.D}, s_hist.options());
+    for_each_chunk(dims.B, chunk, [&](int64_t b0, int64_t Bc) {
+      at::Tensor votes = votes_ws.narrow(0, 0, Bc);
+      dense_votes_into(u_acc.narrow(0, b0, Bc), weight_acc, votes);
+      RoutingDims chunk_dims = dims;
+      chunk_dims.B = Bc;
+      at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc), c_chunk = c.narrow(0, b0, Bc);
+      launch_routing_forward(MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), dims.I, dims.J * dims.D},
+                             bias_ptr, chunk_dims, eps, s_chunk, v_chunk, c_chunk);
+    });
   });
   return {v, c, s_hist};
 }
@@ -64,7 +117,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
 
-  if (B > 0) {
+  if (B > 0 && cuda_kernel_set() == KernelSet::v2) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const int64_t I = dims.I, JD = dims.J * dims.D;
+      const at::Tensor u_acc = u.to(acc), weight_acc = weight.to(acc);
+      at::Tensor grad_u_acc = at::empty({B, I, Din}, u.options().dtype(acc));
+      at::Tensor grad_weight_acc = at::zeros({I, JD, Din}, u.options().dtype(acc));
+      const int64_t chunk = std::min(B, dense_chunk(dims, sizeof(acc_t)));
+      // One workspace per chunk: the votes while the routing kernels read them, then (stream
+      // order) their gradient, written from the saved state.
+      at::Tensor votes_ws = at::empty({chunk, I, dims.J, dims.D}, u.options().dtype(acc));
+      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+      for_each_chunk(B, chunk, [&](int64_t b0, int64_t Bc) {
+        at::Tensor votes = votes_ws.narrow(0, 0, Bc);
+        const at::Tensor u_chunk = u_acc.narrow(0, b0, Bc);
+        dense_votes_into(u_chunk, weight_acc, votes);
+        RoutingDims chunk_dims = dims;
+        chunk_dims.B = Bc;
+        at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
+        const BackwardBuffers<acc_t> buf = launch_routing_backward(
+            MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
+            grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
+            grad_bias_chunk);
+        if (votes.numel() > 0) {
+          write_vote_grad_kernel<acc_t, acc_t><<<blocks_for(votes.numel()), kBlockThreads, 0, stream>>>(
+              buf.state, Bc, votes.mutable_data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T @ u_i.
+        const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);
+        at::Tensor grad_u_by_row = grad_u_acc.narrow(0, b0, Bc).transpose(0, 1);
+        at::bmm_out(grad_u_by_row, grad_votes, weight_acc.view({I, JD, Din}));
+        grad_weight_acc.baddbmm_(grad_votes.transpose(1, 2), u_chunk.transpose(0, 1));
+      });
+      grad_u.copy_(grad_u_acc);
+      grad_weight.copy_(grad_weight_acc.view_as(weight));
+    });
+  } else if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,

@@ -27,13 +27,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <optional>
 #include <tuple>
 
 #include "../common/checks.h"
 #include "em_launch.cuh"
 #include "em_kernels.cuh"
 #include "host_checks.cuh"
+#include "kernel_options.h"
 
 namespace capsroute {
 namespace cuda {
@@ -43,11 +44,7 @@ constexpr int64_t kPoseBackwardChunkBytes = int64_t(256) << 20;
 
 // Batch elements per chunk of the backward (>= 1; see the top of the file).
 int64_t pose_backward_chunk(const EmDims& dims, int64_t acc_bytes) {
-  if (const char* forced = std::getenv("CAPSROUTE_EM_POSE_BACKWARD_CHUNK")) {
-    const int64_t n = std::atoll(forced);
-    TORCH_CHECK(n >= 1, "capsroute: CAPSROUTE_EM_POSE_BACKWARD_CHUNK must be a positive integer, got '", forced, "'");
-    return n;
-  }
+  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_EM_POSE_BACKWARD_CHUNK")) return *forced;
   // Per element: g_V (16 I J), R_hist and g_R ((iters + 1) I J), and the (J)- and (J, H)-sized rest.
   const int64_t values = dims.I * dims.J * (kPoseSize + dims.iters + 1) + dims.J * (dims.iters + 2 * kPoseSize + 3);
   return std::max<int64_t>(1, kPoseBackwardChunkBytes / std::max<int64_t>(1, values * acc_bytes));

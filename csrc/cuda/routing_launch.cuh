@@ -6,10 +6,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
+#include <optional>
 
-#include "routing_kernels.cuh"
 #include "host_checks.cuh"
+#include "kernel_options.h"
+#include "routing_kernels.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -21,13 +22,7 @@ constexpr int64_t kBlocksPerSm = 4;
 constexpr int64_t kMinSplitTiles = 4;
 
 inline int64_t routing_splits(const RoutingDims& dims) {
-  if (const char* forced = std::getenv("CAPSROUTE_ROUTING_SPLITS")) {
-    char* end = nullptr;
-    const long long n = std::strtoll(forced, &end, 10);
-    TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: CAPSROUTE_ROUTING_SPLITS must be an integer >= 1, got '",
-                forced, "'");
-    return n;
-  }
+  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_ROUTING_SPLITS")) return *forced;
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -6,6 +6,7 @@
 // block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), in
 // float64 and float32, and float16/bfloat16 storage with float accumulation as the extension
 // instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real ones),
+// also with votes in the accumulation dtype as dense_capsules' v2 kernel set stores them,
 // including J * D > 256 (a thread owning several columns). Workspaces and outputs start as NaN,
 // so a value the kernels forget to write shows. Prints one line per failure; exits 1 if there is any.
 //   routing_test [quick | tsan]
@@ -205,6 +206,19 @@ void check_case(const Case& cs, double tol) {
                        emu_launch(2, kBlockThreads, write_vote_grad_kernel<S, A>, st, cs.B, grad_votes.data());
                      compare(label, "grad_votes", grad_votes, from_votes.grad_votes, tol);
                    });
+
+  if constexpr (!std::is_same_v<S, A>) {
+    // dense_capsules' v2 kernel set: votes (and their gradient) in the accumulation dtype,
+    // outputs in the storage dtype.
+    const std::vector<A> votes_a = cast<A>(votes);
+    check_kernels<S>(label, cs, MemoryVotes<A, A>{votes_a.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol,
+                     [&](const BackwardState<A>& st) {
+                       std::vector<A> grad_votes = nans<A>(cs.B * cs.I * JD);
+                       if (!grad_votes.empty())
+                         emu_launch(2, kBlockThreads, write_vote_grad_kernel<A, A>, st, cs.B, grad_votes.data());
+                       compare(label, "grad_votes (accumulation dtype)", grad_votes, from_votes.grad_votes, tol);
+                     });
+  }
 
   std::vector<double> dense_votes(cs.B * cs.I * JD, 0.0);
   for (int64_t b = 0; b < cs.B; ++b)

@@ -1,0 +1,44 @@
+// The environment switches of the CUDA kernels, read at every call (the tests flip them), plain
+// C++ so that the extension module can report them (capsroute.cuda_kernel_set()).
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+namespace capsroute {
+namespace cuda {
+
+// A count forced through the environment variable `name` (an integer >= 1), or nullopt if unset.
+inline std::optional<int64_t> forced_count(const char* name) {
+  const char* forced = std::getenv(name);
+  if (forced == nullptr) return std::nullopt;
+  char* end = nullptr;
+  const long long n = std::strtoll(forced, &end, 10);
+  TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: ", name, " must be an integer >= 1, got '", forced,
+              "'");
+  return n;
+}
+
+// CAPSROUTE_CUDA_KERNELS picks the kernel set until a GPU has measured both (bench/NOTES.md, GPU):
+//   v1 (default): the first kernels; dense_capsules recomputes every vote from the weight in
+//       every pass and never stores one.
+//   v2: the roofline redesign, so far dense_capsules only: the votes of a chunk of the batch as
+//       one batched GEMM into an L2-sized workspace, the routing kernels over those stored votes,
+//       and the backward's contractions as batched GEMMs (section 3).
+enum class KernelSet { v1, v2 };
+
+inline KernelSet cuda_kernel_set() {
+  const char* name = std::getenv("CAPSROUTE_CUDA_KERNELS");
+  if (name == nullptr || std::strcmp(name, "v1") == 0) return KernelSet::v1;
+  TORCH_CHECK(std::strcmp(name, "v2") == 0, "capsroute: CAPSROUTE_CUDA_KERNELS must be v1 or v2, got '", name, "'");
+  return KernelSet::v2;
+}
+
+inline const char* kernel_set_name(KernelSet set) { return set == KernelSet::v1 ? "v1" : "v2"; }
+
+}  // namespace cuda
+}  // namespace capsroute
