@@ -181,6 +181,24 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   check_vote_grad(st);
 }
 
+// Votes read from memory in type V, their gradient written in V (V = S as dynamic_routing, or
+// V = the accumulation dtype as dense_capsules' v2 kernel set), outputs in S.
+template <typename S, typename V>
+void check_memory_votes(const char* label, const Case& cs, const std::vector<double>& votes,
+                        const std::vector<double>& bias, const std::vector<double>& grad_v, const Expected& want,
+                        double eps, double tol) {
+  using A = acc_of<S>;
+  const std::vector<V> votes_v = cast<V>(votes);
+  check_kernels<S>(label, cs, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D}, bias, grad_v, want, eps, tol,
+                   [&](const BackwardState<A>& st) {
+                     std::vector<V> grad_votes = nans<V>(votes.size());
+                     if (!grad_votes.empty())
+                       emu_launch(2, kBlockThreads, write_vote_grad_kernel<V, A>, st, cs.B, grad_votes.data());
+                     compare(label, std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)", grad_votes,
+                             want.grad_votes, tol);
+                   });
+}
+
 template <typename S>
 void check_case(const Case& cs, double tol) {
   using A = acc_of<S>;
@@ -197,28 +215,10 @@ void check_case(const Case& cs, double tol) {
                 dtype_name<S>(), long(cs.B), long(cs.I), long(cs.J), long(cs.D), long(cs.Din),
                 long(cs.iters), cs.leaky, cs.detach, cs.bias, long(cs.splits));
 
-  const std::vector<S> votes_s = cast<S>(votes);
   const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
-  check_kernels<S>(label, cs, MemoryVotes<S, A>{votes_s.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol,
-                   [&](const BackwardState<A>& st) {
-                     std::vector<S> grad_votes = nans<S>(cs.B * cs.I * JD);
-                     if (!grad_votes.empty())
-                       emu_launch(2, kBlockThreads, write_vote_grad_kernel<S, A>, st, cs.B, grad_votes.data());
-                     compare(label, "grad_votes", grad_votes, from_votes.grad_votes, tol);
-                   });
-
-  if constexpr (!std::is_same_v<S, A>) {
-    // dense_capsules' v2 kernel set: votes (and their gradient) in the accumulation dtype,
-    // outputs in the storage dtype.
-    const std::vector<A> votes_a = cast<A>(votes);
-    check_kernels<S>(label, cs, MemoryVotes<A, A>{votes_a.data(), cs.I, JD}, bias, grad_v, from_votes, eps, tol,
-                     [&](const BackwardState<A>& st) {
-                       std::vector<A> grad_votes = nans<A>(cs.B * cs.I * JD);
-                       if (!grad_votes.empty())
-                         emu_launch(2, kBlockThreads, write_vote_grad_kernel<A, A>, st, cs.B, grad_votes.data());
-                       compare(label, "grad_votes (accumulation dtype)", grad_votes, from_votes.grad_votes, tol);
-                     });
-  }
+  check_memory_votes<S, S>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
+  // dense_capsules' v2 kernel set: votes (and their gradient) in the accumulation dtype.
+  if constexpr (!std::is_same_v<S, A>) check_memory_votes<S, A>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
 
   std::vector<double> dense_votes(cs.B * cs.I * JD, 0.0);
   for (int64_t b = 0; b < cs.B; ++b)
