@@ -1,5 +1,5 @@
 // Host side of the routing kernels: how many row ranges per element (routing_splits), the
-// workspaces, and the launch sequences of the forward and the backward on the current stream.
+// workspaces, and the launch sequences of routing_sequence.cuh on the current stream.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +11,7 @@
 #include "host_checks.cuh"
 #include "kernel_options.h"
 #include "routing_kernels.cuh"
+#include "routing_sequence.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -32,6 +33,17 @@ inline int64_t routing_splits(const RoutingDims& dims) {
   return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(dims.B, 1)), max_splits);
 }
 
+// Launches a kernel on `blocks` blocks of kBlockThreads threads on `stream`, checked: the launch
+// of the sequences in routing_sequence.cuh.
+struct StreamLaunch {
+  cudaStream_t stream;
+  template <typename... Params, typename... Args>
+  void operator()(void (*kernel)(Params...), unsigned int blocks, const Args&... args) const {
+    kernel<<<blocks, kBlockThreads, 0, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
 template <typename Source, typename scalar_t>
 void launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
@@ -43,25 +55,11 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
   at::Tensor v_ws = at::empty({dims.B, dims.J, dims.D}, acc_options);
   const ForwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), coupling.mutable_data_ptr<acc_t>(),
                                    v_ws.mutable_data_ptr<acc_t>()};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t splits = routing_splits(dims);
-  if (splits == 1) {
-    routing_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-        src, bias, dims, static_cast<acc_t>(eps), ws, s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
-        c.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  at::Tensor partial = at::empty({dims.B, splits, dims.J, dims.D}, acc_options);
-  for (int64_t r = 0; r < dims.iters; ++r) {
-    routing_forward_rows_kernel<Source, scalar_t><<<blocks_for_items(dims.B * splits), kBlockThreads, 0, stream>>>(
-        src, dims, splits, r, ws, c.mutable_data_ptr<scalar_t>(), partial.mutable_data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    routing_forward_reduce_kernel<scalar_t, acc_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), splits, bias, dims, r, static_cast<acc_t>(eps), ws.v,
-        s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  at::Tensor partial = splits > 1 ? at::empty({dims.B, splits, dims.J, dims.D}, acc_options) : at::Tensor();
+  run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims, static_cast<acc_t>(eps), splits,
+                      ws, splits > 1 ? partial.mutable_data_ptr<acc_t>() : nullptr, s_hist.mutable_data_ptr<acc_t>(),
+                      v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
 }
@@ -104,35 +102,13 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   at::Tensor logits = at::empty({B, I, J}, acc_options);
   at::Tensor gv = at::empty({B, J, D}, acc_options);
   const BackwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), gv.mutable_data_ptr<acc_t>()};
-  const acc_t* s = s_hist.const_data_ptr<acc_t>();
-  acc_t* grad_bias = grad_bias_items.mutable_data_ptr<acc_t>();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t splits = routing_splits(dims);
-  if (splits == 1) {
-    routing_backward_kernel<Source><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-        src, grad_v, s, dims, static_cast<acc_t>(eps), st, ws, grad_bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
-  }
-  routing_backward_start_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-      grad_v, s, dims, static_cast<acc_t>(eps), st, ws.gv);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  routing_coupling_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(
-      src, dims, splits, st, ws.logits);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (R - 1 == first_r) {
-    routing_sum_gs_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(dims, st, grad_bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  at::Tensor partial = R - 1 > first_r ? at::empty({B, splits, J, D}, acc_options) : at::Tensor();
-  for (int64_t r = R - 1; r > first_r; --r) {
-    routing_backward_rows_kernel<Source><<<blocks_for_items(B * splits), kBlockThreads, 0, stream>>>(
-        src, dims, splits, r, st, partial.mutable_data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    routing_backward_reduce_kernel<acc_t><<<blocks_for_items(B), kBlockThreads, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), splits, s, dims, r, static_cast<acc_t>(eps), st, ws.gv, grad_bias);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  const bool walks_back = splits > 1 && R - 1 > first_r;
+  at::Tensor partial = walks_back ? at::empty({B, splits, J, D}, acc_options) : at::Tensor();
+  run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v, s_hist.const_data_ptr<acc_t>(),
+                       dims, static_cast<acc_t>(eps), splits, st, ws,
+                       walks_back ? partial.mutable_data_ptr<acc_t>() : nullptr,
+                       grad_bias_items.mutable_data_ptr<acc_t>());
   return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
 }
 

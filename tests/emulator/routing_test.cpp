@@ -27,12 +27,22 @@
 
 #include "../../csrc/cpu/routing_element.h"
 #include "../../csrc/cuda/routing_kernels.cuh"
+#include "../../csrc/cuda/routing_sequence.cuh"
 #include "../../csrc/cuda/squash_kernels.cuh"
 
 using namespace capsroute;
 using namespace capsroute::cuda;
 
 namespace {
+
+// The `launch` of routing_sequence.cuh: the kernel on the host, on at most max_blocks blocks.
+struct EmuLaunch {
+  unsigned max_blocks;
+  template <typename Kernel, typename... Args>
+  void operator()(Kernel kernel, unsigned blocks, const Args&... args) const {
+    emu_launch(std::min(blocks, max_blocks), kBlockThreads, kernel, args...);
+  }
+};
 
 std::mt19937_64 rng(1234);
 int failures = 0;
@@ -118,9 +128,10 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std
   return e;
 }
 
-// The launch sequence of launch_routing_forward / launch_routing_backward (routing_launch.cuh),
-// with splits given, checking v, c, s_hist and grad_bias_items; then check_vote_grad(state)
-// checks what the op's own kernels make of the saved state.
+// The launch sequences the ops run (routing_sequence.cuh, on at most cs.grid blocks so that the
+// kernels' grid-stride loops are exercised), with splits given, checking v, c, s_hist and
+// grad_bias_items; then check_vote_grad(state) checks what the op's own kernels make of the saved
+// state.
 template <typename S, typename Source, typename CheckVoteGrad>
 void check_kernels(const char* label, const Case& cs, const Source& src, const std::vector<double>& bias_d,
                    const std::vector<double>& grad_v_d, const Expected& want, double eps, double tol,
@@ -138,17 +149,8 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   std::vector<A> s_hist = nans<A>(B * R * JD), partial = nans<A>(B * cs.splits * JD);
   std::vector<S> v = nans<S>(B * JD), c = nans<S>(B * I * J);
   const ForwardWorkspace<A> fws{logits.data(), coupling.data(), v_ws.data()};
-  if (cs.splits == 1) {
-    emu_launch(grid, kBlockThreads, routing_forward_kernel<Source, S>, src, bias, dims, A(eps), fws, s_hist.data(),
-               v.data(), c.data());
-  } else {
-    for (int64_t r = 0; r < R; ++r) {
-      emu_launch(grid, kBlockThreads, routing_forward_rows_kernel<Source, S>, src, dims, cs.splits, r, fws, c.data(),
-                 partial.data());
-      emu_launch(grid, kBlockThreads, routing_forward_reduce_kernel<S, A>, static_cast<const A*>(partial.data()),
-                 cs.splits, bias, dims, r, A(eps), v_ws.data(), s_hist.data(), v.data());
-    }
-  }
+  const EmuLaunch launch{cs.grid};
+  run_routing_forward(launch, src, bias, dims, A(eps), cs.splits, fws, partial.data(), s_hist.data(), v.data(), c.data());
   compare(label, "v", v, want.v, tol);
   compare(label, "c", c, want.c, tol);
   compare(label, "s_hist", s_hist, want.s_hist, tol);
@@ -162,21 +164,8 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
                             first_r, nkeep};
   const BackwardWorkspace<A> bws{logits.data(), gv.data()};
   std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
-  if (cs.splits == 1) {
-    emu_launch(grid, kBlockThreads, routing_backward_kernel<Source>, src, grad_v.data(),
-               static_cast<const A*>(s_hist.data()), dims, A(eps), st, bws, grad_bias_items.data());
-  } else {
-    emu_launch(grid, kBlockThreads, routing_backward_start_kernel<A>, grad_v.data(),
-               static_cast<const A*>(s_hist.data()), dims, A(eps), st, gv.data());
-    emu_launch(grid, kBlockThreads, routing_coupling_rows_kernel<Source>, src, dims, cs.splits, st, logits.data());
-    if (R - 1 == first_r) emu_launch(grid, kBlockThreads, routing_sum_gs_kernel<A>, dims, st, grad_bias_items.data());
-    for (int64_t r = R - 1; r > first_r; --r) {
-      emu_launch(grid, kBlockThreads, routing_backward_rows_kernel<Source>, src, dims, cs.splits, r, st, partial.data());
-      emu_launch(grid, kBlockThreads, routing_backward_reduce_kernel<A>, static_cast<const A*>(partial.data()),
-                 cs.splits, static_cast<const A*>(s_hist.data()), dims, r, A(eps), st, gv.data(),
-                 grad_bias_items.data());
-    }
-  }
+  run_routing_backward(launch, src, grad_v.data(), static_cast<const A*>(s_hist.data()), dims, A(eps), cs.splits, st, bws,
+                       partial.data(), grad_bias_items.data());
   compare(label, "grad_bias_items", grad_bias_items, want.grad_bias_items, tol);
   check_vote_grad(st);
 }
