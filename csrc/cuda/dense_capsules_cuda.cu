@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
       // One workspace per chunk: the votes while the routing kernels read them, then (stream
       // order) their gradient, written from the saved state.
       at::Tensor votes_ws = at::empty({chunk, I, dims.J, dims.D}, u.options().dtype(acc));
-      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+      const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
       for_each_chunk(B, chunk, [&](int64_t b0, int64_t Bc) {
         at::Tensor votes = votes_ws.narrow(0, 0, Bc);
         const at::Tensor u_chunk = u_acc.narrow(0, b0, Bc);
@@ -140,11 +140,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
             MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
             grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
             grad_bias_chunk);
-        if (votes.numel() > 0) {
-          write_vote_grad_kernel<acc_t, acc_t><<<blocks_for(votes.numel()), kBlockThreads, 0, stream>>>(
-              buf.state, Bc, votes.mutable_data_ptr<acc_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
+        if (votes.numel() > 0)
+          launch(write_vote_grad_kernel<acc_t, acc_t>, blocks_for(votes.numel()), buf.state, Bc,
+                 votes.mutable_data_ptr<acc_t>());
         // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T @ u_i.
         const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);
         at::Tensor grad_u_by_row = grad_u_acc.narrow(0, b0, Bc).transpose(0, 1);
@@ -161,19 +159,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
                                             dims.J * dims.D, Din};
       const BackwardBuffers<acc_t> buf =
           launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
-      const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-      const int64_t n_u = grad_u.numel();
-      if (n_u > 0) {
-        dense_grad_u_kernel<scalar_t, acc_t><<<blocks_for(n_u), kBlockThreads, 0, stream>>>(
-            buf.state, weight.const_data_ptr<scalar_t>(), B, Din, grad_u.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      const int64_t n_w = grad_weight.numel();
-      if (n_w > 0) {
-        dense_grad_weight_kernel<scalar_t, acc_t><<<blocks_for(n_w), kBlockThreads, 0, stream>>>(
-            buf.state, u.const_data_ptr<scalar_t>(), B, Din, grad_weight.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
+      if (grad_u.numel() > 0)
+        launch(dense_grad_u_kernel<scalar_t, acc_t>, blocks_for(grad_u.numel()), buf.state,
+               weight.const_data_ptr<scalar_t>(), B, Din, grad_u.mutable_data_ptr<scalar_t>());
+      if (grad_weight.numel() > 0)
+        launch(dense_grad_weight_kernel<scalar_t, acc_t>, blocks_for(grad_weight.numel()), buf.state,
+               u.const_data_ptr<scalar_t>(), B, Din, grad_weight.mutable_data_ptr<scalar_t>());
     });
   }
   return {grad_u, grad_weight, grad_bias_items.sum(0).to(u.scalar_type())};

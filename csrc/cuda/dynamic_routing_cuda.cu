@@ -62,12 +62,9 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
       const BackwardBuffers<acc_t> buf =
           launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
       const int64_t n = grad_votes.numel();
-      if (n > 0) {
-        const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-        write_vote_grad_kernel<scalar_t, acc_t><<<blocks_for(n), kBlockThreads, 0, stream>>>(
-            buf.state, B, grad_votes.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      if (n > 0)
+        StreamLaunch{c10::cuda::getCurrentCUDAStream()}(write_vote_grad_kernel<scalar_t, acc_t>, blocks_for(n), buf.state,
+                                                        B, grad_votes.mutable_data_ptr<scalar_t>());
     });
   }
   return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};

@@ -1,6 +1,6 @@
 // Host-side setup shared by the EM routing CUDA ops (em_routing_cuda.cu and
-// em_routing_pose_cuda.cu): the launches of the kernels of em_kernels.cuh with their
-// workspaces, the forward's outputs, the backward's device checks and conversions to the
+// em_routing_pose_cuda.cu): the launch sequences of em_sequence.cuh on the current stream with
+// their workspaces, the forward's outputs, the backward's device checks and conversions to the
 // accumulation dtype, its accumulation buffers and the batch sum of the beta gradients.
 // The callers hold a c10::cuda::CUDAGuard on the device of `ref` while these run.
 #pragma once
@@ -12,7 +12,9 @@
 
 #include "../common/checks.h"
 #include "em_kernels.cuh"
+#include "em_sequence.cuh"
 #include "host_checks.cuh"
+#include "stream_launch.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -29,11 +31,8 @@ void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* 
   at::Tensor norm = at::empty({dims.B, dims.J}, acc_options);
   const EmForwardWorkspace<acc_t> ws{R.mutable_data_ptr<acc_t>(), mass.mutable_data_ptr<acc_t>(),
                                      norm.mutable_data_ptr<acc_t>()};
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  em_forward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-      src, a_in, beta_u, beta_a, dims, static_cast<acc_t>(eps), ws, stats.mutable_data_ptr<acc_t>(),
-      pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  run_em_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, beta_a, dims, static_cast<acc_t>(eps),
+                 ws, stats.mutable_data_ptr<acc_t>(), pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernel, so reusing them is safe.
 }
@@ -69,22 +68,6 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, const at::
   return buf;
 }
 
-// Launches em_backward_kernel on the current stream over dims.B > 0 elements whose inputs and
-// outputs start at the given pointers (a chunk of a larger batch: pass pointers offset to its
-// first element and a source whose element 0 is that element). ws holds at least dims.B elements.
-template <typename Source, typename scalar_t>
-void launch_em_backward_kernel(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
-                               const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
-                               const typename Source::acc_type* grad_a_out, const EmDims& dims, double eps,
-                               const EmBackwardWorkspace<typename Source::acc_type>& ws,
-                               const EmGrads<typename Source::acc_type>& out) {
-  using acc_t = typename Source::acc_type;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  em_backward_kernel<Source, scalar_t><<<blocks_for_items(dims.B), kBlockThreads, 0, stream>>>(
-      src, a_in, beta_u, stats, grad_pose, grad_a_out, dims, static_cast<acc_t>(eps), ws, out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // Allocates the workspaces and launches the backward on the current stream (B > 0). stats,
 // grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
 // g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous).
@@ -97,8 +80,9 @@ void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t*
   const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(dims, stats.options());
   const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
                            g_beta.mutable_data_ptr<acc_t>()};
-  launch_em_backward_kernel(src, a_in, beta_u, stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
-                            grad_a_out.const_data_ptr<acc_t>(), dims, eps, buf.ws, out);
+  run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, stats.const_data_ptr<acc_t>(),
+                  grad_pose.const_data_ptr<acc_t>(), grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps),
+                  buf.ws, out);
 }
 
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the

@@ -82,40 +82,18 @@ template <typename scalar_t, typename acc_t>
 void launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in, const scalar_t* beta_u,
                           const EmBackwardArgs& args, const EmDims& dims, double eps, scalar_t* grad_pose,
                           acc_t* g_a, acc_t* g_W) {
-  const int64_t B = dims.B, I = dims.I, J = dims.J;
-  const int64_t chunk = std::min(B, pose_backward_chunk(dims, sizeof(acc_t)));
+  const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
   EmDims chunk_dims = dims;
   chunk_dims.B = chunk;
   // Reused by every chunk: stream order runs each chunk's kernels after the previous chunk's.
   const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(chunk_dims, acc_options);
-  at::Tensor g_V_buffer = at::empty({chunk, I, J, kPoseSize}, acc_options);
-  acc_t* g_V = g_V_buffer.mutable_data_ptr<acc_t>();
-  const acc_t* stats = args.stats.const_data_ptr<acc_t>();
-  const acc_t* grad_pose_out = args.grad_pose.const_data_ptr<acc_t>();
-  const acc_t* grad_a_out = args.grad_a_out.const_data_ptr<acc_t>();
-  acc_t* g_beta = args.grad_beta_items.mutable_data_ptr<acc_t>();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
-    chunk_dims.B = std::min(chunk, B - b0);
-    const int64_t nb = chunk_dims.B;
-    const scalar_t* pose_b0 = pose + b0 * I * kPoseSize;
-    const PoseVotes<scalar_t, acc_t> src{pose_b0, weight, I, J};
-    const EmGrads<acc_t> out{g_V, g_a + b0 * I, g_beta + b0 * 2 * J};
-    launch_em_backward_kernel(src, a_in + b0 * I, beta_u, stats + b0 * dims.iters * dims.stats_block(),
-                              grad_pose_out + b0 * J * kPoseSize, grad_a_out + b0 * J, chunk_dims, eps, buf.ws, out);
-    const int64_t n_pose = nb * I * kPoseSize, n_weight = I * J * kPoseSize;
-    if (n_pose > 0) {
-      pose_grad_pose_kernel<scalar_t, acc_t><<<blocks_for(n_pose), kBlockThreads, 0, stream>>>(
-          g_V, weight, nb, I, J, grad_pose + b0 * I * kPoseSize);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    if (n_weight > 0) {
-      pose_grad_weight_kernel<scalar_t, acc_t><<<blocks_for(n_weight), kBlockThreads, 0, stream>>>(
-          g_V, pose_b0, nb, I, J, /*accumulate=*/b0 > 0, g_W);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
+  at::Tensor g_V_buffer = at::empty({chunk, dims.I, dims.J, kPoseSize}, acc_options);
+  run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, weight, a_in, beta_u,
+                    args.stats.const_data_ptr<acc_t>(), args.grad_pose.const_data_ptr<acc_t>(),
+                    args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), chunk, buf.ws,
+                    g_V_buffer.mutable_data_ptr<acc_t>(), grad_pose, g_a, g_W,
+                    args.grad_beta_items.mutable_data_ptr<acc_t>());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_pose_backward_cuda(

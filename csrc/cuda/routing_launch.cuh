@@ -12,6 +12,7 @@
 #include "kernel_options.h"
 #include "routing_kernels.cuh"
 #include "routing_sequence.cuh"
+#include "stream_launch.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -32,17 +33,6 @@ inline int64_t routing_splits(const RoutingDims& dims) {
   const int64_t max_splits = std::max<int64_t>(1, dims.I / (kMinSplitTiles * kRoutingTile));
   return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(dims.B, 1)), max_splits);
 }
-
-// Launches a kernel on `blocks` blocks of kBlockThreads threads on `stream`, checked: the launch
-// of the sequences in routing_sequence.cuh.
-struct StreamLaunch {
-  cudaStream_t stream;
-  template <typename... Params, typename... Args>
-  void operator()(void (*kernel)(Params...), unsigned int blocks, const Args&... args) const {
-    kernel<<<blocks, kBlockThreads, 0, stream>>>(args...);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-};
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
 template <typename Source, typename scalar_t>

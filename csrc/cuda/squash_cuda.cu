@@ -6,8 +6,9 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
-#include "squash_kernels.cuh"
 #include "host_checks.cuh"
+#include "squash_kernels.cuh"
+#include "stream_launch.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -29,11 +30,10 @@ at::Tensor squash_rows_cuda(const at::Tensor& s_in, const at::Tensor* grad_in, d
   if (rows == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "squash_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    squash_rows_kernel<kBackward, scalar_t, acc_t><<<blocks_for_warps(rows), kBlockThreads, 0, stream>>>(
-        s.const_data_ptr<scalar_t>(), kBackward ? grad.const_data_ptr<scalar_t>() : nullptr,
-        out.mutable_data_ptr<scalar_t>(), rows, D, static_cast<acc_t>(eps));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    StreamLaunch{c10::cuda::getCurrentCUDAStream()}(
+        squash_rows_kernel<kBackward, scalar_t, acc_t>, blocks_for_warps(rows), s.const_data_ptr<scalar_t>(),
+        kBackward ? grad.const_data_ptr<scalar_t>() : nullptr, out.mutable_data_ptr<scalar_t>(), rows, D,
+        static_cast<acc_t>(eps));
   });
   return out;
 }

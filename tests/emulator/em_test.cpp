@@ -1,8 +1,8 @@
 // The EM routing kernels (csrc/cuda/em_kernels.cuh) on the host emulator, against the CPU
 // backend's element code (csrc/cpu/em_element.h) with the same storage and accumulation types:
 // statistics, outputs and every gradient, over votes read from memory, for J, H, I and iteration
-// counts around the edge cases (J = 1, I = 0 or 1, one iteration), a batch larger and smaller
-// than the grid, and the robustness cases of docs/ops.md, em_routing (zero activations, identical votes,
+// counts around the edge cases (J = 1, I = 0 or 1, one iteration), batches larger than the grid,
+// run by the launch sequences the ops use (csrc/cuda/em_sequence.cuh), and the robustness cases of docs/ops.md, em_routing (zero activations, identical votes,
 // votes of 1e3; a NaN vote must give NaN, not hang). Workspaces start as NaN. Where the two
 // disagree past the tolerance, both are compared with the CPU code in long double: the kernels
 // must be as close to it as the CPU code is (ill-conditioned cases are reported as such).
@@ -33,6 +33,7 @@ inline long double acc_log1p(long double x) { return std::log1p(x); }
 
 #include "../../csrc/cpu/em_element.h"
 #include "../../csrc/cuda/em_kernels.cuh"
+#include "../../csrc/cuda/em_sequence.cuh"
 #include "../../csrc/cuda/routing_kernels.cuh"  // MemoryVotes
 
 using namespace capsroute;
@@ -149,13 +150,14 @@ Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector
   const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters;
   const EmDims dims{B, I, J, H, R, cs.final_lambda};
   const MemoryVotes<S, A> src{V.data(), I, JH};
+  const EmuLaunch launch{cs.grid, kBlockThreads};
   Results<S, A> o;
   o.stats = nans<A>(B * R * dims.stats_block()); o.pose = nans<S>(B * JH); o.a_out = nans<S>(B * J);
   {
     auto Rw = nans<A>(B * I * J), mass = nans<A>(B * J), norm = nans<A>(B * J);
     const EmForwardWorkspace<A> ws{Rw.data(), mass.data(), norm.data()};
-    emu_launch(cs.grid, kBlockThreads, em_forward_kernel<MemoryVotes<S, A>, S>, src, a.data(), bu.data(), ba.data(),
-               dims, static_cast<A>(eps), ws, o.stats.data(), o.pose.data(), o.a_out.data());
+    run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, static_cast<A>(eps), ws, o.stats.data(),
+                   o.pose.data(), o.a_out.data());
   }
   auto R_hist = nans<A>(B * R * I * J), g_R = nans<A>(B * I * J), norm = nans<A>(B * R * J);
   auto g_mu = nans<A>(B * JH), g_var = nans<A>(B * JH), g_logit = nans<A>(B * J), mass = nans<A>(B * J),
@@ -165,8 +167,8 @@ Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector
   const EmBackwardWorkspace<A> ws{R_hist.data(), g_R.data(), norm.data(), g_mu.data(),
                                   g_var.data(), g_logit.data(), mass.data(), g_mass.data()};
   const EmGrads<A> out{o.g_V.data(), o.g_a.data(), gb.data()};
-  emu_launch(cs.grid, kBlockThreads, em_backward_kernel<MemoryVotes<S, A>, S>, src, a.data(), bu.data(),
-             (const A*)o.stats.data(), gp.data(), ga.data(), dims, static_cast<A>(eps), ws, out);
+  run_em_backward(launch, src, a.data(), bu.data(), static_cast<const A*>(o.stats.data()), gp.data(), ga.data(), dims,
+                  static_cast<A>(eps), ws, out);
   o.g_beta.assign(2 * J, A(0));
   for (int64_t n = 0; n < B; ++n) for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
   return o;
@@ -213,7 +215,7 @@ void test_case(const Case& cs, const char* tname, double tol) {
 
 
 // em_routing_pose: votes V_ij = P_i W_ij (4x4) computed inside the kernels (PoseVotes), the
-// backward over the batch in chunks of `chunk` elements as em_routing_pose_cuda.cu runs it, and
+// backward over the batch in chunks of `chunk` elements (run_pose_backward, as the op runs it), and
 // the vote gradient contracted into grad_pose and grad_weight. S is the accumulation type too,
 // so the CPU code can be given the same votes the kernels compute.
 template <typename S>
@@ -255,8 +257,9 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
   auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH), a_out = nans<S>(B * J);
   auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J);
-  emu_launch(grid, kBlockThreads, em_forward_kernel<PoseVotes<S, S>, S>, src, a.data(), bu.data(), ba.data(), dims, S(eps),
-             EmForwardWorkspace<S>{R.data(), mass.data(), norm.data()}, stats.data(), pose_out.data(), a_out.data());
+  const EmuLaunch launch{grid, kBlockThreads};
+  run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, S(eps),
+                 EmForwardWorkspace<S>{R.data(), mass.data(), norm.data()}, stats.data(), pose_out.data(), a_out.data());
 
   auto R_hist = nans<S>(chunk * iters * I * J), g_R = nans<S>(chunk * I * J), norm_hist = nans<S>(chunk * iters * J);
   auto g_mu = nans<S>(chunk * JH), g_var = nans<S>(chunk * JH), g_logit = nans<S>(chunk * J), chunk_mass = nans<S>(chunk * J),
@@ -264,20 +267,9 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   const EmBackwardWorkspace<S> ws{R_hist.data(), g_R.data(), norm_hist.data(), g_mu.data(),
                                   g_var.data(), g_logit.data(), chunk_mass.data(), g_mass.data()};
   auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H), g_weight = nans<S>(I * J * H);
-  for (int64_t b0 = 0; b0 < B; b0 += chunk) {
-    const int64_t nb = std::min(chunk, B - b0);
-    const EmDims chunk_dims{nb, I, J, H, iters, 1.0};
-    const PoseVotes<S, S> chunk_src{pose.data() + b0 * I * H, weight.data(), I, J};
-    emu_launch(grid, kBlockThreads, em_backward_kernel<PoseVotes<S, S>, S>, chunk_src, a.data() + b0 * I, bu.data(),
-               static_cast<const S*>(stats.data() + b0 * iters * dims.stats_block()), gp.data() + b0 * JH,
-               ga.data() + b0 * J, chunk_dims, S(eps), ws, EmGrads<S>{g_V.data(), g_a.data() + b0 * I, g_beta.data() + b0 * 2 * J});
-    if (nb * I > 0)
-      emu_launch(grid, kBlockThreads, pose_grad_pose_kernel<S, S>, static_cast<const S*>(g_V.data()), weight.data(), nb, I, J,
-                 g_pose.data() + b0 * I * H);
-    if (I * J > 0)
-      emu_launch(grid, kBlockThreads, pose_grad_weight_kernel<S, S>, static_cast<const S*>(g_V.data()),
-                 pose.data() + b0 * I * H, nb, I, J, b0 > 0, g_weight.data());
-  }
+  run_pose_backward(launch, pose.data(), weight.data(), a.data(), bu.data(), static_cast<const S*>(stats.data()),
+                    gp.data(), ga.data(), dims, S(eps), chunk, ws, g_V.data(), g_pose.data(), g_a.data(),
+                    g_weight.data(), g_beta.data());
   std::vector<S> g_beta_sum(2 * J, S(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];

@@ -87,3 +87,14 @@ void emu_launch(unsigned grid, unsigned block, Kernel kernel, Args... args) {
       });
   for (std::thread& thread : threads) thread.join();
 }
+
+// The `launch` of the launch sequences (csrc/cuda/routing_sequence.cuh, em_sequence.cuh) on the
+// host: the kernel on at most max_blocks blocks (fewer than the sequence asks for exercises the
+// kernels' grid-stride loops) of `threads` threads.
+struct EmuLaunch {
+  unsigned max_blocks, threads;
+  template <typename Kernel, typename... Args>
+  void operator()(Kernel kernel, unsigned blocks, const Args&... args) const {
+    emu_launch(blocks < max_blocks ? blocks : max_blocks, threads, kernel, args...);
+  }
+};

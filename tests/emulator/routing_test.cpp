@@ -35,15 +35,6 @@ using namespace capsroute::cuda;
 
 namespace {
 
-// The `launch` of routing_sequence.cuh: the kernel on the host, on at most max_blocks blocks.
-struct EmuLaunch {
-  unsigned max_blocks;
-  template <typename Kernel, typename... Args>
-  void operator()(Kernel kernel, unsigned blocks, const Args&... args) const {
-    emu_launch(std::min(blocks, max_blocks), kBlockThreads, kernel, args...);
-  }
-};
-
 std::mt19937_64 rng(1234);
 int failures = 0;
 
@@ -142,14 +133,13 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   const std::vector<S> bias_s = cast<S>(bias_d);
   const std::vector<A> grad_v = cast<A>(grad_v_d);  // the ops pass the gradient in the accumulation dtype
   const S* bias = cs.bias ? bias_s.data() : nullptr;
-  const unsigned grid = cs.grid;
 
   // Forward.
   std::vector<A> logits = nans<A>(B * I * J), coupling = nans<A>(B * I * J), v_ws = nans<A>(B * JD);
   std::vector<A> s_hist = nans<A>(B * R * JD), partial = nans<A>(B * cs.splits * JD);
   std::vector<S> v = nans<S>(B * JD), c = nans<S>(B * I * J);
   const ForwardWorkspace<A> fws{logits.data(), coupling.data(), v_ws.data()};
-  const EmuLaunch launch{cs.grid};
+  const EmuLaunch launch{cs.grid, kBlockThreads};
   run_routing_forward(launch, src, bias, dims, A(eps), cs.splits, fws, partial.data(), s_hist.data(), v.data(), c.data());
   compare(label, "v", v, want.v, tol);
   compare(label, "c", c, want.c, tol);
