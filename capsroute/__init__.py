@@ -16,8 +16,9 @@ def build_info():
 
 def cuda_kernel_set() -> str:
     """The CUDA kernel set the ops run: "v1" (the first kernels, the default) or "v2" (the roofline
-    redesign, so far dense_capsules only), from the environment variable CAPSROUTE_CUDA_KERNELS,
-    read at every call. Raises RuntimeError on any other value."""
+    redesign, so far dense_capsules' votes as batched GEMMs and dynamic_routing's vote-gradient
+    writer), from the environment variable CAPSROUTE_CUDA_KERNELS, read at every call. Raises
+    RuntimeError on any other value."""
     return _C.cuda_kernel_set()
 
 

@@ -6,7 +6,7 @@ float64 reference; then bitwise determinism (two float32 runs, outputs and gradi
     python scripts/gpu_sweep.py [--device cuda] [--quick] [--match TEXT] [--out DIR]
 
 --quick shrinks every case (for a CPU check that the script itself works); --match runs only the
-cases whose name contains TEXT (scripts/cuda_check.sh sweeps dense_capsules again with
+cases whose name contains TEXT (scripts/cuda_check.sh sweeps the MNIST routing cases again with
 CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes gpu-sweep.json
 (one record per case and dtype: relative errors, pass/fail, determinism) to --out, prints a line per
 case, and exits 1 if any case fails.

@@ -61,9 +61,10 @@ for dtype, shape, leaky, detach, splits in itertools.product(
     check_routing_ops(dtype, shape, leaky, detach, f"splits={splits}")
 os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 
-# dense_capsules on the v2 kernel set (the votes of a chunk of the batch as one batched GEMM): the
-# whole batch in one chunk and (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one
-# included; float32 and float16 storage (the votes in float32 either way, bfloat16 as float16).
+# The v2 kernel set: dynamic_routing's vote gradient a tile of rows per block, and dense_capsules'
+# votes of a chunk of the batch as one batched GEMM: the whole batch in one chunk and
+# (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one included; float32 and float16
+# storage (dense_capsules' votes in float32 either way, bfloat16 as float16).
 os.environ["CAPSROUTE_CUDA_KERNELS"] = "v2"
 for dtype, shape, detach, chunk in itertools.product(
         [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], [None, "2"]):
@@ -71,7 +72,8 @@ for dtype, shape, detach, chunk in itertools.product(
         os.environ.pop("CAPSROUTE_DENSE_CHUNK", None)
     else:
         os.environ["CAPSROUTE_DENSE_CHUNK"] = chunk
-    check_routing_ops(dtype, shape, True, detach, f"kernels=v2 chunk={chunk}", ops=("dense_capsules",))
+    ops = ("dynamic_routing", "dense_capsules") if chunk is None else ("dense_capsules",)  # the chunk is dense's alone
+    check_routing_ops(dtype, shape, True, detach, f"kernels=v2 chunk={chunk}", ops=ops)
 for name in ("CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_DENSE_CHUNK"):
     os.environ.pop(name, None)
 

@@ -76,6 +76,20 @@ def test_row_ranges_match_reference(device, monkeypatch, splits, iters, leaky, d
 
 
 @pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
+@pytest.mark.parametrize("I", [133, 8, 5])
+def test_kernel_set_v2_matches_reference(device, monkeypatch, iters, leaky, detach, with_bias, I):
+    """CAPSROUTE_CUDA_KERNELS=v2 writes the vote gradient a tile of 8 rows per block: I a multiple
+    of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5), over J * D > 256 too."""
+    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+    for J, D in ((10, 16), (20, 16)):
+        votes = randn(3, I, J, D, device=device, scale=0.3, requires_grad=True)
+        bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
+        for name, a, e in compare(votes, bias, iters, leaky, detach):
+            assert_rel_close(a, e, 1e-10, name)
+
+
+@pytest.mark.parametrize("device", [CUDA])
 def test_row_ranges_deterministic_and_checked(device, monkeypatch):
     votes = randn(2, 300, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
     grad = randn(2, 10, 16, dtype=torch.float32, device=device)

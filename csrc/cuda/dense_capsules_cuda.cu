@@ -141,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
             grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
             grad_bias_chunk);
         if (votes.numel() > 0)
-          launch(write_vote_grad_kernel<acc_t, acc_t>, blocks_for(votes.numel()), buf.state, Bc,
+          launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I), buf.state, Bc,
                  votes.mutable_data_ptr<acc_t>());
         // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T @ u_i.
         const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);

@@ -55,6 +55,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
 
+  const KernelSet kernels = cuda_kernel_set();
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -62,9 +63,13 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
       const BackwardBuffers<acc_t> buf =
           launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
       const int64_t n = grad_votes.numel();
-      if (n > 0)
-        StreamLaunch{c10::cuda::getCurrentCUDAStream()}(write_vote_grad_kernel<scalar_t, acc_t>, blocks_for(n), buf.state,
-                                                        B, grad_votes.mutable_data_ptr<scalar_t>());
+      const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
+      if (n > 0 && kernels == KernelSet::v2)
+        launch(write_vote_grad_rows_kernel<scalar_t, acc_t>, vote_grad_rows_blocks(B, dims.I), buf.state, B,
+               grad_votes.mutable_data_ptr<scalar_t>());
+      else if (n > 0)
+        launch(write_vote_grad_kernel<scalar_t, acc_t>, blocks_for(n), buf.state, B,
+               grad_votes.mutable_data_ptr<scalar_t>());
     });
   }
   return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};

@@ -286,7 +286,12 @@ struct BackwardState {
   int64_t I, J, D, iters, first_r, nkeep;
 
   __device__ __forceinline__ acc_t vote_grad(int64_t b, int64_t i, int64_t jd) const {
-    const int64_t JD = J * D, j = jd / D;
+    return vote_grad(b, i, jd / D, jd);
+  }
+
+  // The same with the capsule j = jd / D given.
+  __device__ __forceinline__ acc_t vote_grad(int64_t b, int64_t i, int64_t j, int64_t jd) const {
+    const int64_t JD = J * D;
     acc_t sum = 0;
     for (int64_t k = 0; k < nkeep; ++k) {
       const int64_t r = first_r + k;
@@ -524,6 +529,33 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t jd = idx % JD, bi = idx / JD;
     grad_votes[idx] = static_cast<scalar_t>(st.vote_grad(bi / st.I, bi % st.I, jd));
   }
+}
+
+// Rows of an item of write_vote_grad_rows_kernel.
+constexpr int64_t kVoteGradRows = 8;
+
+// The v2 kernel set's grad_votes: the same values, an item per (b, tile of kVoteGradRows rows)
+// (grid-stride over items); thread t owns the columns jd = t, t + blockDim, ... and finds its
+// capsule j once per column, not per element (write_vote_grad_kernel divides four times per
+// element). Each row's writes are coalesced.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    write_vote_grad_rows_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
+  const int64_t JD = st.J * st.D, tiles = ceil_div<int64_t>(st.I, kVoteGradRows);
+  for (int64_t item = blockIdx.x; item < B * tiles; item += gridDim.x) {
+    const int64_t b = item / tiles, i0 = (item % tiles) * kVoteGradRows;
+    const int64_t i1 = i0 + kVoteGradRows < st.I ? i0 + kVoteGradRows : st.I;
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
+      const int64_t j = jd / st.D;
+      for (int64_t i = i0; i < i1; ++i)
+        grad_votes[(b * st.I + i) * JD + jd] = static_cast<scalar_t>(st.vote_grad(b, i, j, jd));
+    }
+  }
+}
+
+// Blocks of write_vote_grad_rows_kernel for B elements of I rows.
+inline unsigned int vote_grad_rows_blocks(int64_t B, int64_t I) {
+  return blocks_for_items(B * ceil_div<int64_t>(I, kVoteGradRows));
 }
 
 // grad_u[b, i, k] = sum_{j, d} weight[i, j, d, k] g_u[b, i, j, d]; thread per (b, i, k).

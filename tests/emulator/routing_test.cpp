@@ -170,10 +170,14 @@ void check_memory_votes(const char* label, const Case& cs, const std::vector<dou
   const std::vector<V> votes_v = cast<V>(votes);
   check_kernels<S>(label, cs, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D}, bias, grad_v, want, eps, tol,
                    [&](const BackwardState<A>& st) {
-                     std::vector<V> grad_votes = nans<V>(votes.size());
-                     if (!grad_votes.empty())
-                       emu_launch(2, kBlockThreads, write_vote_grad_kernel<V, A>, st, cs.B, grad_votes.data());
-                     compare(label, std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)", grad_votes,
+                     if (votes.empty()) return;
+                     // Both kernel sets' writers: a thread per element (v1), a block per tile of rows (v2).
+                     std::vector<V> grad_votes = nans<V>(votes.size()), grad_votes_rows = nans<V>(votes.size());
+                     emu_launch(2, kBlockThreads, write_vote_grad_kernel<V, A>, st, cs.B, grad_votes.data());
+                     emu_launch(2, kBlockThreads, write_vote_grad_rows_kernel<V, A>, st, cs.B, grad_votes_rows.data());
+                     const char* what = std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)";
+                     compare(label, what, grad_votes, want.grad_votes, tol);
+                     compare(label, (std::string(what) + ", a tile of rows per block").c_str(), grad_votes_rows,
                              want.grad_votes, tol);
                    });
 }
