@@ -1,5 +1,6 @@
 """The `capsroute` command (capsroute/cli.py): a tiny CPU benchmark run, its JSON and figures, and `plot`."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 pytest.importorskip("matplotlib")
 
+import capsroute  # noqa: E402
 from capsroute import bench, cli  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -32,6 +34,9 @@ def test_bench_writes_json(run):
     report = json.loads(path.read_text())
     assert {"kind", "device", "torch", "commit", "date", "results"} <= report.keys()
     assert (report["kind"], report["device"], report["complete"]) == ("bench", "cpu", True)
+    # The CUDA kernel set and every CAPSROUTE_* switch of the run, so that records of both sets compare.
+    assert report["cuda_kernels"] == capsroute.cuda_kernel_set()
+    assert report["env"] == {k: v for k, v in os.environ.items() if k.startswith("CAPSROUTE_")}
     cases = {(r["shape"]["I"], r["shape"]["B"], r["impl"]) for r in report["results"]}
     assert cases == {(I, B, impl) for I in (32, 64) for B in (2, 4) for impl in ("capsroute", "eager")}
     for r in report["results"]:
