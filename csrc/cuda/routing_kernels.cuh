@@ -3,6 +3,7 @@
 //
 // The kernels are templated on a "vote source": a functor with
 //   using acc_type = ...;                                    // accumulation type
+//   static constexpr bool kComputesVotes = ...;              // computed (not read), for routing_min_blocks
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jd) const;
 // returning vote u[b, i, j, d] with jd = j * D + d.
 //
@@ -37,12 +38,26 @@ namespace cuda {
 // rows while their votes are still in cache.
 constexpr int64_t kRoutingTile = 32;
 
+// Resident blocks per SM asked of ptxas (0: no hint). sm_90's ptxas (CUDA 13) spills none of
+// these kernels unhinted; sm_80's squeezes the float64 ones and a dense one into 32-80 registers
+// and spills, which asking for 2 blocks of 256 threads (up to 128 registers) removes. Decided in
+// the device pass for each architecture, as PyTorch's C10_MIN_BLOCKS_PER_SM is.
+template <typename acc_t, bool kComputesVotes = false>
+constexpr int routing_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return sizeof(acc_t) == 8 || kComputesVotes ? 2 : 0;
+#else
+  return 0;
+#endif
+}
+
 // ---- vote sources ----
 
 // votes (B, I, J, D), contiguous.
 template <typename scalar_t, typename acc_t>
 struct MemoryVotes {
   using acc_type = acc_t;
+  static constexpr bool kComputesVotes = false;
   const scalar_t* votes;
   int64_t I, JD;
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
@@ -54,6 +69,7 @@ struct MemoryVotes {
 template <typename scalar_t, typename acc_t>
 struct DenseVotes {
   using acc_type = acc_t;
+  static constexpr bool kComputesVotes = true;
   const scalar_t* u;
   const scalar_t* weight;
   int64_t I, JD, Din;
@@ -224,7 +240,7 @@ __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r, c
 // Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J).
 // bias (J, D) or nullptr. One block per element, every iteration.
 template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
                            const typename Source::acc_type eps, const ForwardWorkspace<typename Source::acc_type> ws,
                            typename Source::acc_type* s_hist, scalar_t* v_out, scalar_t* c_out) {
@@ -242,7 +258,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Split forward, iteration r, block per (b, g): partial[b, g] = sum over range g's rows.
 template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
     routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
                                 const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
                                 typename Source::acc_type* partial) {
@@ -253,7 +269,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Split forward, iteration r, block per b: s^r = bias + the partials in range order; v^r.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_forward_reduce_kernel(const acc_t* partial, const int64_t splits, const scalar_t* bias,
                                   const RoutingDims dims, const int64_t r, const acc_t eps, acc_t* v_ws,
                                   acc_t* s_hist, scalar_t* v_out) {
@@ -430,7 +446,7 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
 // grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype; detach is
 // st.first_r = iters - 1. One block per element.
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
     routing_backward_kernel(const Source src, const typename Source::acc_type* grad_v,
                             const typename Source::acc_type* s_hist,
                             const RoutingDims dims, const typename Source::acc_type eps,
@@ -460,7 +476,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Split backward: backward_start for each b (block per b).
 template <typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_backward_start_kernel(const acc_t* grad_v, const acc_t* s_hist, const RoutingDims dims, const acc_t eps,
                                   const BackwardState<acc_t> st, acc_t* gv_ws) {
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
@@ -469,7 +485,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Split backward: recompute_coupling_rows, block per (b, g).
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
     routing_coupling_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* logits_ws) {
@@ -479,7 +495,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Split backward, step r, block per (b, g): partial[b, g] = range g's share of gv^{r-1}.
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
     routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* partial) {
@@ -491,7 +507,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 // Split backward, step r, block per b: gv^{r-1} = the partials in range order, then
 // gs^{r-1} = squash_vjp(s^{r-1}, gv^{r-1}), and at the last step grad_bias_items.
 template <typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_backward_reduce_kernel(const acc_t* partial, const int64_t splits, const acc_t* s_hist,
                                    const RoutingDims dims, const int64_t r, const acc_t eps,
                                    const BackwardState<acc_t> st, acc_t* gv_ws, acc_t* grad_bias_items) {
@@ -512,7 +528,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Split backward with nothing to walk back (detach, or one iteration): grad_bias_items.
 template <typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_sum_gs_kernel(const RoutingDims dims, const BackwardState<acc_t> st, acc_t* grad_bias_items) {
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) sum_gs(b, dims.J * dims.D, st, grad_bias_items);
 }
@@ -521,7 +537,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // grad_votes (B, I, J, D) = the vote gradient of the saved state, flat and coalesced.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     write_vote_grad_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
   const int64_t JD = st.J * st.D, n = B * st.I * JD;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
@@ -539,7 +555,7 @@ constexpr int64_t kVoteGradRows = 8;
 // capsule j once per column, not per element (write_vote_grad_kernel divides four times per
 // element). Each row's writes are coalesced.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     write_vote_grad_rows_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
   const int64_t JD = st.J * st.D, tiles = ceil_div<int64_t>(st.I, kVoteGradRows);
   for (int64_t item = blockIdx.x; item < B * tiles; item += gridDim.x) {
@@ -560,7 +576,7 @@ inline unsigned int vote_grad_rows_blocks(int64_t B, int64_t I) {
 
 // grad_u[b, i, k] = sum_{j, d} weight[i, j, d, k] g_u[b, i, j, d]; thread per (b, i, k).
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     dense_grad_u_kernel(const BackwardState<acc_t> st, const scalar_t* weight, int64_t B, int64_t Din,
                         scalar_t* grad_u) {
   const int64_t JD = st.J * st.D, n = B * st.I * Din;
@@ -577,7 +593,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // grad_weight[i, j, d, k] = sum_b g_u[b, i, j, d] u[b, i, k]; thread per (i, j, d, k), b in order.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     dense_grad_weight_kernel(const BackwardState<acc_t> st, const scalar_t* u, int64_t B, int64_t Din,
                              scalar_t* grad_weight) {
   const int64_t JD = st.J * st.D, n = st.I * JD * Din;
