@@ -27,6 +27,13 @@ def run(tmp_path_factory):
     return status, out
 
 
+def test_bench_rejects_an_unknown_kernel_set(monkeypatch):
+    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v3")
+    with pytest.raises(SystemExit, match="CAPSROUTE_CUDA_KERNELS must be v1 or v2, got 'v3'"):
+        cli.main(["bench", "--device", "cpu", "--op", "dynamic", "--shape", "8,2,4", "--batch", "1", "--no-save",
+                  "--no-progress"])
+
+
 def test_bench_writes_json(run):
     status, out = run
     assert status == 0
