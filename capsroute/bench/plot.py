@@ -14,6 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, NullLocator
 
 from .._runinfo import short_commit
+from .report import kernel_set
 
 COLORS = {"capsroute": "tab:blue", "eager": "tab:orange", "compiled": "tab:green"}
 LINESTYLES = ["-", "--", ":", "-."]
@@ -61,7 +62,7 @@ def plot_report(report: dict, json_path: str | Path, out_dir: str | Path | None 
     out_dir.mkdir(parents=True, exist_ok=True)
     about = (f"{report['device']}, {report['dtype']}, torch {report['torch']}, "
              f"commit {short_commit(report['commit'])}"
-             + (f", CUDA kernels {report['cuda_kernels']}" if report["device"] != "cpu" and "cuda_kernels" in report else "")
+             + (f", CUDA kernels {kernel_set(report)}" if kernel_set(report) else "")
              + ("" if report.get("complete", True) else " (incomplete run)"))
 
     by_batch = defaultdict(lambda: defaultdict(list))   # (op, shape without B) -> impl -> points

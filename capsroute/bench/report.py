@@ -36,6 +36,11 @@ def _fmt_max_batch(r: dict) -> str:
     return f"{r['max_batch']}" + ("+" if r.get("max_batch_capped") else "")
 
 
+def kernel_set(report: dict) -> str | None:
+    """The CUDA kernel set a GPU run used (None for CPU runs and records from before it was recorded)."""
+    return report.get("cuda_kernels") if report["device"] != "cpu" else None
+
+
 def format_table(report: dict) -> str:
     """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's.
     Runs with model ops add an img/s column (images per second of a training step), runs with
@@ -83,7 +88,7 @@ def format_table(report: dict) -> str:
     title = (f"device {report['device']}  torch {report['torch']}  commit {report['commit'][:12]}  "
              f"dtype {report['dtype']}  iters {report['iters']}  threads {report['threads']}"
              + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else "")
-             + (f"  CUDA kernels {report['cuda_kernels']}" if report["device"] != "cpu" and "cuda_kernels" in report else ""))
+             + (f"  CUDA kernels {kernel_set(report)}" if kernel_set(report) else ""))
     if report.get("bandwidth_gbs") is not None:
         title += (f"\nfloor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak "
                   f"{report['peak_tflops']:.2f} TFLOP/s; floor ms and x floor are for forward+backward")

@@ -45,10 +45,22 @@ void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::T
   at::bmm_out(votes_by_row, u_chunk.transpose(0, 1), weight.view({I, JD, Din}).transpose(1, 2));
 }
 
-// The chunks [b0, b0 + Bc) of a batch of B.
+// v2, both directions: for each chunk [b0, b0 + Bc) of the batch, its votes computed into one
+// workspace that every chunk reuses (stream order), then body(b0, chunk_dims, u_chunk, votes).
+// u_acc and weight_acc in the accumulation dtype.
 template <typename Body>
-void for_each_chunk(int64_t B, int64_t chunk, Body&& body) {
-  for (int64_t b0 = 0; b0 < B; b0 += chunk) body(b0, std::min(chunk, B - b0));
+void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_acc, const RoutingDims& dims,
+                             Body&& body) {
+  const int64_t chunk = std::min(dims.B, dense_chunk(dims, u_acc.element_size()));
+  at::Tensor votes_ws = at::empty({chunk, dims.I, dims.J, dims.D}, u_acc.options());
+  RoutingDims chunk_dims = dims;
+  for (int64_t b0 = 0; b0 < dims.B; b0 += chunk) {
+    chunk_dims.B = std::min(chunk, dims.B - b0);
+    at::Tensor votes = votes_ws.narrow(0, 0, chunk_dims.B);
+    const at::Tensor u_chunk = u_acc.narrow(0, b0, chunk_dims.B);
+    dense_votes_into(u_chunk, weight_acc, votes);
+    body(b0, chunk_dims, u_chunk, votes);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Tensor& u_in, const at::Tensor& weight_in,
@@ -78,14 +90,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Ten
       launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c);
       return;
     }
-    const at::Tensor u_acc = u.to(s_hist.scalar_type()), weight_acc = weight.to(s_hist.scalar_type());
-    const int64_t chunk = std::min(dims.B, dense_chunk(dims, sizeof(acc_t)));
-    at::Tensor votes_ws = at::empty({chunk, dims.I, dims.J, dims.D}, s_hist.options());
-    for_each_chunk(dims.B, chunk, [&](int64_t b0, int64_t Bc) {
-      at::Tensor votes = votes_ws.narrow(0, 0, Bc);
-      dense_votes_into(u_acc.narrow(0, b0, Bc), weight_acc, votes);
-      RoutingDims chunk_dims = dims;
-      chunk_dims.B = Bc;
+    const at::ScalarType acc = s_hist.scalar_type();
+    for_each_chunk_of_votes(u.to(acc), weight.to(acc), dims, [&](int64_t b0, const RoutingDims& chunk_dims,
+                                                                 const at::Tensor&, const at::Tensor& votes) {
+      const int64_t Bc = chunk_dims.B;
       at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc), c_chunk = c.narrow(0, b0, Bc);
       launch_routing_forward(MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), dims.I, dims.J * dims.D},
                              bias_ptr, chunk_dims, eps, s_chunk, v_chunk, c_chunk);
@@ -121,20 +129,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const int64_t I = dims.I, JD = dims.J * dims.D;
-      const at::Tensor u_acc = u.to(acc), weight_acc = weight.to(acc);
+      const at::Tensor weight_acc = weight.to(acc);
       at::Tensor grad_u_acc = at::empty({B, I, Din}, u.options().dtype(acc));
       at::Tensor grad_weight_acc = at::zeros({I, JD, Din}, u.options().dtype(acc));
-      const int64_t chunk = std::min(B, dense_chunk(dims, sizeof(acc_t)));
-      // One workspace per chunk: the votes while the routing kernels read them, then (stream
-      // order) their gradient, written from the saved state.
-      at::Tensor votes_ws = at::empty({chunk, I, dims.J, dims.D}, u.options().dtype(acc));
       const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
-      for_each_chunk(B, chunk, [&](int64_t b0, int64_t Bc) {
-        at::Tensor votes = votes_ws.narrow(0, 0, Bc);
-        const at::Tensor u_chunk = u_acc.narrow(0, b0, Bc);
-        dense_votes_into(u_chunk, weight_acc, votes);
-        RoutingDims chunk_dims = dims;
-        chunk_dims.B = Bc;
+      // The chunk's workspace holds its votes while the routing kernels read them, then (stream
+      // order) their gradient, written from the saved state.
+      for_each_chunk_of_votes(u.to(acc), weight_acc, dims, [&](int64_t b0, const RoutingDims& chunk_dims,
+                                                             const at::Tensor& u_chunk, const at::Tensor& votes) {
+        const int64_t Bc = chunk_dims.B;
         at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
         const BackwardBuffers<acc_t> buf = launch_routing_backward(
             MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},

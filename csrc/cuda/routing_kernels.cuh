@@ -3,7 +3,7 @@
 //
 // The kernels are templated on a "vote source": a functor with
 //   using acc_type = ...;                                    // accumulation type
-//   static constexpr bool kComputesVotes = ...;              // computed (not read), for routing_min_blocks
+//   static constexpr bool kComputesVotes = ...;              // computed (not read), for source_min_blocks
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jd) const;
 // returning vote u[b, i, j, d] with jd = j * D + d.
 //
@@ -52,6 +52,12 @@ constexpr int routing_min_blocks() {
 }
 
 // ---- vote sources ----
+
+// routing_min_blocks of the kernels templated on a vote source.
+template <typename Source>
+constexpr int source_min_blocks() {
+  return routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>();
+}
 
 // votes (B, I, J, D), contiguous.
 template <typename scalar_t, typename acc_t>
@@ -240,7 +246,7 @@ __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r, c
 // Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J).
 // bias (J, D) or nullptr. One block per element, every iteration.
 template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
+__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
                            const typename Source::acc_type eps, const ForwardWorkspace<typename Source::acc_type> ws,
                            typename Source::acc_type* s_hist, scalar_t* v_out, scalar_t* c_out) {
@@ -258,7 +264,7 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Sou
 
 // Split forward, iteration r, block per (b, g): partial[b, g] = sum over range g's rows.
 template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
+__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
                                 const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
                                 typename Source::acc_type* partial) {
@@ -446,7 +452,7 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
 // grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype; detach is
 // st.first_r = iters - 1. One block per element.
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
+__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_backward_kernel(const Source src, const typename Source::acc_type* grad_v,
                             const typename Source::acc_type* s_hist,
                             const RoutingDims dims, const typename Source::acc_type eps,
@@ -485,7 +491,7 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 
 // Split backward: recompute_coupling_rows, block per (b, g).
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
+__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_coupling_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* logits_ws) {
@@ -495,7 +501,7 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Sou
 
 // Split backward, step r, block per (b, g): partial[b, g] = range g's share of gv^{r-1}.
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>())
+__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* partial) {
