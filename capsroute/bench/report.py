@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from .._runinfo import git_toplevel, short_commit
+from .._runinfo import git_toplevel, kernel_set, short_commit
 from .cases import MODEL_OPS
 
 
@@ -34,11 +34,6 @@ def _fmt_max_batch(r: dict) -> str:
     if r["max_batch"] is None:
         return "none"
     return f"{r['max_batch']}" + ("+" if r.get("max_batch_capped") else "")
-
-
-def kernel_set(report: dict) -> str | None:
-    """The CUDA kernel set a GPU run used (None for CPU runs and records from before it was recorded)."""
-    return report.get("cuda_kernels") if report["device"] != "cpu" else None
 
 
 def format_table(report: dict) -> str:
