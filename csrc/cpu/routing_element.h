@@ -51,11 +51,49 @@ inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc
   }
 }
 
+// Rows are routed a tile of W = Vec<acc_t>::size() at a time, row i0 + k in lane k of a vector:
+// the softmax over J then runs on J whole vectors (softmax_lanes: no horizontal max or sum, J exps
+// for W rows) and the J agreement dots of a tile are reduced together (lane_sums). Values per
+// (i, j) (logits, couplings and their gradients) are kept by tile, (I / W, J, W), the rows padded
+// to a whole tile; the padding lanes route zero votes and contribute nothing.
+template <typename acc_t>
+constexpr int64_t kTileRows = Vec<acc_t>::size();
+
+template <typename acc_t>
+inline int64_t padded_rows(int64_t I) {
+  return (I + kTileRows<acc_t> - 1) / kTileRows<acc_t> * kTileRows<acc_t>;
+}
+
+// Lane k: the dot of x (D values) with the votes of row i0 + k at offset, for the n rows of the
+// tile at i0 (lanes past n: 0).
+template <typename acc_t, typename vote_t>
+inline Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, const acc_t* x, int64_t D) {
+  Vec<acc_t> partial[kTileRows<acc_t>];
+  for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
+    partial[k] = k < n ? dot_lanes<acc_t>(u[i0 + k] + offset, x, D) : Vec<acc_t>(acc_t(0));
+  return lane_sums(partial);
+}
+
+// y (D values) += coef[k] times the votes of row i0 + k at offset, k < n in order.
+template <typename acc_t, typename vote_t>
+inline void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, acc_t* y,
+                      int64_t D) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  for (int64_t d0 = 0; d0 < D; d0 += W) {
+    const int64_t m = std::min(W, D - d0);
+    Vec<acc_t> sum = Vec<acc_t>::loadu(y + d0, m);
+    for (int64_t k = 0; k < n; ++k)
+      sum = at::vec::fmadd(Vec<acc_t>(coef[k]), load_acc<acc_t>(u[i0 + k] + offset + d0, m), sum);
+    sum.store(y + d0, m);
+  }
+}
+
 // Per-thread scratch of route_forward.
 template <typename acc_t>
 struct ForwardScratch {
   std::vector<acc_t> logits, coupling, v;
-  explicit ForwardScratch(const RoutingDims& d) : logits(d.I * d.J), coupling(d.J), v(d.jd()) {}
+  explicit ForwardScratch(const RoutingDims& d)
+      : logits(padded_rows<acc_t>(d.I) * d.J), coupling(kTileRows<acc_t> * d.J), v(d.jd()) {}
 };
 
 // Forward of one element. Each pass over the votes fuses the agreement update of iteration
@@ -64,24 +102,26 @@ struct ForwardScratch {
 template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
 void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d, acc_t eps,
                    ForwardScratch<acc_t>& scratch, acc_t* s_hist, out_t* v_out, out_t* c_out) {
+  constexpr int64_t W = kTileRows<acc_t>;
   const int64_t I = d.I, J = d.J, D = capsule_dim<kD>(d), JD = J * D;
-  acc_t* logits = scratch.logits.data();
   acc_t* c = scratch.coupling.data();
   acc_t* v = scratch.v.data();
-  std::fill(logits, logits + I * J, acc_t(0));
+  std::fill(scratch.logits.begin(), scratch.logits.end(), acc_t(0));
   for (int64_t r = 0; r < d.iters; ++r) {
     acc_t* s = s_hist + r * JD;
     for (int64_t k = 0; k < JD; ++k) s[k] = bias ? static_cast<acc_t>(bias[k]) : acc_t(0);
-    for (int64_t i = 0; i < I; ++i) {
-      const vote_t* ui = u[i];
-      acc_t* bi = logits + i * J;
+    for (int64_t i0 = 0; i0 < I; i0 += W) {
+      const int64_t n = std::min(W, I - i0);
+      acc_t* logits = scratch.logits.data() + i0 * J;  // this tile's (J, W)
       if (r > 0) {
-        for (int64_t j = 0; j < J; ++j) bi[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
+        for (int64_t j = 0; j < J; ++j)
+          (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j * D, v + j * D, D)).store(logits + j * W);
       }
-      softmax_row(bi, J, d.leaky, c);
-      for (int64_t j = 0; j < J; ++j) axpy(c[j], ui + j * D, s + j * D, D);
+      softmax_lanes(logits, J, d.leaky, c);
+      for (int64_t j = 0; j < J; ++j) tile_axpy(c + j * W, u, i0, n, j * D, s + j * D, D);
       if (r == d.iters - 1) {
-        for (int64_t j = 0; j < J; ++j) c_out[i * J + j] = static_cast<out_t>(c[j]);
+        for (int64_t k = 0; k < n; ++k)
+          for (int64_t j = 0; j < J; ++j) c_out[(i0 + k) * J + j] = static_cast<out_t>(c[j * W + k]);
       }
     }
     squash_capsules(s, J, D, eps, v);
@@ -96,12 +136,13 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
 // evaluated per input capsule by vote_grad_row() so callers can contract it without storing it.
 template <typename acc_t>
 struct BackwardState {
-  // Elements of one state: v_hist and gs_hist (iters, J, D), coupling and g_logits (iters, I, J).
-  static int64_t numel(const RoutingDims& d) { return 2 * d.iters * (d.jd() + d.I * d.J); }
+  // Elements of one state: v_hist and gs_hist (iters, J, D), coupling and g_logits (iters, I, J)
+  // stored by tile (iters, padded I / W, J, W).
+  static int64_t numel(const RoutingDims& d) { return 2 * d.iters * (d.jd() + padded_rows<acc_t>(d.I) * d.J); }
 
   BackwardState(acc_t* storage, const RoutingDims& d)
       : v_hist(storage), gs_hist(v_hist + d.iters * d.jd()), coupling(gs_hist + d.iters * d.jd()),
-        g_logits(coupling + d.iters * d.I * d.J) {}
+        g_logits(coupling + d.iters * padded_rows<acc_t>(d.I) * d.J) {}
 
   acc_t *v_hist, *gs_hist, *coupling, *g_logits;
 };
@@ -110,17 +151,24 @@ template <int kD, typename acc_t>
 class RoutingBackward {
  public:
   RoutingBackward(const RoutingDims& d, acc_t eps, bool detach)
-      : d_(d), eps_(eps), detach_(detach), first_r_(detach ? d.iters - 1 : 0), gv_(d.jd()), gv_next_(d.jd()),
-        row_(d.J) {}
+      : d_(d),
+        eps_(eps),
+        detach_(detach),
+        first_r_(detach ? d.iters - 1 : 0),
+        tiled_ij_(padded_rows<acc_t>(d.I) * d.J),
+        gv_(d.jd()),
+        gv_next_(d.jd()),
+        tile_(kTileRows<acc_t> * d.J) {}
 
   // u: the votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
   template <typename vote_t, typename grad_t>
   void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
-    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
+    constexpr int64_t W = kTileRows<acc_t>;
+    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters, IJ = tiled_ij_;
     for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
     recompute_coupling(u, st);
     for (int64_t k = 0; k < JD; ++k) gv_[k] = static_cast<acc_t>(g_v[k]);
-    std::fill(st.g_logits + (R - 1) * I * J, st.g_logits + R * I * J, acc_t(0));
+    std::fill(st.g_logits + (R - 1) * IJ, st.g_logits + R * IJ, acc_t(0));
     for (int64_t r = R - 1; r >= first_r_; --r) {
       acc_t* gs = st.gs_hist + r * JD;
       squash_vjp(s_hist + r * JD, gv_.data(), gs);
@@ -128,21 +176,24 @@ class RoutingBackward {
       if (r == 0 || detach_) break;  // b^0 = 0 is a constant; detach stops at the last s
       // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij u_ij.
       std::fill(gv_next_.begin(), gv_next_.end(), acc_t(0));
-      const acc_t* c = st.coupling + r * I * J;
-      const acc_t* g_next = st.g_logits + r * I * J;
-      acc_t* g_here = st.g_logits + (r - 1) * I * J;
-      for (int64_t i = 0; i < I; ++i) {
-        const vote_t* ui = u[i];
-        acc_t weighted = 0;
+      acc_t* gc = tile_.data();  // this tile's (J, W) <gs^r_j, u_ij>
+      for (int64_t i0 = 0; i0 < I; i0 += W) {
+        const int64_t n = std::min(W, I - i0);
+        const acc_t* c = st.coupling + r * IJ + i0 * J;
+        const acc_t* g_next = st.g_logits + r * IJ + i0 * J;
+        acc_t* g_here = st.g_logits + (r - 1) * IJ + i0 * J;
+        Vec<acc_t> weighted(acc_t(0));
         for (int64_t j = 0; j < J; ++j) {
-          row_[j] = dot<acc_t, vote_t, acc_t>(gs + j * D, ui + j * D, D);
-          weighted += c[i * J + j] * row_[j];
+          const Vec<acc_t> dots = tile_dots(u, i0, n, j * D, gs + j * D, D);
+          dots.store(gc + j * W);
+          weighted = at::vec::fmadd(Vec<acc_t>::loadu(c + j * W), dots, weighted);
         }
         for (int64_t j = 0; j < J; ++j) {
-          const acc_t g = g_next[i * J + j] + c[i * J + j] * (row_[j] - weighted);
-          g_here[i * J + j] = g;
-          axpy(g, ui + j * D, gv_next_.data() + j * D, D);
+          const Vec<acc_t> cj = Vec<acc_t>::loadu(c + j * W);
+          at::vec::fmadd(cj, Vec<acc_t>::loadu(gc + j * W) - weighted, Vec<acc_t>::loadu(g_next + j * W))
+              .store(g_here + j * W);
         }
+        for (int64_t j = 0; j < J; ++j) tile_axpy(g_here + j * W, u, i0, n, j * D, gv_next_.data() + j * D, D);
       }
       std::swap(gv_, gv_next_);
     }
@@ -150,14 +201,16 @@ class RoutingBackward {
 
   // The vote gradient of input capsule i, g_u_i (J * D values), into out.
   void vote_grad_row(const BackwardState<acc_t>& st, int64_t i, acc_t* out) const {
-    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
     constexpr int64_t W = Vec<acc_t>::size();
+    const int64_t J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
+    const int64_t tiled_i = (i / kTileRows<acc_t>) * J * kTileRows<acc_t> + i % kTileRows<acc_t>;
     for (int64_t j = 0; j < J; ++j) {
       for (int64_t d0 = 0; d0 < D; d0 += W) {  // the sum over r in a register
         const int64_t n = std::min(W, D - d0), k = j * D + d0;
         Vec<acc_t> sum(acc_t(0));
         for (int64_t r = first_r_; r < d_.iters; ++r) {
-          const int64_t ij = r * I * J + i * J + j;  // g_logits is 0 at r = iters - 1, the only r with detach
+          const int64_t ij = r * tiled_ij_ + tiled_i + j * kTileRows<acc_t>;  // g_logits is 0 at r = iters - 1,
+                                                                               // the only r with detach
           sum = at::vec::fmadd(Vec<acc_t>(st.coupling[ij]), Vec<acc_t>::loadu(st.gs_hist + r * JD + k, n), sum);
           sum = at::vec::fmadd(Vec<acc_t>(st.g_logits[ij]), Vec<acc_t>::loadu(st.v_hist + r * JD + k, n), sum);
         }
@@ -170,16 +223,19 @@ class RoutingBackward {
   // c^r for every r in one pass over the votes, from b^{r+1} = b^r + <u, v^r>.
   template <typename vote_t>
   void recompute_coupling(VoteRows<vote_t> u, const BackwardState<acc_t>& st) {
+    constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
-    for (int64_t i = 0; i < I; ++i) {
-      const vote_t* ui = u[i];
-      std::fill(row_.begin(), row_.end(), acc_t(0));
+    acc_t* logits = tile_.data();  // this tile's (J, W)
+    for (int64_t i0 = 0; i0 < I; i0 += W) {
+      const int64_t n = std::min(W, I - i0);
+      std::fill(tile_.begin(), tile_.end(), acc_t(0));
       for (int64_t r = 0; r < R; ++r) {
         if (r > 0) {
           const acc_t* v = st.v_hist + (r - 1) * JD;
-          for (int64_t j = 0; j < J; ++j) row_[j] += dot<vote_t, acc_t, acc_t>(ui + j * D, v + j * D, D);
+          for (int64_t j = 0; j < J; ++j)
+            (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j * D, v + j * D, D)).store(logits + j * W);
         }
-        if (r >= first_r_) softmax_row(row_.data(), J, d_.leaky, st.coupling + r * I * J + i * J);
+        if (r >= first_r_) softmax_lanes(logits, J, d_.leaky, st.coupling + r * tiled_ij_ + i0 * J);
       }
     }
   }
@@ -199,7 +255,8 @@ class RoutingBackward {
   acc_t eps_;
   bool detach_;
   int64_t first_r_;
-  std::vector<acc_t> gv_, gv_next_, row_;  // per-thread scratch
+  int64_t tiled_ij_;  // padded I times J: the size of one iteration's coupling or g_logits
+  std::vector<acc_t> gv_, gv_next_, tile_;  // per-thread scratch
 };
 
 }  // namespace cpu

@@ -53,17 +53,39 @@ inline acc_t dot(const T* a, const U* b, int64_t n) {
   return sum;
 }
 
-// y[k] += alpha x[k], k < n.
-template <typename T, typename acc_t>
-inline void axpy(acc_t alpha, const T* x, acc_t* y, int64_t n) {
-  int64_t k = 0;
-  if constexpr (std::is_same_v<T, acc_t>) {
-    constexpr int64_t W = Vec<acc_t>::size();
-    const Vec<acc_t> a(alpha);
-    for (; k + W <= n; k += W) at::vec::fmadd(a, Vec<acc_t>::loadu(x + k), Vec<acc_t>::loadu(y + k)).store(y + k);
+// A vector whose lanes sum to sum_k a[k] b[k], k < n: a dot product before its horizontal sum,
+// so that lane_sums can reduce several at once.
+template <typename acc_t, typename T, typename U>
+inline Vec<acc_t> dot_lanes(const T* a, const U* b, int64_t n) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  Vec<acc_t> acc(acc_t(0));
+  for (int64_t k = 0; k < n; k += W) {
+    const int64_t m = std::min(W, n - k);
+    acc = at::vec::fmadd(load_acc<acc_t>(a + k, m), load_acc<acc_t>(b + k, m), acc);
   }
-  for (; k < n; ++k) y[k] += alpha * static_cast<acc_t>(x[k]);
+  return acc;
 }
+
+// Lane k: the sum of x[k]'s lanes, for the Vec<T>::size() vectors x[0..].
+template <typename T>
+inline Vec<T> lane_sums(const Vec<T>* x) {
+  alignas(64) T sums[Vec<T>::size()];
+  for (int64_t k = 0; k < Vec<T>::size(); ++k) sums[k] = reduce_sum(x[k]);
+  return Vec<T>::loadu(sums);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// Eight horizontal sums as a transpose-and-add tree: 9 instructions instead of 8 x 5.
+template <>
+inline Vec<float> lane_sums(const Vec<float>* x) {
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+  const __m256 x01 = _mm256_hadd_ps(x[0], x[1]), x23 = _mm256_hadd_ps(x[2], x[3]);
+  const __m256 x45 = _mm256_hadd_ps(x[4], x[5]), x67 = _mm256_hadd_ps(x[6], x[7]);
+  // [x0..x3's sums of lanes 0-3 | x0..x3's sums of lanes 4-7], and the same for x4..x7
+  const __m256 x0123 = _mm256_hadd_ps(x01, x23), x4567 = _mm256_hadd_ps(x45, x67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(x0123, x4567, 0x20), _mm256_permute2f128_ps(x0123, x4567, 0x31));
+}
+#endif
 
 // out = softmax of the n logits, with an extra zero logit when extra_zero_logit (its share is
 // dropped: the leaky softmax of dynamic routing). out may alias logits.
@@ -80,6 +102,23 @@ inline void softmax_row(const T* logits, int64_t n, bool extra_zero_logit, T* ou
   for (int64_t k = 0; k < n; ++k) denom += out[k];
   const T inv_denom = T(1) / denom;
   for (int64_t k = 0; k < n; ++k) out[k] *= inv_denom;
+}
+
+// softmax_row for Vec<T>::size() rows at once, row k in lane k: logits and out are n vectors
+// (n, W); no horizontal max or sum, and n exps for W rows. out may alias logits.
+template <typename T>
+inline void softmax_lanes(const T* logits, int64_t n, bool extra_zero_logit, T* out) {
+  constexpr int64_t W = Vec<T>::size();
+  Vec<T> max_logit = extra_zero_logit ? Vec<T>(T(0)) : Vec<T>::loadu(logits);
+  for (int64_t k = 0; k < n; ++k) max_logit = at::vec::maximum(max_logit, Vec<T>::loadu(logits + k * W));
+  Vec<T> denom = extra_zero_logit ? (Vec<T>(T(0)) - max_logit).exp() : Vec<T>(T(0));
+  for (int64_t k = 0; k < n; ++k) {
+    const Vec<T> e = (Vec<T>::loadu(logits + k * W) - max_logit).exp();
+    e.store(out + k * W);
+    denom = denom + e;
+  }
+  const Vec<T> inv_denom = Vec<T>(T(1)) / denom;
+  for (int64_t k = 0; k < n; ++k) (Vec<T>::loadu(out + k * W) * inv_denom).store(out + k * W);
 }
 
 }  // namespace cpu
