@@ -1,7 +1,9 @@
 // EM routing (docs/ops.md, em_routing) of one batch element on the CPU: the forward (M-step, E-step)
 // and the exact backward, shared by em_routing (votes given) and the fused pose variant. The loops
 // over a capsule's H pose values are vector loops (vec_math.h), one chunk of up to a vector's width
-// at a time; the sums over h they produce are reduced once per (i, j).
+// at a time; the input capsules i are taken a tile at a time (vec_math.h: the E-step's softmax over J
+// lane-wise, a tile's sums over h reduced together) and the assignments R and their gradient are
+// stored by tile.
 #pragma once
 
 #include <algorithm>
@@ -24,48 +26,53 @@ inline void for_each_pose_chunk(int64_t H, F&& f) {
 }
 
 // One element: votes V (I, J, H), a_in (I), betas (J); statistics per iteration in `stats`
-// (iters, J, 2H + 1). All scratch is per thread.
-template <typename vote_t, typename acc_t>
+// (iters, J, 2H + 1). kH: H when fixed at compile time (dispatch_size), else 0. All scratch is per thread.
+template <typename vote_t, typename acc_t, int kH>
 class EmElement {
  public:
   EmElement(const EmDims& d, double eps)
-      : d_(d), eps_(eps), R_(d.I * d.J), mass_(d.J), norm_(d.J), inv_2var_(d.J * d.H) {}
+      : d_(d), eps_(eps), R_(padded_rows<acc_t>(d.I) * d.J), mass_(d.J), norm_(d.J), inv_2var_(d.J * d.H) {}
 
   // The M-step of iteration t from the assignments in R_: writes mu, var, logit into st.
   template <typename beta_t>
   void m_step(const vote_t* V, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, int64_t t,
               acc_t* st) {
-    const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H;
+    constexpr int64_t W = kTileRows<acc_t>;
+    const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H;
+    const VoteRows<vote_t> votes{V, JH};
     const acc_t eps = static_cast<acc_t>(eps_);
     acc_t* mu = st;
     acc_t* var = st + JH;
     acc_t* logit = st + 2 * JH;
+    alignas(64) acc_t r[W];  // R_ij a_i of a tile's rows for one j
     std::fill(mass_.begin(), mass_.end(), acc_t(0));
     std::fill(mu, mu + 2 * JH, acc_t(0));
-    for (int64_t i = 0; i < I; ++i) {
-      const acc_t a = static_cast<acc_t>(a_in[i]);
+    for (int64_t i0 = 0; i0 < I; i0 += W) {
+      const int64_t n = std::min(W, I - i0);
+      const Vec<acc_t> a = load_acc<acc_t>(a_in + i0, n);
       for (int64_t j = 0; j < J; ++j) {
-        const acc_t r = R_[i * J + j] * a;
-        mass_[j] += r;
-        const vote_t* v = V + (i * J + j) * H;
-        acc_t* mu_j = mu + j * H;
-        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
-          at::vec::fmadd(Vec<acc_t>(r), load_acc<acc_t>(v + h, n), Vec<acc_t>::loadu(mu_j + h, n)).store(mu_j + h, n);
-        });
+        (Vec<acc_t>::loadu(R_.data() + i0 * J + j * W) * a).store(r);
+        for (int64_t k = 0; k < n; ++k) mass_[j] += r[k];
+        tile_axpy(r, votes, i0, n, j * H, mu + j * H, H);
       }
     }
     for (int64_t jh = 0; jh < JH; ++jh) mu[jh] /= mass_[jh / H] + eps;
     // Second pass for the variance: sum r (V - mu)^2 is exact where sum r V^2 - m mu^2 cancels.
-    for (int64_t i = 0; i < I; ++i) {
-      const acc_t a = static_cast<acc_t>(a_in[i]);
+    for (int64_t i0 = 0; i0 < I; i0 += W) {
+      const int64_t n = std::min(W, I - i0);
+      const Vec<acc_t> a = load_acc<acc_t>(a_in + i0, n);
       for (int64_t j = 0; j < J; ++j) {
-        const acc_t r = R_[i * J + j] * a;
-        const vote_t* v = V + (i * J + j) * H;
+        (Vec<acc_t>::loadu(R_.data() + i0 * J + j * W) * a).store(r);
         const acc_t* mu_j = mu + j * H;
         acc_t* var_j = var + j * H;
-        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
-          const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
-          at::vec::fmadd(Vec<acc_t>(r) * diff, diff, Vec<acc_t>::loadu(var_j + h, n)).store(var_j + h, n);
+        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+          const Vec<acc_t> mean = Vec<acc_t>::loadu(mu_j + h, m);
+          Vec<acc_t> sum = Vec<acc_t>::loadu(var_j + h, m);
+          for (int64_t k = 0; k < n; ++k) {
+            const Vec<acc_t> diff = load_acc<acc_t>(votes[i0 + k] + j * H + h, m) - mean;
+            sum = at::vec::fmadd(Vec<acc_t>(r[k]) * diff, diff, sum);
+          }
+          sum.store(var_j + h, m);
         });
       }
     }
@@ -83,7 +90,9 @@ class EmElement {
 
   // The E-step after iteration t (statistics st): R_ = softmax_j(log a_j + log p_ij), in the log domain.
   void e_step(const vote_t* V, const acc_t* st) {
-    const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H;
+    constexpr int64_t W = kTileRows<acc_t>;
+    const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H;
+    const VoteRows<vote_t> votes{V, JH};
     const acc_t* mu = st;
     const acc_t* var = st + JH;
     const acc_t* logit = st + 2 * JH;
@@ -94,20 +103,27 @@ class EmElement {
       norm_[j] = norm;
     }
     for (int64_t jh = 0; jh < JH; ++jh) inv_2var_[jh] = 1 / (2 * var[jh]);  // no division in the loop over (i, j, h)
-    for (int64_t i = 0; i < I; ++i) {
-      acc_t* Ri = R_.data() + i * J;
+    for (int64_t i0 = 0; i0 < I; i0 += W) {
+      const int64_t n = std::min(W, I - i0);
+      acc_t* R = R_.data() + i0 * J;  // this tile's (J, W)
       for (int64_t j = 0; j < J; ++j) {
-        const vote_t* v = V + (i * J + j) * H;
         const acc_t* mu_j = mu + j * H;
         const acc_t* inv_2var_j = inv_2var_.data() + j * H;
-        Vec<acc_t> sum(acc_t(0));
-        for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
-          const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
-          sum = at::vec::fmadd(diff * diff, Vec<acc_t>::loadu(inv_2var_j + h, n), sum);
-        });
-        Ri[j] = norm_[j] - reduce_sum(sum);  // log p_ij
+        Vec<acc_t> partial[W];  // lane sums: (V - mu)^2 / (2 var) of row i0 + k
+        for (int64_t k = 0; k < W; ++k) {
+          Vec<acc_t> sum(acc_t(0));
+          if (k < n) {
+            const vote_t* v = votes[i0 + k] + j * H;
+            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+              const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
+              sum = at::vec::fmadd(diff * diff, Vec<acc_t>::loadu(inv_2var_j + h, m), sum);
+            });
+          }
+          partial[k] = sum;
+        }
+        (Vec<acc_t>(norm_[j]) - lane_sums(partial)).store(R + j * W);  // log p_ij
       }
-      softmax_row(Ri, J, false, Ri);
+      softmax_lanes(R, J, false, R);
     }
   }
 
@@ -139,25 +155,40 @@ class EmElement {
 // Backward of one element: from the saved statistics st (iters, J, 2H + 1), the gradients of
 // pose (J, H) and a_out (J), adds the gradients of V into g_V (I, J, H), of a_in into g_a (I)
 // and of the betas into g_beta_u, g_beta_a (J). All scratch is per thread.
-template <typename vote_t, typename acc_t>
+template <typename vote_t, typename acc_t, int kH>
 class EmBackward {
  public:
   EmBackward(const EmDims& d, double eps)
-      : d_(d), eps_(eps), em_(d, eps), R_hist_(d.iters * d.I * d.J), g_R_(d.I * d.J), g_mu_(d.J * d.H), g_var_(d.J * d.H),
-        g_logit_(d.J), one_minus_sigmoid_(d.J), mass_(d.J), g_mass_(d.J), inv_var_(d.J * d.H), g_mu_M_(d.J * d.H),
+      : d_(d),
+        eps_(eps),
+        em_(d, eps),
+        tiled_ij_(padded_rows<acc_t>(d.I) * d.J),
+        R_hist_(d.iters * tiled_ij_),
+        g_R_(tiled_ij_),  // the padding lanes stay 0
+        g_L_(kTileRows<acc_t> * d.J),
+        g_mu_(d.J * d.H),
+        g_var_(d.J * d.H),
+        g_logit_(d.J),
+        one_minus_sigmoid_(d.J),
+        mass_(d.J),
+        g_mass_(d.J),
+        inv_var_(d.J * d.H),
+        g_mu_M_(d.J * d.H),
         g_var_M_(d.J * d.H) {}
 
   template <typename beta_t>
   void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
            const acc_t* g_a_out, acc_t* g_V, acc_t* g_a, acc_t* g_beta_u, acc_t* g_beta_a) {
-    const int64_t I = d_.I, J = d_.J, H = d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row();
+    constexpr int64_t W = kTileRows<acc_t>;
+    const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row(), IJ = tiled_ij_;
+    const VoteRows<vote_t> votes{Vn, JH};
     const acc_t e = static_cast<acc_t>(eps_);
     std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_, &g_logit = g_logit_,  // short names
                        &mass = mass_, &g_mass = g_mass_, &inv_var = inv_var_, &g_mu_M = g_mu_M_, &g_var_M = g_var_M_;
     // R^t for every iteration, from the saved statistics.
     em_.reset_assignments();
     for (int64_t t = 0; t < iters; ++t) {
-      std::copy(em_.assignments().begin(), em_.assignments().end(), R_hist.begin() + t * I * J);
+      std::copy(em_.assignments().begin(), em_.assignments().end(), R_hist.begin() + t * IJ);
       if (t < iters - 1) em_.e_step(Vn, st + t * J * row);
     }
     // Gradients reaching the last M-step's outputs.
@@ -177,43 +208,52 @@ class EmBackward {
         std::fill(g_mu.begin(), g_mu.end(), acc_t(0));
         std::fill(g_var.begin(), g_var.end(), acc_t(0));
         std::fill(g_logit.begin(), g_logit.end(), acc_t(0));
-        const acc_t* R_next = R_hist.data() + (t + 1) * I * J;
         // No division or exp in the loops over (i, j, h): d log sigmoid(x) / dx = 1 - sigmoid(x).
         for (int64_t jh = 0; jh < JH; ++jh) inv_var[jh] = 1 / var[jh];
         for (int64_t j = 0; j < J; ++j) one_minus_sigmoid_[j] = 1 - em_sigmoid(logit[j]);
-        for (int64_t i = 0; i < I; ++i) {
-          acc_t weighted = 0;
-          for (int64_t j = 0; j < J; ++j) weighted += R_next[i * J + j] * g_R[i * J + j];
+        for (int64_t i0 = 0; i0 < I; i0 += W) {
+          const int64_t n = std::min(W, I - i0);
+          const acc_t* R_next = R_hist.data() + (t + 1) * IJ + i0 * J;  // this tile's (J, W)
+          const acc_t* g_R_tile = g_R.data() + i0 * J;
+          Vec<acc_t> weighted(acc_t(0));
+          for (int64_t j = 0; j < J; ++j)
+            weighted = at::vec::fmadd(Vec<acc_t>::loadu(R_next + j * W), Vec<acc_t>::loadu(g_R_tile + j * W), weighted);
           for (int64_t j = 0; j < J; ++j) {
-            const acc_t g_L = R_next[i * J + j] * (g_R[i * J + j] - weighted);
-            g_logit[j] += g_L * one_minus_sigmoid_[j];
-            const vote_t* v = Vn + (i * J + j) * H;
-            acc_t* gv = g_V + (i * J + j) * H;
+            acc_t* g_L = g_L_.data() + j * W;
+            (Vec<acc_t>::loadu(R_next + j * W) * (Vec<acc_t>::loadu(g_R_tile + j * W) - weighted)).store(g_L);
+            for (int64_t k = 0; k < n; ++k) g_logit[j] += g_L[k] * one_minus_sigmoid_[j];
             const acc_t* mu_j = mu + j * H;
             const acc_t* iv_j = inv_var.data() + j * H;
             acc_t* g_mu_j = g_mu.data() + j * H;
             acc_t* g_var_j = g_var.data() + j * H;
             // g_V -= g_L q, g_mu += g_L q, g_var += g_L iv (q diff - 1) / 2, with q = diff / var.
-            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
-              const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
-              const Vec<acc_t> iv = Vec<acc_t>::loadu(iv_j + h, n);
-              const Vec<acc_t> q = diff * iv;
-              const Vec<acc_t> gl(g_L);
-              (Vec<acc_t>::loadu(gv + h, n) - gl * q).store(gv + h, n);
-              at::vec::fmadd(gl, q, Vec<acc_t>::loadu(g_mu_j + h, n)).store(g_mu_j + h, n);
-              at::vec::fmadd(Vec<acc_t>(acc_t(0.5) * g_L) * iv, q * diff - Vec<acc_t>(acc_t(1)),
-                             Vec<acc_t>::loadu(g_var_j + h, n))
-                  .store(g_var_j + h, n);
+            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+              const Vec<acc_t> mean = Vec<acc_t>::loadu(mu_j + h, m), iv = Vec<acc_t>::loadu(iv_j + h, m);
+              Vec<acc_t> sum_mu = Vec<acc_t>::loadu(g_mu_j + h, m), sum_var = Vec<acc_t>::loadu(g_var_j + h, m);
+              for (int64_t k = 0; k < n; ++k) {
+                const Vec<acc_t> diff = load_acc<acc_t>(votes[i0 + k] + j * H + h, m) - mean;
+                const Vec<acc_t> q = diff * iv;
+                const Vec<acc_t> gl(g_L[k]);
+                acc_t* gv = g_V + (i0 + k) * JH + j * H + h;
+                (Vec<acc_t>::loadu(gv, m) - gl * q).store(gv, m);
+                sum_mu = at::vec::fmadd(gl, q, sum_mu);
+                sum_var = at::vec::fmadd(Vec<acc_t>(acc_t(0.5) * g_L[k]) * iv, q * diff - Vec<acc_t>(acc_t(1)), sum_var);
+              }
+              sum_mu.store(g_mu_j + h, m);
+              sum_var.store(g_var_j + h, m);
             });
           }
         }
       }
       // M-step t: r = R^t a, m = sum_i r, M = m + eps, mu = sum_i r V / M,
       // var = sum_i r (V - mu)^2 / M + eps, logit = lam (beta_a - sum_h (beta_u + ln(var) / 2) m).
-      const acc_t* R = R_hist.data() + t * I * J;
+      const acc_t* R = R_hist.data() + t * IJ;
       std::fill(mass.begin(), mass.end(), acc_t(0));
-      for (int64_t i = 0; i < I; ++i)
-        for (int64_t j = 0; j < J; ++j) mass[j] += R[i * J + j] * static_cast<acc_t>(a[i]);
+      for (int64_t i0 = 0; i0 < I; i0 += W) {
+        const int64_t n = std::min(W, I - i0);
+        for (int64_t j = 0; j < J; ++j)
+          for (int64_t k = 0; k < n; ++k) mass[j] += R[i0 * J + j * W + k] * static_cast<acc_t>(a[i0 + k]);
+      }
       const acc_t lam = em_lambda(d_.final_lambda, t);
       for (int64_t j = 0; j < J; ++j) {
         const acc_t g_cost = -lam * g_logit[j];  // the same for every h
@@ -237,32 +277,43 @@ class EmBackward {
         g_mu_M[jh] = g_mu[jh] * inv_M;
         g_var_M[jh] = g_var[jh] * inv_M;
       }
-      for (int64_t i = 0; i < I; ++i) {
-        const acc_t ai = static_cast<acc_t>(a[i]);
-        acc_t g_ai = 0;
+      for (int64_t i0 = 0; i0 < I; i0 += W) {
+        const int64_t n = std::min(W, I - i0);
+        const Vec<acc_t> a_tile = load_acc<acc_t>(a + i0, n);  // 0 in the padding lanes: their g_R stays 0
+        Vec<acc_t> g_a_tile(acc_t(0));
         for (int64_t j = 0; j < J; ++j) {
-          const acc_t r = R[i * J + j] * ai;
-          const vote_t* v = Vn + (i * J + j) * H;
-          acc_t* gv = g_V + (i * J + j) * H;
+          const Vec<acc_t> R_j = Vec<acc_t>::loadu(R + i0 * J + j * W);
+          alignas(64) acc_t r[W];
+          (R_j * a_tile).store(r);
           const acc_t* mu_j = mu + j * H;
           const acc_t* var_j = var + j * H;
           const acc_t* gm_j = g_mu_M.data() + j * H;
           const acc_t* gvar_j = g_var_M.data() + j * H;
           // g_r = g_m + sum_h gm diff + gvar (diff^2 - var0); g_V += r (gm + 2 gvar diff).
-          Vec<acc_t> sum(acc_t(0));
-          for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t n) {
-            const Vec<acc_t> diff = load_acc<acc_t>(v + h, n) - Vec<acc_t>::loadu(mu_j + h, n);
-            const Vec<acc_t> var0 = Vec<acc_t>::loadu(var_j + h, n) - Vec<acc_t>(e);
-            const Vec<acc_t> gm = Vec<acc_t>::loadu(gm_j + h, n), gvar = Vec<acc_t>::loadu(gvar_j + h, n);
-            sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
-            at::vec::fmadd(Vec<acc_t>(r), at::vec::fmadd(gvar + gvar, diff, gm), Vec<acc_t>::loadu(gv + h, n))
-                .store(gv + h, n);
-          });
-          const acc_t g_r = g_mass[j] + reduce_sum(sum);
-          g_R[i * J + j] = g_r * ai;
-          g_ai += g_r * R[i * J + j];
+          Vec<acc_t> partial[W];  // lane sums: the sums over h of row i0 + k
+          for (int64_t k = 0; k < W; ++k) {
+            Vec<acc_t> sum(acc_t(0));
+            if (k < n) {
+              const vote_t* v = votes[i0 + k] + j * H;
+              acc_t* gv = g_V + (i0 + k) * JH + j * H;
+              const Vec<acc_t> rk(r[k]);
+              for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+                const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
+                const Vec<acc_t> var0 = Vec<acc_t>::loadu(var_j + h, m) - Vec<acc_t>(e);
+                const Vec<acc_t> gm = Vec<acc_t>::loadu(gm_j + h, m), gvar = Vec<acc_t>::loadu(gvar_j + h, m);
+                sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
+                at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm), Vec<acc_t>::loadu(gv + h, m)).store(gv + h, m);
+              });
+            }
+            partial[k] = sum;
+          }
+          const Vec<acc_t> g_r = Vec<acc_t>(g_mass[j]) + lane_sums(partial);
+          (g_r * a_tile).store(g_R.data() + i0 * J + j * W);
+          g_a_tile = at::vec::fmadd(g_r, R_j, g_a_tile);
         }
-        g_a[i] += g_ai;
+        alignas(64) acc_t g_a_values[W];
+        g_a_tile.store(g_a_values);
+        for (int64_t k = 0; k < n; ++k) g_a[i0 + k] += g_a_values[k];
       }
     }
   }
@@ -270,8 +321,9 @@ class EmBackward {
  private:
   EmDims d_;
   double eps_;
-  EmElement<vote_t, acc_t> em_;
-  std::vector<acc_t> R_hist_, g_R_, g_mu_, g_var_, g_logit_, one_minus_sigmoid_, mass_, g_mass_, inv_var_, g_mu_M_,
+  EmElement<vote_t, acc_t, kH> em_;
+  int64_t tiled_ij_;  // padded I times J: the size of R^t or g_R
+  std::vector<acc_t> R_hist_, g_R_, g_L_, g_mu_, g_var_, g_logit_, one_minus_sigmoid_, mass_, g_mass_, inv_var_, g_mu_M_,
       g_var_M_;
 };
 

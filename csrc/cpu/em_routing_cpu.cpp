@@ -38,12 +38,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
     const scalar_t* a = a_in.const_data_ptr<scalar_t>();
     const scalar_t* bu = beta_u.const_data_ptr<scalar_t>();
     const scalar_t* ba = beta_a.const_data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      EmElement<scalar_t, acc_t> em(dims, eps);
-      for (int64_t n = begin; n < end; ++n) {
-        em.forward(V + n * dims.I * JH, a + n * dims.I, bu, ba, stats.mutable_data_ptr<acc_t>() + n * stats_numel,
-                   pose.mutable_data_ptr<scalar_t>() + n * JH, a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
-      }
+    cpu::dispatch_size<kPoseSize>(dims.H, [&](auto pose_dim) {
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        EmElement<scalar_t, acc_t, decltype(pose_dim)::value> em(dims, eps);
+        for (int64_t n = begin; n < end; ++n) {
+          em.forward(V + n * dims.I * JH, a + n * dims.I, bu, ba, stats.mutable_data_ptr<acc_t>() + n * stats_numel,
+                     pose.mutable_data_ptr<scalar_t>() + n * JH, a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
+        }
+      });
     });
   });
   return {pose, a_out, stats};
@@ -73,19 +75,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
     const scalar_t* V = votes.const_data_ptr<scalar_t>();
     const scalar_t* a_all = a_in.const_data_ptr<scalar_t>();
     const scalar_t* bu = beta_u.const_data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      EmBackward<scalar_t, acc_t> backward(dims, eps);
-      std::vector<acc_t> g_V(I * JH), g_a(I);
-      for (int64_t n = begin; n < end; ++n) {
-        std::fill(g_V.begin(), g_V.end(), acc_t(0));
-        std::fill(g_a.begin(), g_a.end(), acc_t(0));
-        acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
-        backward.run(V + n * I * JH, a_all + n * I, bu, stats.const_data_ptr<acc_t>() + n * iters * J * row,
-                     grad_pose.const_data_ptr<acc_t>() + n * JH, grad_a_out.const_data_ptr<acc_t>() + n * J,
-                     g_V.data(), g_a.data(), g_beta_u, g_beta_u + J);
-        std::copy(g_a.begin(), g_a.end(), grad_a_in.mutable_data_ptr<scalar_t>() + n * I);
-        std::copy(g_V.begin(), g_V.end(), grad_votes.mutable_data_ptr<scalar_t>() + n * I * JH);
-      }
+    cpu::dispatch_size<kPoseSize>(dims.H, [&](auto pose_dim) {
+      at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+        EmBackward<scalar_t, acc_t, decltype(pose_dim)::value> backward(dims, eps);
+        std::vector<acc_t> g_V(I * JH), g_a(I);
+        for (int64_t n = begin; n < end; ++n) {
+          std::fill(g_V.begin(), g_V.end(), acc_t(0));
+          std::fill(g_a.begin(), g_a.end(), acc_t(0));
+          acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
+          backward.run(V + n * I * JH, a_all + n * I, bu, stats.const_data_ptr<acc_t>() + n * iters * J * row,
+                       grad_pose.const_data_ptr<acc_t>() + n * JH, grad_a_out.const_data_ptr<acc_t>() + n * J,
+                       g_V.data(), g_a.data(), g_beta_u, g_beta_u + J);
+          std::copy(g_a.begin(), g_a.end(), grad_a_in.mutable_data_ptr<scalar_t>() + n * I);
+          std::copy(g_V.begin(), g_V.end(), grad_votes.mutable_data_ptr<scalar_t>() + n * I * JH);
+        }
+      });
     });
   });
   // Two tensors of their own, not two rows of one: the schema's outputs must not alias (opcheck).

@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(const at::Ten
     const scalar_t* W = weight.const_data_ptr<scalar_t>();
     const scalar_t* a = a_in.const_data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      EmElement<acc_t, acc_t> em(dims, eps);
+      EmElement<acc_t, acc_t, kPoseSize> em(dims, eps);
       std::vector<acc_t> votes(dims.I * JH), a_acc(dims.I);
       for (int64_t n = begin; n < end; ++n) {
         compute_votes(P + n * dims.I * kPoseSize, W, dims.I, dims.J, votes.data());
@@ -99,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
     const scalar_t* W = weight.const_data_ptr<scalar_t>();
     const scalar_t* a = a_in.const_data_ptr<scalar_t>();
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-      EmBackward<acc_t, acc_t> backward(dims, eps);
+      EmBackward<acc_t, acc_t, kPoseSize> backward(dims, eps);
       std::vector<acc_t> votes(I * JH), g_V(I * JH), a_acc(I), g_a(I);
       for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         acc_t* g_W = grad_weight_parts.mutable_data_ptr<acc_t>() + chunk * I * JH;

@@ -16,25 +16,10 @@
 namespace capsroute {
 namespace cpu {
 
-// The votes of one element: row i (its J x D votes) at data + i * row_stride.
-template <typename vote_t>
-struct VoteRows {
-  const vote_t* data;
-  int64_t row_stride;
-  const vote_t* operator[](int64_t i) const { return data + i * row_stride; }
-};
-
-// Calls f(std::integral_constant<int, D>) for the common capsule sizes, so that the loops over
-// a capsule's D values get a constant trip count (unrolled, vectorised), else with 0 (any D).
+// Calls f(std::integral_constant<int, D>) for the common capsule sizes, else with 0 (any D).
 template <typename F>
 void dispatch_capsule_dim(int64_t D, F&& f) {
-  switch (D) {
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 8: return f(std::integral_constant<int, 8>{});
-    case 16: return f(std::integral_constant<int, 16>{});
-    case 32: return f(std::integral_constant<int, 32>{});
-    default: return f(std::integral_constant<int, 0>{});
-  }
+  dispatch_size<4, 8, 16, 32>(D, std::forward<F>(f));
 }
 
 // The capsule size: the compile-time kD when there is one.
@@ -51,42 +36,9 @@ inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc
   }
 }
 
-// Rows are routed a tile of W = Vec<acc_t>::size() at a time, row i0 + k in lane k of a vector:
-// the softmax over J then runs on J whole vectors (softmax_lanes: no horizontal max or sum, J exps
-// for W rows) and the J agreement dots of a tile are reduced together (lane_sums). Values per
-// (i, j) (logits, couplings and their gradients) are kept by tile, (I / W, J, W), the rows padded
-// to a whole tile; the padding lanes route zero votes and contribute nothing.
-template <typename acc_t>
-constexpr int64_t kTileRows = Vec<acc_t>::size();
-
-template <typename acc_t>
-inline int64_t padded_rows(int64_t I) {
-  return (I + kTileRows<acc_t> - 1) / kTileRows<acc_t> * kTileRows<acc_t>;
-}
-
-// Lane k: the dot of x (D values) with the votes of row i0 + k at offset, for the n rows of the
-// tile at i0 (lanes past n: 0).
-template <typename acc_t, typename vote_t>
-inline Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, const acc_t* x, int64_t D) {
-  Vec<acc_t> partial[kTileRows<acc_t>];
-  for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
-    partial[k] = k < n ? dot_lanes<acc_t>(u[i0 + k] + offset, x, D) : Vec<acc_t>(acc_t(0));
-  return lane_sums(partial);
-}
-
-// y (D values) += coef[k] times the votes of row i0 + k at offset, k < n in order.
-template <typename acc_t, typename vote_t>
-inline void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, acc_t* y,
-                      int64_t D) {
-  constexpr int64_t W = Vec<acc_t>::size();
-  for (int64_t d0 = 0; d0 < D; d0 += W) {
-    const int64_t m = std::min(W, D - d0);
-    Vec<acc_t> sum = Vec<acc_t>::loadu(y + d0, m);
-    for (int64_t k = 0; k < n; ++k)
-      sum = at::vec::fmadd(Vec<acc_t>(coef[k]), load_acc<acc_t>(u[i0 + k] + offset + d0, m), sum);
-    sum.store(y + d0, m);
-  }
-}
+// Rows are routed a tile at a time (vec_math.h): the softmax over J runs on J whole vectors and
+// the J agreement dots of a tile are reduced together. Logits, couplings and their gradients are
+// kept by tile, (I / W, J, W); the padding lanes route zero votes and contribute nothing.
 
 // Per-thread scratch of route_forward.
 template <typename acc_t>
@@ -203,14 +155,13 @@ class RoutingBackward {
   void vote_grad_row(const BackwardState<acc_t>& st, int64_t i, acc_t* out) const {
     constexpr int64_t W = Vec<acc_t>::size();
     const int64_t J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
-    const int64_t tiled_i = (i / kTileRows<acc_t>) * J * kTileRows<acc_t> + i % kTileRows<acc_t>;
     for (int64_t j = 0; j < J; ++j) {
       for (int64_t d0 = 0; d0 < D; d0 += W) {  // the sum over r in a register
         const int64_t n = std::min(W, D - d0), k = j * D + d0;
         Vec<acc_t> sum(acc_t(0));
         for (int64_t r = first_r_; r < d_.iters; ++r) {
-          const int64_t ij = r * tiled_ij_ + tiled_i + j * kTileRows<acc_t>;  // g_logits is 0 at r = iters - 1,
-                                                                               // the only r with detach
+          const int64_t ij = r * tiled_ij_ + tiled_index<acc_t>(i, j, J);  // g_logits is 0 at r = iters - 1,
+                                                                            // the only r with detach
           sum = at::vec::fmadd(Vec<acc_t>(st.coupling[ij]), Vec<acc_t>::loadu(st.gs_hist + r * JD + k, n), sum);
           sum = at::vec::fmadd(Vec<acc_t>(st.g_logits[ij]), Vec<acc_t>::loadu(st.v_hist + r * JD + k, n), sum);
         }

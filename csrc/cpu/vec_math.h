@@ -12,12 +12,41 @@
 #include <cstdint>
 #include <functional>
 #include <type_traits>
+#include <utility>
 
 namespace capsroute {
 namespace cpu {
 
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
+
+// Calls f(std::integral_constant<int, n>) when n is one of kSizes, else f(std::integral_constant<int,
+// 0>) (any n): the loops over n values then get a constant trip count (unrolled, their operands
+// kept in registers).
+template <int... kSizes, typename F>
+void dispatch_size(int64_t n, F&& f) {
+  const bool fixed = ((n == kSizes ? (f(std::integral_constant<int, kSizes>{}), true) : false) || ...);
+  if (!fixed) f(std::integral_constant<int, 0>{});
+}
+
+// The routing loops over input capsules i take a tile of W = Vec<acc_t>::size() of them at a time,
+// capsule i0 + k in lane k of a vector: softmaxes over the outputs j run lane-wise on whole vectors
+// (softmax_lanes) and the tile's per-(i, j) sums over a capsule's values are reduced together
+// (lane_sums) instead of one horizontal sum each. Values per (i, j) are then stored by tile,
+// (I / W, J, W) with I padded to a whole tile: (i, j) at i0 J + j W + k.
+template <typename acc_t>
+constexpr int64_t kTileRows = Vec<acc_t>::size();
+
+template <typename acc_t>
+inline int64_t padded_rows(int64_t I) {
+  return (I + kTileRows<acc_t> - 1) / kTileRows<acc_t> * kTileRows<acc_t>;
+}
+
+// Where (i, j) is in a tiled (I / W, J, W) array.
+template <typename acc_t>
+inline int64_t tiled_index(int64_t i, int64_t j, int64_t J) {
+  return (i / kTileRows<acc_t> * J + j) * kTileRows<acc_t> + i % kTileRows<acc_t>;
+}
 
 // Values p[0, n) (n <= Vec<acc_t>::size()) as a Vec<acc_t>, the lanes past n zero.
 template <typename acc_t, typename T>
@@ -102,6 +131,38 @@ inline void softmax_row(const T* logits, int64_t n, bool extra_zero_logit, T* ou
   for (int64_t k = 0; k < n; ++k) denom += out[k];
   const T inv_denom = T(1) / denom;
   for (int64_t k = 0; k < n; ++k) out[k] *= inv_denom;
+}
+
+// Rows of a matrix: row i at data + i * row_stride (the votes of one element, a row per input capsule).
+template <typename vote_t>
+struct VoteRows {
+  const vote_t* data;
+  int64_t row_stride;
+  const vote_t* operator[](int64_t i) const { return data + i * row_stride; }
+};
+
+// Lane k: the dot of x (D values) with the votes of row i0 + k at offset, for the n rows of the
+// tile at i0 (lanes past n: 0).
+template <typename acc_t, typename vote_t>
+inline Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, const acc_t* x, int64_t D) {
+  Vec<acc_t> partial[kTileRows<acc_t>];
+  for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
+    partial[k] = k < n ? dot_lanes<acc_t>(u[i0 + k] + offset, x, D) : Vec<acc_t>(acc_t(0));
+  return lane_sums(partial);
+}
+
+// y (D values) += coef[k] times the votes of row i0 + k at offset, k < n in order.
+template <typename acc_t, typename vote_t>
+inline void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, acc_t* y,
+                      int64_t D) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  for (int64_t d0 = 0; d0 < D; d0 += W) {
+    const int64_t m = std::min(W, D - d0);
+    Vec<acc_t> sum = Vec<acc_t>::loadu(y + d0, m);
+    for (int64_t k = 0; k < n; ++k)
+      sum = at::vec::fmadd(Vec<acc_t>(coef[k]), load_acc<acc_t>(u[i0 + k] + offset + d0, m), sum);
+    sum.store(y + d0, m);
+  }
 }
 
 // softmax_row for Vec<T>::size() rows at once, row k in lane k: logits and out are n vectors
