@@ -24,7 +24,7 @@ namespace {
 // Bytes of a thread's vote slab: routing passes over an element's votes three times, so its
 // slab should stay in a core's L2 (1.5 MB: 2 elements at MNIST's shape; with 4 MB, 5 elements,
 // the passes ran 1.3x slower on a Xeon with 2 MB of L2 per core).
-constexpr int64_t kVoteSlabBytes = 3 << 19;
+constexpr int64_t kVoteSlabBytes = 3 << 20;
 // Input capsules per task of the backward's contractions.
 constexpr int64_t kContractionGrain = 16;
 
@@ -123,10 +123,12 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
       const acc_t* u = u_i + e * u_stride + k0;
       for (int r = 0; r < kRows; ++r) sum[r] = at::vec::fmadd(cpu::Vec<acc_t>(u[r]), g, sum[r]);
     }
-    acc_t columns[kRows][W];
+    alignas(64) acc_t columns[kRows][W];
     for (int r = 0; r < kRows; ++r) sum[r].store(columns[r]);
-    for (int64_t l = 0; l < n; ++l)
-      for (int r = 0; r < kRows; ++r) g_w_i[(c0 + l) * Din + k0 + r] = columns[r][l];
+    if (n == W)  // a register transpose where at::vec has one (8 x 8 float), not kRows * W scalar stores
+      at::vec::transpose_mxn<acc_t, kRows, W>(columns[0], W, g_w_i + c0 * Din + k0, Din);
+    else
+      at::vec::transpose_mxn<acc_t>(columns[0], W, g_w_i + c0 * Din + k0, Din, kRows, n);
   }
 }
 

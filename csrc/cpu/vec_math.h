@@ -85,7 +85,7 @@ inline acc_t dot(const T* a, const U* b, int64_t n) {
 // A vector whose lanes sum to sum_k a[k] b[k], k < n: a dot product before its horizontal sum,
 // so that lane_sums can reduce several at once.
 template <typename acc_t, typename T, typename U>
-inline Vec<acc_t> dot_lanes(const T* a, const U* b, int64_t n) {
+C10_ALWAYS_INLINE Vec<acc_t> dot_lanes(const T* a, const U* b, int64_t n) {
   constexpr int64_t W = Vec<acc_t>::size();
   Vec<acc_t> acc(acc_t(0));
   for (int64_t k = 0; k < n; k += W) {
@@ -143,8 +143,9 @@ struct VoteRows {
 
 // Lane k: the dot of x (D values) with the votes of row i0 + k at offset, for the n rows of the
 // tile at i0 (lanes past n: 0).
+// (Always inlined, here and below: D is then the caller's compile-time constant.)
 template <typename acc_t, typename vote_t>
-inline Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, const acc_t* x, int64_t D) {
+C10_ALWAYS_INLINE Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, const acc_t* x, int64_t D) {
   Vec<acc_t> partial[kTileRows<acc_t>];
   for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
     partial[k] = k < n ? dot_lanes<acc_t>(u[i0 + k] + offset, x, D) : Vec<acc_t>(acc_t(0));
@@ -153,7 +154,7 @@ inline Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t o
 
 // y (D values) += coef[k] times the votes of row i0 + k at offset, k < n in order.
 template <typename acc_t, typename vote_t>
-inline void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, acc_t* y,
+C10_ALWAYS_INLINE void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, acc_t* y,
                       int64_t D) {
   constexpr int64_t W = Vec<acc_t>::size();
   for (int64_t d0 = 0; d0 < D; d0 += W) {
