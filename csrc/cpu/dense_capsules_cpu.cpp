@@ -11,7 +11,6 @@
 #include <torch/library.h>
 
 #include <functional>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -91,17 +90,24 @@ void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route
   const int64_t tile = std::max<int64_t>(std::min(kVoteSlabBytes / element_bytes, per_thread), 1);
   const acc_t* u = ops.u.const_data_ptr<acc_t>();
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
-  at::parallel_for(0, (B + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    std::unique_ptr<acc_t[]> slab(new acc_t[tile * I * JD]);  // left uninitialised: every value is written
+  const int64_t tiles = (B + tile - 1) / tile;
+  // A slab per thread, allocated here as one tensor so that memory profilers (and the benchmark's
+  // peak memory) count them: allocations on the pool's threads are not recorded. parallel_for calls
+  // f only on threads numbered below its task count; nested in another parallel region it runs
+  // inline on one thread, whatever that thread's number (hence the clamp).
+  const int64_t slab_numel = tile * I * JD, slab_count = std::min<int64_t>(at::get_num_threads(), tiles);
+  at::Tensor slabs = at::empty({slab_count, slab_numel}, ops.u.options());  // every value is written
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    acc_t* slab = slabs.mutable_data_ptr<acc_t>() + std::min<int64_t>(at::get_thread_num(), slab_count - 1) * slab_numel;
     std::vector<acc_t> w_t(Din * JD);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, T = std::min(tile, B - n0);
       for (int64_t i = 0; i < I; ++i) {
         transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
         for (int64_t e = 0; e < T; ++e)
-          vote_row(u + ((n0 + e) * I + i) * Din, w_t.data(), Din, JD, slab.get() + (e * I + i) * JD);
+          vote_row(u + ((n0 + e) * I + i) * Din, w_t.data(), Din, JD, slab + (e * I + i) * JD);
       }
-      route(n0, T, slab.get());
+      route(n0, T, slab);
     }
   });
 }
@@ -202,9 +208,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u_in.options().dtype(acc));
-  at::Tensor grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
+  at::Tensor grad_u, grad_weight;  // allocated once the vote slabs are freed: a lower peak
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -225,6 +230,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
                        State(states_p + n * State::numel(dims), dims));
         }
       });
+      grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
+      grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
       // 2. Per input capsule i, the vote gradient rows of all elements (B x J*D values, in L1 or
       //    L2), contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
       //    and grad_u, so the sum over elements runs in order whatever the thread count.
