@@ -122,19 +122,11 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
   o.stats.resize(cs.B * sn); o.pose.resize(cs.B * JH); o.a_out.resize(cs.B * J);
   o.g_V.assign(cs.B * I * JH, A(0)); o.g_a.assign(cs.B * I, A(0));
   std::vector<A> gb(cs.B * 2 * J, A(0));
-  cpu::EmElement<S, A> em(d, eps);
-  for (int64_t n = 0; n < cs.B; ++n) {
-    A* st = o.stats.data() + n * sn;
-    em.reset_assignments();
-    for (int64_t t = 0; t < cs.iters; ++t) {
-      em.m_step(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(), t, st + t * J * row);
-      if (t < cs.iters - 1) em.e_step(V.data() + n * I * JH, st + t * J * row);
-    }
-    const A* last = st + (cs.iters - 1) * J * row;
-    for (int64_t jh = 0; jh < JH; ++jh) o.pose[n * JH + jh] = static_cast<S>(last[jh]);
-    for (int64_t j = 0; j < J; ++j) o.a_out[n * J + j] = static_cast<S>(em_sigmoid(last[2 * JH + j]));
-  }
-  cpu::EmBackward<S, A> back(d, eps);
+  cpu::EmElement<S, A, 0> em(d, eps);  // 0: H not fixed at compile time
+  for (int64_t n = 0; n < cs.B; ++n)
+    em.forward(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(), o.stats.data() + n * sn,
+               o.pose.data() + n * JH, o.a_out.data() + n * J);
+  cpu::EmBackward<S, A, 0> back(d, eps);
   for (int64_t n = 0; n < cs.B; ++n)
     back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn, gp.data() + n * JH,
              ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I, gb.data() + n * 2 * J,
