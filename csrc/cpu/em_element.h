@@ -109,19 +109,16 @@ class EmElement {
       for (int64_t j = 0; j < J; ++j) {
         const acc_t* mu_j = mu + j * H;
         const acc_t* inv_2var_j = inv_2var_.data() + j * H;
-        Vec<acc_t> partial[W];  // lane sums: (V - mu)^2 / (2 var) of row i0 + k
-        for (int64_t k = 0; k < W; ++k) {
+        const Vec<acc_t> distance = tile_sums<acc_t>(n, [&](int64_t k) {  // sum_h (V - mu)^2 / (2 var)
+          const vote_t* v = votes[i0 + k] + j * H;
           Vec<acc_t> sum(acc_t(0));
-          if (k < n) {
-            const vote_t* v = votes[i0 + k] + j * H;
-            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-              const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
-              sum = at::vec::fmadd(diff * diff, Vec<acc_t>::loadu(inv_2var_j + h, m), sum);
-            });
-          }
-          partial[k] = sum;
-        }
-        (Vec<acc_t>(norm_[j]) - lane_sums(partial)).store(R + j * W);  // log p_ij
+          for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+            const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
+            sum = at::vec::fmadd(diff * diff, Vec<acc_t>::loadu(inv_2var_j + h, m), sum);
+          });
+          return sum;
+        });
+        (Vec<acc_t>(norm_[j]) - distance).store(R + j * W);  // log p_ij
       }
       softmax_lanes(R, J, false, R);
     }
@@ -164,7 +161,7 @@ class EmBackward {
         em_(d, eps),
         tiled_ij_(padded_rows<acc_t>(d.I) * d.J),
         R_hist_(d.iters * tiled_ij_),
-        g_R_(tiled_ij_),  // the padding lanes stay 0
+        g_R_(tiled_ij_),  // padding lanes: 0 (or NaN from an infinite g_mass), never read into a real one
         g_L_(kTileRows<acc_t> * d.J),
         g_mu_(d.J * d.H),
         g_var_(d.J * d.H),
@@ -279,7 +276,7 @@ class EmBackward {
       }
       for (int64_t i0 = 0; i0 < I; i0 += W) {
         const int64_t n = std::min(W, I - i0);
-        const Vec<acc_t> a_tile = load_acc<acc_t>(a + i0, n);  // 0 in the padding lanes: their g_R stays 0
+        const Vec<acc_t> a_tile = load_acc<acc_t>(a + i0, n);  // 0 in the padding lanes
         Vec<acc_t> g_a_tile(acc_t(0));
         for (int64_t j = 0; j < J; ++j) {
           const Vec<acc_t> R_j = Vec<acc_t>::loadu(R + i0 * J + j * W);
@@ -290,24 +287,20 @@ class EmBackward {
           const acc_t* gm_j = g_mu_M.data() + j * H;
           const acc_t* gvar_j = g_var_M.data() + j * H;
           // g_r = g_m + sum_h gm diff + gvar (diff^2 - var0); g_V += r (gm + 2 gvar diff).
-          Vec<acc_t> partial[W];  // lane sums: the sums over h of row i0 + k
-          for (int64_t k = 0; k < W; ++k) {
+          const Vec<acc_t> g_r = Vec<acc_t>(g_mass[j]) + tile_sums<acc_t>(n, [&](int64_t k) {
+            const vote_t* v = votes[i0 + k] + j * H;
+            acc_t* gv = g_V + (i0 + k) * JH + j * H;
+            const Vec<acc_t> rk(r[k]);
             Vec<acc_t> sum(acc_t(0));
-            if (k < n) {
-              const vote_t* v = votes[i0 + k] + j * H;
-              acc_t* gv = g_V + (i0 + k) * JH + j * H;
-              const Vec<acc_t> rk(r[k]);
-              for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-                const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
-                const Vec<acc_t> var0 = Vec<acc_t>::loadu(var_j + h, m) - Vec<acc_t>(e);
-                const Vec<acc_t> gm = Vec<acc_t>::loadu(gm_j + h, m), gvar = Vec<acc_t>::loadu(gvar_j + h, m);
-                sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
-                at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm), Vec<acc_t>::loadu(gv + h, m)).store(gv + h, m);
-              });
-            }
-            partial[k] = sum;
-          }
-          const Vec<acc_t> g_r = Vec<acc_t>(g_mass[j]) + lane_sums(partial);
+            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+              const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
+              const Vec<acc_t> var0 = Vec<acc_t>::loadu(var_j + h, m) - Vec<acc_t>(e);
+              const Vec<acc_t> gm = Vec<acc_t>::loadu(gm_j + h, m), gvar = Vec<acc_t>::loadu(gvar_j + h, m);
+              sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
+              at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm), Vec<acc_t>::loadu(gv + h, m)).store(gv + h, m);
+            });
+            return sum;
+          });
           (g_r * a_tile).store(g_R.data() + i0 * J + j * W);
           g_a_tile = at::vec::fmadd(g_r, R_j, g_a_tile);
         }

@@ -36,10 +36,6 @@ inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc
   }
 }
 
-// Rows are routed a tile at a time (vec_math.h): the softmax over J runs on J whole vectors and
-// the J agreement dots of a tile are reduced together. Logits, couplings and their gradients are
-// kept by tile, (I / W, J, W); the padding lanes route zero votes and contribute nothing.
-
 // Per-thread scratch of route_forward.
 template <typename acc_t>
 struct ForwardScratch {
@@ -49,7 +45,10 @@ struct ForwardScratch {
 };
 
 // Forward of one element. Each pass over the votes fuses the agreement update of iteration
-// r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all.
+// r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all. Rows go a tile
+// at a time (vec_math.h): the softmax over J on J whole vectors, the tile's J agreement dots
+// reduced together; logits are kept by tile, (I / W, J, W), and the padding lanes (zero votes)
+// contribute nothing.
 // Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
 template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
 void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d, acc_t eps,

@@ -91,7 +91,7 @@ struct DenseVotes {
 // ---- device helpers ----
 
 // Coupling of one input row: c = softmax over the J logits (with an extra zero logit when
-// leaky, its share dropped), as softmax_row in csrc/cpu/vec_math.h. Called by a whole warp; lane l
+// leaky, its share dropped), as softmax_lanes in csrc/cpu/vec_math.h. Called by a whole warp; lane l
 // reads logits[j] and writes c[j] for j = l, l + 32, ... only.
 template <typename acc_t>
 __device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J, bool leaky, acc_t* c, int lane) {
