@@ -36,6 +36,16 @@ inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc
   }
 }
 
+// The agreement update b_ij += <u_ij, v_j> of the tile at i0: logits (J, W), v (J, D). Always
+// inlined, so that the caller's compile-time D reaches tile_dots.
+template <typename vote_t, typename acc_t>
+C10_ALWAYS_INLINE void add_tile_agreement(VoteRows<vote_t> u, int64_t i0, int64_t n, const acc_t* v, int64_t J, int64_t D,
+                                          acc_t* logits) {
+  constexpr int64_t W = kTileRows<acc_t>;
+  for (int64_t j = 0; j < J; ++j)
+    (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j * D, v + j * D, D)).store(logits + j * W);
+}
+
 // Per-thread scratch of route_forward.
 template <typename acc_t>
 struct ForwardScratch {
@@ -64,10 +74,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
     for (int64_t i0 = 0; i0 < I; i0 += W) {
       const int64_t n = std::min(W, I - i0);
       acc_t* logits = scratch.logits.data() + i0 * J;  // this tile's (J, W)
-      if (r > 0) {
-        for (int64_t j = 0; j < J; ++j)
-          (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j * D, v + j * D, D)).store(logits + j * W);
-      }
+      if (r > 0) add_tile_agreement(u, i0, n, v, J, D, logits);
       softmax_lanes(logits, J, d.leaky, c);
       for (int64_t j = 0; j < J; ++j) tile_axpy(c + j * W, u, i0, n, j * D, s + j * D, D);
       if (r == d.iters - 1) {
@@ -180,11 +187,7 @@ class RoutingBackward {
       const int64_t n = std::min(W, I - i0);
       std::fill(tile_.begin(), tile_.end(), acc_t(0));
       for (int64_t r = 0; r < R; ++r) {
-        if (r > 0) {
-          const acc_t* v = st.v_hist + (r - 1) * JD;
-          for (int64_t j = 0; j < J; ++j)
-            (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j * D, v + j * D, D)).store(logits + j * W);
-        }
+        if (r > 0) add_tile_agreement(u, i0, n, st.v_hist + (r - 1) * JD, J, D, logits);
         if (r >= first_r_) softmax_lanes(logits, J, d_.leaky, st.coupling + r * tiled_ij_ + i0 * J);
       }
     }
