@@ -77,17 +77,19 @@ def test_cuda_kernel_set_comes_from_the_environment(monkeypatch):
         capsroute.cuda_kernel_set()
 
 
-def test_vote_tiles_and_contraction_blocks_cpu():
-    """The CPU backend computes votes a tile of elements at a time (slabs of at most 1.5 MB per
-    thread) and contracts the vote gradients input capsule by input capsule, 8 rows of weight_i
-    at a time, then one: at this shape, on 2 threads, tiles of 2, 2, 2 and 1 elements, and
-    Din = 11 is a block of 8 rows and 3 single rows."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_vote_groups_and_contraction_blocks_cpu(threads):
+    """The CPU backend computes votes a group of elements at a time (a slab of at most 3 MB per
+    thread, at least an element per thread, the group's input capsules split over the threads)
+    and contracts the vote gradients input capsule by input capsule, 8 rows of weight_i at a time,
+    then one: at this shape (1.66 MB of float64 votes per element) groups of 1 element on one
+    thread, of 3, 3 and 1 elements on two; Din = 11 is a block of 8 rows and 3 single rows."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        results = compare(*dense_inputs((7, 500, 10, 16, 11)), 3, False, False)
+        results = compare(*dense_inputs((7, 1300, 10, 16, 11)), 3, False, False)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
     for name, a, e in results:
         assert_rel_close(a, e, 1e-10, name)
 

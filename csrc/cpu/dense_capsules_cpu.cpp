@@ -1,7 +1,6 @@
-// dense_capsules on the CPU. The votes weight_ij @ u_i are computed a tile of batch elements at
-// a time into a slab of the thread's own, input capsule by input capsule so that weight_i
-// (J*D x Din values, 5 KB at MNIST's shape), transposed once per tile, stays in L1 while the
-// tile's elements use it; each
+// dense_capsules on the CPU. The votes weight_ij @ u_i are computed a group of batch elements at
+// a time into a slab, input capsule by input capsule so that weight_i (J*D x Din values, 5 KB at
+// MNIST's shape), transposed once per group, stays in L1 while the group's elements use it; each
 // element is then routed on its rows of the slab. The backward recomputes the slabs instead of
 // keeping votes from the forward, then, input capsule by input capsule, rebuilds each element's
 // vote gradient row from the routing state and contracts it with u_i and weight_i on the spot.
@@ -10,7 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <functional>
+#include <algorithm>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -21,11 +20,12 @@
 namespace capsroute {
 namespace {
 
-// Bytes of a thread's vote slab (4 elements at MNIST's shape). Each tile transposes every weight_i
-// once, so larger tiles transpose less (AMD EPYC, 512 KB L2, B = 8: forward 1.9 -> 1.6 ms from 1.5
-// to 3 MB); routing passes over an element's votes three times, from L2 where they fit (the first
-// kernels, on a Xeon with 2 MB of L2, ran their passes 1.3x slower with 4 MB than with 1.5 MB).
+// Bytes of vote slab per thread: a group holds this times the thread count (8 elements at MNIST's
+// shape on 2 threads), at least an element per thread. Each group transposes every weight_i once,
+// so larger groups transpose less.
 constexpr int64_t kVoteSlabBytes = 3 << 20;
+// Input capsules per task of the vote transform.
+constexpr int64_t kVoteRowGrain = 16;
 // Input capsules per task of the backward's contractions.
 constexpr int64_t kContractionGrain = 16;
 
@@ -81,32 +81,38 @@ inline void vote_row(const acc_t* u, const acc_t* w, int64_t Din, int64_t JD, ac
   }
 }
 
-// Calls route(n0, T, slab) for consecutive tiles of elements [n0, n0 + T), in parallel, after
-// computing the tile's votes into slab (T, I, J*D).
+// Calls route(n0, T, votes) for consecutive runs of elements [n0, n0 + T), in parallel, with
+// votes (T, I, J*D) their votes. The batch is taken a group of elements at a time into one slab:
+// the group's votes are computed with its input capsules split over the threads, so each thread
+// transposes and streams its share of the weight once per group (5.9 MB at MNIST's shape, from
+// L3), then the group's elements are routed, split over the threads. (With a tile of elements
+// per thread, each thread streamed the whole weight per tile: 7% more time at B = 8 on 2 threads.)
 template <typename acc_t, typename F>
-void for_each_vote_tile(const VoteOperands& ops, const RoutingDims& d, F&& route) {
+void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& route) {
   const int64_t B = d.B, I = d.I, JD = d.jd(), Din = ops.u.size(2);
   const int64_t element_bytes = std::max<int64_t>(I * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
-  const int64_t per_thread = (B + at::get_num_threads() - 1) / at::get_num_threads();
-  const int64_t tile = std::max<int64_t>(std::min(kVoteSlabBytes / element_bytes, per_thread), 1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t group = std::min(std::max(kVoteSlabBytes * threads / element_bytes, threads), B);
   const acc_t* u = ops.u.const_data_ptr<acc_t>();
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
-  at::parallel_for(0, (B + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    // The thread's own buffer, which malloc reuses from call to call. (One tensor of all slabs,
-    // allocated on the calling thread, was page-faulted afresh on every call: 4000 faults per
-    // forward+backward at B = 8, a third of its time.)
-    std::unique_ptr<acc_t[]> slab(new acc_t[tile * I * JD]);  // left uninitialised: every value is written
-    std::vector<acc_t> w_t(Din * JD);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * tile, T = std::min(tile, B - n0);
-      for (int64_t i = 0; i < I; ++i) {
+  // Left uninitialised: every value is written. Not a tensor: malloc hands the same pages back
+  // call after call, where the torch allocator's fresh pages were page-faulted on every call
+  // (4000 faults per forward+backward at B = 8, a third of its time).
+  std::unique_ptr<acc_t[]> slab(new acc_t[group * I * JD]);
+  for (int64_t n0 = 0; n0 < B; n0 += group) {
+    const int64_t G = std::min(group, B - n0);
+    at::parallel_for(0, I, kVoteRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> w_t(Din * JD);
+      for (int64_t i = begin; i < end; ++i) {
         transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
-        for (int64_t e = 0; e < T; ++e)
+        for (int64_t e = 0; e < G; ++e)
           vote_row(u + ((n0 + e) * I + i) * Din, w_t.data(), Din, JD, slab.get() + (e * I + i) * JD);
       }
-      route(n0, T, slab.get());
-    }
-  });
+    });
+    at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+      route(n0 + begin, end - begin, static_cast<const acc_t*>(slab.get() + begin * I * JD));
+    });
+  }
 }
 
 // The backward's contractions for input capsule i, from the vote gradient rows G (B, J*D) of
@@ -149,8 +155,11 @@ void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t u_stri
       for (int r = 0; r < kRows; ++r)
         sum[r] = at::vec::fmadd(cpu::Vec<acc_t>::loadu(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
     }
-    for (int r = 0; r < kRows; ++r)
-      g_u_i[e * u_stride + k0 + r] = at::vec::vec_reduce_all<acc_t>(std::plus<cpu::Vec<acc_t>>(), sum[r]);
+    if constexpr (kRows == W) {  // the rows' horizontal sums together
+      cpu::lane_sums(sum).store(g_u_i + e * u_stride + k0);
+    } else {
+      for (int r = 0; r < kRows; ++r) g_u_i[e * u_stride + k0 + r] = cpu::reduce_sum(sum[r]);
+    }
   }
 }
 
@@ -179,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
+      for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
         cpu::ForwardScratch<acc_t> scratch(dims);
         for (int64_t n = n0; n < n0 + T; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
@@ -218,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
       // 1. Routing backward per element, on the votes recomputed a tile at a time.
-      for_each_vote_tile<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
+      for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
         Backward backward(dims, static_cast<acc_t>(eps), detach);
         for (int64_t n = n0; n < n0 + T; ++n) {
           backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD}, g_v + n * JD,
