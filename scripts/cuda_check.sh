@@ -21,16 +21,16 @@ stages=${*:-tests sweep sanitize bench}
 status=0
 for stage in $stages; do
   case $stage in
-    tests)  # then the dynamic_routing and dense_capsules tests again on the v2 kernel set
+    tests)  # then the routing and EM tests again on the v2 kernel set
       python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 python -m pytest tests -q -m cuda -k "dense or dynamic" --ignore=tests/test_scale.py 2>&1 \
+      CAPSROUTE_CUDA_KERNELS=v2 python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" --ignore=tests/test_scale.py 2>&1 \
         | tee "$out/cuda-tests-kernels-v2.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
       timeout -s INT 540 python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
     sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
       python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1
-      # The v2 kernel set (so far dense_capsules and dynamic_routing's backward) through the same cases.
-      CAPSROUTE_CUDA_KERNELS=v2 python scripts/gpu_sweep.py --device cuda --match MNIST --out "$out/kernels-v2" 2>&1 \
+      # The v2 kernel set (dense_capsules, dynamic_routing's vote gradient, EM's row ranges) through the same cases.
+      CAPSROUTE_CUDA_KERNELS=v2 python scripts/gpu_sweep.py --device cuda --match MNIST em_routing --out "$out/kernels-v2" 2>&1 \
         | tee "$out/gpu-sweep-kernels-v2.log" || status=1 ;;
     sanitize)
       # All four tools by default; SANITIZER_TOOLS picks some (each is a full pass of the workload).
@@ -47,8 +47,10 @@ for stage in $stages; do
       # against the default 45 (32 MiB, L2-resident).
       CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_DENSE_CHUNK=182 python -m capsroute.cli bench --device cuda --op dense --shape mnist \
         --batch 512 2048 --impl capsroute --no-progress --out "$out/kernels-v2-chunk182" || status=1 ;;
-    bench-em)
-      python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot --out "$out" || status=1 ;;
+    bench-em)  # both kernel sets: v1's one block per element, v2's row ranges
+      python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot --out "$out" || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot \
+        --out "$out/kernels-v2" || status=1 ;;
     bench-large)
       python -m capsroute.cli bench --device cuda --op dynamic dense --shape large --batch 32 128 --no-progress --plot --out "$out" || status=1 ;;
     bench-scale)

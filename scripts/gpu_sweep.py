@@ -3,11 +3,11 @@ at the sizes the test suite can't afford on a CPU (MNIST B = 1, 7, 512, 2048; I 
 EM at the conv-capsule shape B = 64 x 36), forward and every gradient; then float32 against the same
 float64 reference; then bitwise determinism (two float32 runs, outputs and gradients equal).
 
-    python scripts/gpu_sweep.py [--device cuda] [--quick] [--match TEXT] [--out DIR]
+    python scripts/gpu_sweep.py [--device cuda] [--quick] [--match TEXT ...] [--out DIR]
 
 --quick shrinks every case (for a CPU check that the script itself works); --match runs only the
-cases whose name contains TEXT (scripts/cuda_check.sh sweeps the MNIST routing cases again with
-CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes gpu-sweep.json
+cases whose name contains one of the TEXTs (scripts/cuda_check.sh sweeps the MNIST routing and the
+EM cases again with CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes gpu-sweep.json
 (one record per case and dtype: relative errors, pass/fail, determinism) to --out, prints a line per
 case, and exits 1 if any case fails.
 """
@@ -148,14 +148,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="small shapes (checks the script, not the kernels)")
-    p.add_argument("--match", default="", help="only the cases whose name contains this text")
+    p.add_argument("--match", nargs="+", default=[""], help="only the cases whose name contains one of these texts")
     p.add_argument("--out", default=".", help="folder for gpu-sweep.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     records = []
     for name, build in cases(args.quick):
-        if args.match not in name:
+        if not any(text in name for text in args.match):
             continue
         for r in sweep_case(name, build, device):
             records.append(r)

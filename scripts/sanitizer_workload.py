@@ -77,10 +77,25 @@ for dtype, shape, detach, chunk in itertools.product(
 for name in ("CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_DENSE_CHUNK"):
     os.environ.pop(name, None)
 
+# The EM kernels: the fused ones (v1) on every storage dtype, and v2's row ranges
+# (CAPSROUTE_EM_SPLITS=3: more ranges than rows at I = 1) on float32 and float16.
+EM_KERNELS = [(kernels, dtype) for kernels, dtypes in
+              [("v1", [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+               ("v2", [torch.float32, torch.float16])] for dtype in dtypes]
+
+
+def use_em_kernels(kernels):
+    os.environ["CAPSROUTE_CUDA_KERNELS"] = kernels
+    if kernels == "v2":
+        os.environ["CAPSROUTE_EM_SPLITS"] = "3"
+    else:
+        os.environ.pop("CAPSROUTE_EM_SPLITS", None)
+
+
 # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
-for dtype, (B, I, J, H), iters in itertools.product(
-        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-        [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]):
+for (kernels, dtype), (B, I, J, H), iters in itertools.product(
+        EM_KERNELS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]):
+    use_em_kernels(kernels)
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
     votes = torch.randn(B, I, J, H, dtype=torch.float64)
     a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
@@ -95,14 +110,14 @@ for dtype, (B, I, J, H), iters in itertools.product(
         return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
     inputs = (votes, a_in, *betas)
-    check(f"em_routing {dtype} B={B} I={I} J={J} H={H} iters={iters}", em(*[t.to("cuda", dtype) for t in inputs]),
+    check(f"em_routing {kernels} {dtype} B={B} I={I} J={J} H={H} iters={iters}", em(*[t.to("cuda", dtype) for t in inputs]),
           em(*[t.to(dtype).double() for t in inputs]), tol)
 
 # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
 # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
-for dtype, (B, I, J), iters, chunk in itertools.product(
-        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-        [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]):
+for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
+        EM_KERNELS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]):
+    use_em_kernels(kernels)
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
     pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
     weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
@@ -123,9 +138,10 @@ for dtype, (B, I, J), iters, chunk in itertools.product(
     else:
         os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
     inputs = (pose, weight, a_in, *betas)
-    check(f"em_routing_pose {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
+    check(f"em_routing_pose {kernels} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
           em_pose(*[t.to("cuda", dtype) for t in inputs]), em_pose(*[t.to(dtype).double() for t in inputs]), tol)
-os.environ.pop("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", None)
+for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_EM_SPLITS"):
+    os.environ.pop(name, None)
 torch.cuda.synchronize()
 print("\n".join(failures) or "all outputs finite and matching the CPU backend")
 sys.exit(1 if failures else 0)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capsroute
-from helpers import assert_rel_close
+from helpers import CUDA, assert_rel_close
 from op_db import EM_ROUTING, em_inputs
 
 
@@ -20,6 +20,39 @@ def compare(inputs, iters, generator=None, **options):
 def test_every_iteration_count(device, iters, final_lambda):
     for name, a, e in compare(em_inputs((2, 13, 5, 16), device=device), iters, final_lambda=final_lambda):
         assert_rel_close(a, e, 1e-10, name)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("splits", [None, "1", "3", "40"])
+@pytest.mark.parametrize("iters", [1, 3])
+def test_kernel_set_v2_row_ranges_match_reference(device, monkeypatch, splits, iters):
+    """CAPSROUTE_CUDA_KERNELS=v2 cuts each element's rows into ranges, one block each, whose sums
+    are added in order (CAPSROUTE_EM_SPLITS forces how many, None: as many as the GPU wants):
+    the reference's results for one range, several, and more ranges than rows; J * H > 256."""
+    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+    if splits is None:
+        monkeypatch.delenv("CAPSROUTE_EM_SPLITS", raising=False)
+    else:
+        monkeypatch.setenv("CAPSROUTE_EM_SPLITS", splits)
+    for shape in ((3, 37, 5, 16), (2, 33, 20, 16)):
+        for name, a, e in compare(em_inputs(shape, device=device), iters):
+            assert_rel_close(a, e, 1e-10, name)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_kernel_set_v2_deterministic_and_checked(device, monkeypatch):
+    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+    monkeypatch.setenv("CAPSROUTE_EM_SPLITS", "4")
+    inputs = em_inputs((2, 300, 10, 16), device=device, dtype=torch.float32)
+    runs = []
+    for _ in range(2):
+        pose, a_out = capsroute.em_routing(*inputs)
+        runs.append((pose, a_out) + torch.autograd.grad(pose.square().sum() + a_out.sum(), inputs))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    monkeypatch.setenv("CAPSROUTE_EM_SPLITS", "0")
+    with pytest.raises(RuntimeError, match="CAPSROUTE_EM_SPLITS must be an integer >= 1"):
+        capsroute.em_routing(*inputs)
 
 
 @pytest.mark.parametrize("case", ["a_in_zeros", "all_a_in_zero", "identical_votes", "large_votes", "no_mass"])

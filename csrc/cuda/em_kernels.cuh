@@ -61,7 +61,7 @@ struct PoseVotes {
   }
 };
 
-// ---- device helpers ----
+// ---- device helpers (shared by the fused kernels and the row-range kernels) ----
 
 // The part of ln a_j + ln p_ij that does not depend on i:
 // ln sigmoid(logit_j) - sum_h (ln var_jh / 2 + ln(2 pi) / 2).
@@ -98,6 +98,66 @@ __device__ __forceinline__ void warp_em_e_step_row(const Source& src, int64_t b,
   for (int64_t j = lane; j < J; j += kWarpSize) Ri[j] /= denom;
 }
 
+// M-step sums of column jh (capsule j) over rows [i0, i1), in order: m += r_ij and
+// sum += r_ij V_ijh, r_ij = R_ij a_i (R: the element's (I, J) assignments).
+template <typename Source, typename scalar_t>
+__device__ __forceinline__ void em_mean_sums(const Source& src, int64_t b, int64_t i0, int64_t i1, int64_t J,
+                                             int64_t jh, int64_t j, const typename Source::acc_type* R,
+                                             const scalar_t* a, typename Source::acc_type& m,
+                                             typename Source::acc_type& sum) {
+  using acc_t = typename Source::acc_type;
+  for (int64_t i = i0; i < i1; ++i) {
+    const acc_t r = R[i * J + j] * static_cast<acc_t>(a[i]);
+    m += r;
+    sum += r * src(b, i, jh);
+  }
+}
+
+// sum_i r_ij (V_ijh - mean)^2 over rows [i0, i1), in order.
+template <typename Source, typename scalar_t>
+__device__ __forceinline__ typename Source::acc_type em_var_sum(const Source& src, int64_t b, int64_t i0, int64_t i1,
+                                                                int64_t J, int64_t jh, int64_t j,
+                                                                const typename Source::acc_type* R, const scalar_t* a,
+                                                                typename Source::acc_type mean) {
+  using acc_t = typename Source::acc_type;
+  acc_t sq = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const acc_t r = R[i * J + j] * static_cast<acc_t>(a[i]);
+    const acc_t diff = src(b, i, jh) - mean;
+    sq += r * diff * diff;
+  }
+  return sq;
+}
+
+// Capsule j after the M-step of iteration t: the activation logit lam (beta_a - sum_h (beta_u +
+// ln(var_jh) / 2) m_j) into logit[j] and, when an E-step follows, its normaliser into norm[j].
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ void em_capsule_logit(int64_t j, int64_t H, acc_t m, const acc_t* var, scalar_t beta_u,
+                                                 scalar_t beta_a, acc_t lam, bool before_e_step, acc_t* logit,
+                                                 acc_t* norm) {
+  const acc_t bu = static_cast<acc_t>(beta_u);
+  acc_t cost = 0;
+  for (int64_t h = 0; h < H; ++h) cost += (bu + acc_t(0.5) * acc_log(var[j * H + h])) * m;
+  const acc_t lg = lam * (static_cast<acc_t>(beta_a) - cost);
+  logit[j] = lg;
+  if (before_e_step) norm[j] = em_e_step_norm(lg, var + j * H, H);
+}
+
+// The outputs of element b from its last statistics: pose (J*H) = the means, a_out (J) = sigmoid(logit).
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ void em_write_outputs(const acc_t* last, int64_t J, int64_t JH, scalar_t* pose_b,
+                                                 scalar_t* a_out_b, int tid, int nthreads) {
+  for (int64_t jh = tid; jh < JH; jh += nthreads) pose_b[jh] = static_cast<scalar_t>(last[jh]);
+  for (int64_t j = tid; j < J; j += nthreads) a_out_b[j] = static_cast<scalar_t>(em_sigmoid(last[2 * JH + j]));
+}
+
+// Rows [i0, i1) of range s when I rows are cut into `splits` contiguous ranges.
+__device__ __forceinline__ void em_split_rows(int64_t I, int64_t splits, int64_t s, int64_t& i0, int64_t& i1) {
+  const int64_t per = ceil_div<int64_t>(I, splits);
+  i0 = s * per < I ? s * per : I;
+  i1 = i0 + per < I ? i0 + per : I;
+}
+
 // ---- forward ----
 
 // The EM kernels are declared for at least 2 resident blocks per SM, which allows 128
@@ -113,12 +173,14 @@ constexpr int em_min_blocks() {
 #endif
 }
 
-// Per element b, slices of: R (B, I, J) the running assignments, mass (B, J), norm (B, J).
+// Per element b, slices of: R (B, I, J) the running assignments, mass (B, J), norm (B, J). The
+// row-range kernels also use partial (B, splits, J + J*H): each range's column sums.
 template <typename acc_t>
 struct EmForwardWorkspace {
   acc_t* R;
   acc_t* mass;
   acc_t* norm;
+  acc_t* partial;  // row-range path only (nullptr for the fused kernel)
 };
 
 // Writes stats (B, iters, J, 2H + 1), pose (B, J, H) = the last means and a_out (B, J).
@@ -153,34 +215,18 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       for (int64_t jh = tid; jh < JH; jh += nthreads) {
         const int64_t j = jh / H;
         acc_t m = 0, sum = 0;
-        for (int64_t i = 0; i < I; ++i) {
-          const acc_t r = R[i * J + j] * static_cast<acc_t>(a[i]);
-          m += r;
-          sum += r * src(b, i, jh);
-        }
+        em_mean_sums(src, b, 0, I, J, jh, j, R, a, m, sum);
         const acc_t M = m + eps;
         const acc_t mean = sum / M;
-        acc_t sq = 0;
-        for (int64_t i = 0; i < I; ++i) {
-          const acc_t r = R[i * J + j] * static_cast<acc_t>(a[i]);
-          const acc_t diff = src(b, i, jh) - mean;
-          sq += r * diff * diff;
-        }
         mu[jh] = mean;
-        var[jh] = sq / M + eps;
+        var[jh] = em_var_sum(src, b, 0, I, J, jh, j, R, a, mean) / M + eps;
         if (jh == j * H) mass[j] = m;
       }
       __syncthreads();  // var and mass complete
       // Capsules: cost, activation logit and (before an E-step) the E-step normaliser.
       const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
-      for (int64_t j = tid; j < J; j += nthreads) {
-        const acc_t m = mass[j], bu = static_cast<acc_t>(beta_u[j]);
-        acc_t cost = 0;
-        for (int64_t h = 0; h < H; ++h) cost += (bu + acc_t(0.5) * acc_log(var[j * H + h])) * m;
-        const acc_t lg = lam * (static_cast<acc_t>(beta_a[j]) - cost);
-        logit[j] = lg;
-        if (t < iters - 1) norm[j] = em_e_step_norm(lg, var + j * H, H);
-      }
+      for (int64_t j = tid; j < J; j += nthreads)
+        em_capsule_logit(j, H, mass[j], var, beta_u[j], beta_a[j], lam, t < iters - 1, logit, norm);
       __syncthreads();  // logit and norm complete; the M-step's reads of R are over
       if (t < iters - 1) {
         // E-step, warp per row: R^{t+1}, in place.
@@ -188,9 +234,121 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
         __syncthreads();  // R^{t+1} complete before the next M-step reads it
       }
     }
-    const acc_t* last = st + (iters - 1) * block;
-    for (int64_t jh = tid; jh < JH; jh += nthreads) pose[b * JH + jh] = static_cast<scalar_t>(last[jh]);
-    for (int64_t j = tid; j < J; j += nthreads) a_out[b * J + j] = static_cast<scalar_t>(em_sigmoid(last[2 * JH + j]));
+    em_write_outputs(st + (iters - 1) * block, J, JH, pose + b * JH, a_out + b * J, tid, nthreads);
+    __syncthreads();  // end of element
+  }
+}
+
+// The row-range forward (CAPSROUTE_CUDA_KERNELS=v2): each element's I rows cut into `splits`
+// ranges, a block per (element, range), so a small batch still fills the GPU and no thread walks
+// all I rows. Per iteration t, four launches (em_sequence.cuh):
+//   em_mean_rows_kernel     R^t of the range's rows (1/J, or the E-step of iteration t - 1), then
+//                           the range's sums m_j and sum_i r_ij V_ijh into partial;
+//   em_mean_reduce_kernel   per element: the ranges' sums in range order, mu and m;
+//   em_var_rows_kernel      the range's sum_i r_ij (V_ijh - mu_jh)^2 into partial;
+//   em_var_reduce_kernel    per element: var, the logits, the E-step normalisers, and after the
+//                           last iteration the outputs.
+// Results are deterministic for a given number of ranges; the sums over i run range by range,
+// not in one chain as in the fused kernel (the same values up to rounding).
+
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
+    em_mean_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits, int64_t t,
+                        const typename Source::acc_type* stats, const EmForwardWorkspace<typename Source::acc_type> ws) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, block = dims.stats_block();
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    const int64_t b = item / splits;
+    int64_t i0, i1;
+    em_split_rows(I, splits, item - b * splits, i0, i1);
+    acc_t* R = ws.R + b * I * J;
+    const scalar_t* a = a_in + b * I;
+    if (t == 0) {
+      for (int64_t ij = i0 * J + tid; ij < i1 * J; ij += nthreads) R[ij] = acc_t(1) / acc_t(J);
+    } else {
+      const acc_t* mu = stats + (b * dims.iters + t - 1) * block;
+      for (int64_t i = i0 + warp; i < i1; i += nwarps)
+        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + b * J, R + i * J, lane);
+    }
+    __syncthreads();  // the range's R^t complete
+    acc_t* out = ws.partial + item * (J + JH);  // m (J) | sum (JH)
+    for (int64_t jh = tid; jh < JH; jh += nthreads) {
+      const int64_t j = jh / H;
+      acc_t m = 0, sum = 0;
+      em_mean_sums(src, b, i0, i1, J, jh, j, R, a, m, sum);
+      out[J + jh] = sum;
+      if (jh == j * H) out[j] = m;
+    }
+    __syncthreads();  // end of item
+  }
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    em_mean_reduce_kernel(const EmDims dims, int64_t splits, int64_t t, const acc_t eps,
+                          const EmForwardWorkspace<acc_t> ws, acc_t* stats) {
+  const int64_t J = dims.J, H = dims.H, JH = J * H;
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    const acc_t* part = ws.partial + b * splits * (J + JH);
+    acc_t* mu = stats + (b * dims.iters + t) * dims.stats_block();
+    for (int64_t jh = threadIdx.x; jh < JH; jh += blockDim.x) {
+      const int64_t j = jh / H;
+      acc_t m = 0, sum = 0;
+      for (int64_t s = 0; s < splits; ++s) {
+        m += part[s * (J + JH) + j];
+        sum += part[s * (J + JH) + J + jh];
+      }
+      mu[jh] = sum / (m + eps);
+      if (jh == j * H) ws.mass[b * J + j] = m;
+    }
+  }
+}
+
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
+    em_var_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits, int64_t t,
+                       const typename Source::acc_type* stats, const EmForwardWorkspace<typename Source::acc_type> ws) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H;
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    const int64_t b = item / splits;
+    int64_t i0, i1;
+    em_split_rows(I, splits, item - b * splits, i0, i1);
+    const acc_t* mu = stats + (b * dims.iters + t) * dims.stats_block();
+    acc_t* out = ws.partial + item * (J + JH);  // sq (JH)
+    for (int64_t jh = threadIdx.x; jh < JH; jh += blockDim.x)
+      out[jh] = em_var_sum(src, b, i0, i1, J, jh, jh / H, ws.R + b * I * J, a_in + b * I, mu[jh]);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    em_var_reduce_kernel(const scalar_t* beta_u, const scalar_t* beta_a, const EmDims dims, int64_t splits, int64_t t,
+                         const acc_t eps, const EmForwardWorkspace<acc_t> ws, acc_t* stats, scalar_t* pose,
+                         scalar_t* a_out) {
+  const int64_t J = dims.J, H = dims.H, JH = J * H, iters = dims.iters, block = dims.stats_block();
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    const acc_t* part = ws.partial + b * splits * (J + JH);
+    const acc_t* mass = ws.mass + b * J;
+    acc_t* st = stats + b * iters * block;
+    acc_t* var = st + t * block + JH;
+    for (int64_t jh = tid; jh < JH; jh += nthreads) {
+      acc_t sq = 0;
+      for (int64_t s = 0; s < splits; ++s) sq += part[s * (J + JH) + jh];
+      var[jh] = sq / (mass[jh / H] + eps) + eps;
+    }
+    __syncthreads();  // var complete
+    const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
+    for (int64_t j = tid; j < J; j += nthreads)
+      em_capsule_logit(j, H, mass[j], var, beta_u[j], beta_a[j], lam, t < iters - 1, var + JH, ws.norm + b * J);
+    if (t == iters - 1) {
+      __syncthreads();  // logits complete
+      em_write_outputs(st + t * block, J, JH, pose + b * JH, a_out + b * J, tid, nthreads);
+    }
     __syncthreads();  // end of element
   }
 }
@@ -203,6 +361,9 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
 //   norm    (B, iters, J)     E-step normaliser of the statistics of iteration t (t < iters - 1)
 //   g_mu, g_var (B, J, H)     dL/dmu^t, dL/dvar^t
 //   g_logit, mass, g_mass (B, J)
+// and for the row-range kernels, per (element, range):
+//   partial_cols (B, splits, 2 J H + J)  the range's sums of g_mu | g_var | g_logit
+//   partial_mass (B, splits, iters, J)   the range's sums of R^t a
 template <typename acc_t>
 struct EmBackwardWorkspace {
   acc_t* R_hist;
@@ -213,6 +374,8 @@ struct EmBackwardWorkspace {
   acc_t* g_logit;
   acc_t* mass;
   acc_t* g_mass;
+  acc_t* partial_cols;  // row-range path only (nullptr for the fused kernel)
+  acc_t* partial_mass;  // row-range path only
 };
 
 // What the backward writes, in the accumulation dtype: g_V (B, I, J, H), g_a (B, I) and the
@@ -223,6 +386,146 @@ struct EmGrads {
   acc_t* g_a;
   acc_t* g_beta;
 };
+
+// The per-element start of the backward: the E-step normalisers of iterations 0 .. iters-2, the
+// gradients reaching the last M-step's outputs (g_mu = grad_pose, g_var = 0, g_logit through the
+// sigmoid of a_out) and zeroed beta gradients. The block's threads, flat loops.
+template <typename acc_t>
+__device__ __forceinline__ void em_backward_start(const acc_t* st, const acc_t* grad_pose_b, const acc_t* grad_a_out_b,
+                                                  const EmDims& dims, acc_t* norm, acc_t* g_mu, acc_t* g_var,
+                                                  acc_t* g_logit, acc_t* g_beta_u, acc_t* g_beta_a, int tid,
+                                                  int nthreads) {
+  const int64_t J = dims.J, H = dims.H, JH = J * H, block = dims.stats_block();
+  for (int64_t tj = tid; tj < (dims.iters - 1) * J; tj += nthreads) {
+    const int64_t t = tj / J, j = tj - t * J;
+    const acc_t* st_t = st + t * block;
+    norm[tj] = em_e_step_norm(st_t[2 * JH + j], st_t + JH + j * H, H);
+  }
+  const acc_t* last = st + (dims.iters - 1) * block;
+  for (int64_t jh = tid; jh < JH; jh += nthreads) {
+    g_mu[jh] = grad_pose_b[jh];
+    g_var[jh] = 0;
+  }
+  for (int64_t j = tid; j < J; j += nthreads) {
+    const acc_t s = em_sigmoid(last[2 * JH + j]);
+    g_logit[j] = grad_a_out_b[j] * s * (1 - s);
+    g_beta_u[j] = 0;
+    g_beta_a[j] = 0;
+  }
+}
+
+// sum_i R_ij a_i over rows [i0, i1), in order.
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ acc_t em_mass_sum(const acc_t* R, const scalar_t* a, int64_t i0, int64_t i1, int64_t J,
+                                             int64_t j) {
+  acc_t m = 0;
+  for (int64_t i = i0; i < i1; ++i) m += R[i * J + j] * static_cast<acc_t>(a[i]);
+  return m;
+}
+
+// The VJP of E-step t for row i, by a warp: R^{t+1}_ij = softmax_j(L_ij), so
+// g_L = R^{t+1} (g_R - <R^{t+1}_i, g_R_i>) overwrites g_R's row, and g_V -= g_L (V - mu) / var.
+// mu, var: the statistics of iteration t.
+template <typename Source>
+__device__ __forceinline__ void warp_em_e_step_vjp_row(const Source& src, int64_t b, int64_t i, int64_t J, int64_t H,
+                                                       const typename Source::acc_type* mu,
+                                                       const typename Source::acc_type* var,
+                                                       const typename Source::acc_type* R_next_i,
+                                                       typename Source::acc_type* g_R_i,
+                                                       typename Source::acc_type* g_V_i, int lane) {
+  using acc_t = typename Source::acc_type;
+  acc_t weighted = 0;
+  for (int64_t j = lane; j < J; j += kWarpSize) weighted += R_next_i[j] * g_R_i[j];
+  weighted = warp_sum(weighted);
+  for (int64_t j = lane; j < J; j += kWarpSize) {
+    const acc_t g_L = R_next_i[j] * (g_R_i[j] - weighted);
+    g_R_i[j] = g_L;
+    acc_t* gv = g_V_i + j * H;
+    for (int64_t h = 0; h < H; ++h) {
+      const acc_t inv_var = 1 / var[j * H + h];
+      const acc_t diff = src(b, i, j * H + h) - mu[j * H + h];
+      gv[h] -= g_L * diff * inv_var;
+    }
+  }
+}
+
+// The E-step VJP's sums over rows [i0, i1) for column jh (capsule j), from g_L (in g_R): g_mu,
+// g_var and, when `first` (h = 0), g_logit through d log sigmoid(logit_j).
+template <typename Source>
+__device__ __forceinline__ void em_e_step_vjp_sums(const Source& src, int64_t b, int64_t i0, int64_t i1, int64_t J,
+                                                   int64_t jh, int64_t j, bool first,
+                                                   const typename Source::acc_type* mu,
+                                                   const typename Source::acc_type* var,
+                                                   const typename Source::acc_type* logit,
+                                                   const typename Source::acc_type* g_L,
+                                                   typename Source::acc_type& gm, typename Source::acc_type& gvar,
+                                                   typename Source::acc_type& gl) {
+  using acc_t = typename Source::acc_type;
+  const acc_t inv_var = 1 / var[jh], mean = mu[jh];
+  const acc_t d_log_sigmoid = 1 - em_sigmoid(logit[j]);  // d log sigmoid(x) / dx
+  for (int64_t i = i0; i < i1; ++i) {
+    const acc_t g = g_L[i * J + j];
+    const acc_t diff = src(b, i, jh) - mean;
+    gm += g * diff * inv_var;
+    gvar += g * acc_t(0.5) * inv_var * (diff * diff * inv_var - 1);
+    if (first) gl += g * d_log_sigmoid;
+  }
+}
+
+// The VJP of M-step t for capsule j, given m_j = sum_i r_ij:
+// logit = lam (beta_a - sum_h (beta_u + ln(var) / 2) m): the beta gradients, g_var += d cost / d
+// var, g_mass = d logit / d m, and the eps-term of var0 = var - eps through
+// sum_i r (V - mu) = eps mu folded into g_mu.
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ void em_m_step_capsule_vjp(int64_t j, int64_t H, acc_t m, acc_t lam, acc_t eps,
+                                                      scalar_t beta_u, const acc_t* mu, const acc_t* var,
+                                                      const acc_t* g_logit, acc_t* g_mu, acc_t* g_var, acc_t* mass,
+                                                      acc_t* g_mass, acc_t* g_beta_u, acc_t* g_beta_a) {
+  const acc_t g_cost = -lam * g_logit[j];  // the same for every h
+  g_beta_a[j] += lam * g_logit[j];
+  g_beta_u[j] += g_cost * static_cast<acc_t>(H) * m;
+  const acc_t bu = static_cast<acc_t>(beta_u);
+  acc_t g_m = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    g_var[j * H + h] += g_cost * acc_t(0.5) * m / var[j * H + h];
+    g_m += g_cost * (bu + acc_t(0.5) * acc_log(var[j * H + h]));
+  }
+  const acc_t M = m + eps;
+  for (int64_t h = 0; h < H; ++h) g_mu[j * H + h] -= g_var[j * H + h] * 2 * eps * mu[j * H + h] / M;
+  mass[j] = m;
+  g_mass[j] = g_m;
+}
+
+// The VJP of M-step t for row i, by a warp: g_V += r (g_mu + 2 g_var (V - mu)) / M,
+// g_R = dL/dR^t, g_a += sum_j g_r R. R_i: R^t's row; mu, var: the statistics of iteration t.
+template <typename Source, typename scalar_t>
+__device__ __forceinline__ void warp_em_m_step_vjp_row(
+    const Source& src, int64_t b, int64_t i, int64_t J, int64_t H, scalar_t a_i, typename Source::acc_type eps,
+    const typename Source::acc_type* R_i, const typename Source::acc_type* mu, const typename Source::acc_type* var,
+    const typename Source::acc_type* mass, const typename Source::acc_type* g_mass,
+    const typename Source::acc_type* g_mu, const typename Source::acc_type* g_var, typename Source::acc_type* g_V_i,
+    typename Source::acc_type* g_R_i, typename Source::acc_type* g_a_i, int lane) {
+  using acc_t = typename Source::acc_type;
+  const acc_t ai = static_cast<acc_t>(a_i);
+  acc_t g_ai = 0;
+  for (int64_t j = lane; j < J; j += kWarpSize) {
+    const acc_t M = mass[j] + eps;
+    const acc_t r = R_i[j] * ai;
+    acc_t* gv = g_V_i + j * H;
+    acc_t g_r = g_mass[j];
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t jh = j * H + h;
+      const acc_t diff = src(b, i, jh) - mu[jh];
+      const acc_t var0 = var[jh] - eps;
+      g_r += (g_mu[jh] * diff + g_var[jh] * (diff * diff - var0)) / M;
+      gv[h] += r * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
+    }
+    g_R_i[j] = g_r * ai;
+    g_ai += g_r * R_i[j];
+  }
+  g_ai = warp_sum(g_ai);
+  if (lane == 0) *g_a_i += g_ai;
+}
 
 // EmBackward::run of csrc/cpu/em_element.h for every element. a_in (B, I), beta_u (J,),
 // stats (B, iters, J, 2H + 1), grad_pose (B, J, H) and grad_a_out (B, J), all contiguous.
@@ -255,27 +558,13 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     acc_t* g_beta_u = out.g_beta + b * 2 * J;
     acc_t* g_beta_a = g_beta_u + J;
 
-    // 1. Zero the accumulators, R^0 = 1/J, the E-step normalisers of iterations 0 .. iters-2,
-    //    and the gradients reaching the last M-step's outputs (flat loops).
+    // 1. Zero the accumulators, R^0 = 1/J, the E-step normalisers and the gradients reaching the
+    //    last M-step's outputs (flat loops).
     for (int64_t idx = tid; idx < I * JH; idx += nthreads) g_V[idx] = 0;
     for (int64_t i = tid; i < I; i += nthreads) g_a[i] = 0;
     for (int64_t ij = tid; ij < IJ; ij += nthreads) R_hist[ij] = acc_t(1) / acc_t(J);
-    for (int64_t tj = tid; tj < (iters - 1) * J; tj += nthreads) {
-      const int64_t t = tj / J, j = tj - t * J;
-      const acc_t* st_t = st + t * block;
-      norm[tj] = em_e_step_norm(st_t[2 * JH + j], st_t + JH + j * H, H);
-    }
-    const acc_t* last = st + (iters - 1) * block;
-    for (int64_t jh = tid; jh < JH; jh += nthreads) {
-      g_mu[jh] = grad_pose[b * JH + jh];
-      g_var[jh] = 0;
-    }
-    for (int64_t j = tid; j < J; j += nthreads) {
-      const acc_t s = em_sigmoid(last[2 * JH + j]);
-      g_logit[j] = grad_a_out[b * J + j] * s * (1 - s);
-      g_beta_u[j] = 0;
-      g_beta_a[j] = 0;
-    }
+    em_backward_start(st, grad_pose + b * JH, grad_a_out + b * J, dims, norm, g_mu, g_var, g_logit, g_beta_u,
+                      g_beta_a, tid, nthreads);
     __syncthreads();  // norm complete
 
     // 2. R^{t+1} = E-step of the statistics of iteration t, for every t < iters - 1 (warp per row).
@@ -291,97 +580,177 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     for (int64_t t = iters - 1; t >= 0; --t) {
       const acc_t* mu = st + t * block;
       const acc_t* var = mu + JH;
-      const acc_t* logit = mu + 2 * JH;
       const acc_t* R = R_hist + t * IJ;
       if (t < iters - 1) {
-        // E-step t: R^{t+1}_ij = softmax_j(L_ij), L_ij = log sigmoid(logit_j) + log p_ij.
-        const acc_t* R_next = R_hist + (t + 1) * IJ;
-        // Warp per row: g_L = R^{t+1} (g_R - <R^{t+1}_i, g_R_i>) into g_R, and g_V -= g_L (V - mu) / var.
-        for (int64_t i = warp; i < I; i += nwarps) {
-          acc_t weighted = 0;
-          for (int64_t j = lane; j < J; j += kWarpSize) weighted += R_next[i * J + j] * g_R[i * J + j];
-          weighted = warp_sum(weighted);
-          for (int64_t j = lane; j < J; j += kWarpSize) {
-            const int64_t ij = i * J + j;
-            const acc_t g_L = R_next[ij] * (g_R[ij] - weighted);
-            g_R[ij] = g_L;
-            acc_t* gv = g_V + ij * H;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t inv_var = 1 / var[j * H + h];
-              const acc_t diff = src(b, i, j * H + h) - mu[j * H + h];
-              gv[h] -= g_L * diff * inv_var;
-            }
-          }
-        }
+        // E-step t, warp per row, then the column owners' sums over i (g_logit by the h = 0 owner).
+        for (int64_t i = warp; i < I; i += nwarps)
+          warp_em_e_step_vjp_row(src, b, i, J, H, mu, var, R_hist + ((t + 1) * I + i) * J, g_R + i * J,
+                                 g_V + i * JH, lane);
         __syncthreads();  // g_L complete
-        // Column owners: g_mu, g_var (and g_logit, by the h = 0 owner) summed over i.
         for (int64_t jh = tid; jh < JH; jh += nthreads) {
           const int64_t j = jh / H;
           const bool first = jh == j * H;
-          const acc_t inv_var = 1 / var[jh], mean = mu[jh];
-          const acc_t d_log_sigmoid = 1 - em_sigmoid(logit[j]);  // d log sigmoid(x) / dx
           acc_t gm = 0, gvar = 0, gl = 0;
-          for (int64_t i = 0; i < I; ++i) {
-            const acc_t g_L = g_R[i * J + j];
-            const acc_t diff = src(b, i, jh) - mean;
-            gm += g_L * diff * inv_var;
-            gvar += g_L * acc_t(0.5) * inv_var * (diff * diff * inv_var - 1);
-            if (first) gl += g_L * d_log_sigmoid;
-          }
+          em_e_step_vjp_sums(src, b, 0, I, J, jh, j, first, mu, var, mu + 2 * JH, g_R, gm, gvar, gl);
           g_mu[jh] = gm;
           g_var[jh] = gvar;
           if (first) g_logit[j] = gl;
         }
         __syncthreads();  // g_mu, g_var, g_logit complete
       }
-      // M-step t: r = R^t a, m = sum_i r, M = m + eps, mu = sum_i r V / M,
-      // var = sum_i r (V - mu)^2 / M + eps, logit = lam (beta_a - sum_h (beta_u + ln(var) / 2) m).
-      // Capsules: m, the beta gradients, g_var += d cost / d var, g_mass, and the eps-term of
-      // var0 = var - eps through sum_i r (V - mu) = eps mu folded into g_mu.
+      // M-step t: capsules, then warp per row.
       const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
-      for (int64_t j = tid; j < J; j += nthreads) {
-        acc_t m = 0;
-        for (int64_t i = 0; i < I; ++i) m += R[i * J + j] * static_cast<acc_t>(a[i]);
-        const acc_t g_cost = -lam * g_logit[j];  // the same for every h
-        g_beta_a[j] += lam * g_logit[j];
-        g_beta_u[j] += g_cost * static_cast<acc_t>(H) * m;
-        const acc_t bu = static_cast<acc_t>(beta_u[j]);
-        acc_t g_m = 0;
-        for (int64_t h = 0; h < H; ++h) {
-          g_var[j * H + h] += g_cost * acc_t(0.5) * m / var[j * H + h];
-          g_m += g_cost * (bu + acc_t(0.5) * acc_log(var[j * H + h]));
-        }
-        const acc_t M = m + eps;
-        for (int64_t h = 0; h < H; ++h) g_mu[j * H + h] -= g_var[j * H + h] * 2 * eps * mu[j * H + h] / M;
-        mass[j] = m;
-        g_mass[j] = g_m;
-      }
+      for (int64_t j = tid; j < J; j += nthreads)
+        em_m_step_capsule_vjp(j, H, em_mass_sum(R, a, 0, I, J, j), lam, eps, beta_u[j], mu, var, g_logit, g_mu, g_var,
+                              mass, g_mass, g_beta_u, g_beta_a);
       __syncthreads();  // mass, g_mass, g_mu, g_var complete
-      // Warp per row: g_V += r (g_mu + 2 g_var (V - mu)) / M, g_R = dL/dR^t, g_a += sum_j g_r R.
-      for (int64_t i = warp; i < I; i += nwarps) {
-        const acc_t ai = static_cast<acc_t>(a[i]);
-        acc_t g_ai = 0;
-        for (int64_t j = lane; j < J; j += kWarpSize) {
-          const int64_t ij = i * J + j;
-          const acc_t M = mass[j] + eps;
-          const acc_t r = R[ij] * ai;
-          acc_t* gv = g_V + ij * H;
-          acc_t g_r = g_mass[j];
-          for (int64_t h = 0; h < H; ++h) {
-            const int64_t jh = j * H + h;
-            const acc_t diff = src(b, i, jh) - mu[jh];
-            const acc_t var0 = var[jh] - eps;
-            g_r += (g_mu[jh] * diff + g_var[jh] * (diff * diff - var0)) / M;
-            gv[h] += r * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
-          }
-          g_R[ij] = g_r * ai;
-          g_ai += g_r * R[ij];
-        }
-        g_ai = warp_sum(g_ai);
-        if (lane == 0) g_a[i] += g_ai;
-      }
+      for (int64_t i = warp; i < I; i += nwarps)
+        warp_em_m_step_vjp_row(src, b, i, J, H, a[i], eps, R + i * J, mu, var, mass, g_mass, g_mu, g_var,
+                               g_V + i * JH, g_R + i * J, g_a + i, lane);
       __syncthreads();  // g_R of R^t complete before the E-step t - 1 reads it
     }
+  }
+}
+
+// The row-range backward (CAPSROUTE_CUDA_KERNELS=v2), each element's rows cut as in the forward:
+//   em_backward_start_kernel       per element: em_backward_start;
+//   em_backward_rows_start_kernel  per range: zeroed g_V and g_a rows, R^t of the range's rows for
+//                                  every t, and the range's sums of R^t a (partial_mass);
+// then for t = iters - 1 .. 0:
+//   em_backward_capsule_kernel     per element: (t < iters - 1) g_mu, g_var and g_logit from the
+//                                  ranges' sums in range order; the M-step VJP of the capsules;
+//   em_backward_rows_kernel        per range: the M-step VJP of the rows, then (t > 0) the VJP
+//                                  of E-step t - 1 on the same rows and its sums (partial_cols).
+template <typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads)
+    em_backward_start_kernel(const acc_t* stats, const acc_t* grad_pose, const acc_t* grad_a_out, const EmDims dims,
+                             const EmBackwardWorkspace<acc_t> ws, const EmGrads<acc_t> out) {
+  const int64_t J = dims.J, JH = J * dims.H;
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
+    em_backward_start(stats + b * dims.iters * dims.stats_block(), grad_pose + b * JH, grad_a_out + b * J, dims,
+                      ws.norm + b * dims.iters * J, ws.g_mu + b * JH, ws.g_var + b * JH, ws.g_logit + b * J,
+                      out.g_beta + b * 2 * J, out.g_beta + b * 2 * J + J, threadIdx.x, blockDim.x);
+}
+
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
+    em_backward_rows_start_kernel(const Source src, const scalar_t* a_in, const typename Source::acc_type* stats,
+                                  const EmDims dims, int64_t splits,
+                                  const EmBackwardWorkspace<typename Source::acc_type> ws,
+                                  const EmGrads<typename Source::acc_type> out) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, IJ = I * J, iters = dims.iters;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    const int64_t b = item / splits;
+    int64_t i0, i1;
+    em_split_rows(I, splits, item - b * splits, i0, i1);
+    const acc_t* st = stats + b * iters * dims.stats_block();
+    acc_t* R_hist = ws.R_hist + b * iters * IJ;
+    for (int64_t idx = i0 * JH + tid; idx < i1 * JH; idx += nthreads) out.g_V[b * I * JH + idx] = 0;
+    for (int64_t i = i0 + tid; i < i1; i += nthreads) out.g_a[b * I + i] = 0;
+    for (int64_t ij = i0 * J + tid; ij < i1 * J; ij += nthreads) R_hist[ij] = acc_t(1) / acc_t(J);
+    for (int64_t i = i0 + warp; i < i1; i += nwarps) {
+      for (int64_t t = 0; t + 1 < iters; ++t) {
+        const acc_t* mu = st + t * dims.stats_block();
+        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + (b * iters + t) * J, R_hist + ((t + 1) * I + i) * J,
+                           lane);
+      }
+    }
+    __syncthreads();  // the range's R^t complete
+    for (int64_t tj = tid; tj < iters * J; tj += nthreads) {
+      const int64_t t = tj / J, j = tj - t * J;
+      ws.partial_mass[item * iters * J + tj] = em_mass_sum(R_hist + t * IJ, a_in + b * I, i0, i1, J, j);
+    }
+    __syncthreads();  // end of item
+  }
+}
+
+// (The 2-block hint: unhinted, ptxas put it at 64 registers on sm_80 and spilled.)
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<acc_t>())
+    em_backward_capsule_kernel(const scalar_t* beta_u, const acc_t* stats, const EmDims dims, int64_t splits, int64_t t,
+                               const acc_t eps, const EmBackwardWorkspace<acc_t> ws, const EmGrads<acc_t> out) {
+  const int64_t J = dims.J, H = dims.H, JH = J * H, iters = dims.iters, cols = 2 * JH + J;
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    const acc_t* mu = stats + (b * iters + t) * dims.stats_block();
+    acc_t* g_mu = ws.g_mu + b * JH;
+    acc_t* g_var = ws.g_var + b * JH;
+    acc_t* g_logit = ws.g_logit + b * J;
+    if (t < iters - 1) {
+      const acc_t* part = ws.partial_cols + b * splits * cols;  // g_mu (JH) | g_var (JH) | g_logit (J)
+      for (int64_t jh = tid; jh < JH; jh += nthreads) {
+        acc_t gm = 0, gvar = 0;
+        for (int64_t s = 0; s < splits; ++s) {
+          gm += part[s * cols + jh];
+          gvar += part[s * cols + JH + jh];
+        }
+        g_mu[jh] = gm;
+        g_var[jh] = gvar;
+      }
+      for (int64_t j = tid; j < J; j += nthreads) {
+        acc_t gl = 0;
+        for (int64_t s = 0; s < splits; ++s) gl += part[s * cols + 2 * JH + j];
+        g_logit[j] = gl;
+      }
+      __syncthreads();  // g_mu, g_var, g_logit complete
+    }
+    const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
+    for (int64_t j = tid; j < J; j += nthreads) {
+      acc_t m = 0;
+      for (int64_t s = 0; s < splits; ++s) m += ws.partial_mass[((b * splits + s) * iters + t) * J + j];
+      em_m_step_capsule_vjp(j, H, m, lam, eps, beta_u[j], mu, mu + JH, g_logit, g_mu, g_var, ws.mass + b * J,
+                            ws.g_mass + b * J, out.g_beta + b * 2 * J, out.g_beta + b * 2 * J + J);
+    }
+    __syncthreads();  // end of element
+  }
+}
+
+template <typename Source, typename scalar_t>
+__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
+    em_backward_rows_kernel(const Source src, const scalar_t* a_in, const typename Source::acc_type* stats,
+                            const EmDims dims, int64_t splits, int64_t t, const typename Source::acc_type eps,
+                            const EmBackwardWorkspace<typename Source::acc_type> ws,
+                            const EmGrads<typename Source::acc_type> out) {
+  using acc_t = typename Source::acc_type;
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, IJ = I * J, iters = dims.iters;
+  const int64_t block = dims.stats_block(), cols = 2 * JH + J;
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
+  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
+    const int64_t b = item / splits;
+    int64_t i0, i1;
+    em_split_rows(I, splits, item - b * splits, i0, i1);
+    const acc_t* st = stats + b * iters * block;
+    const acc_t* R_hist = ws.R_hist + b * iters * IJ;
+    acc_t* g_R = ws.g_R + b * IJ;
+    acc_t* g_V = out.g_V + b * I * JH;
+    const acc_t* mu = st + t * block;
+    for (int64_t i = i0 + warp; i < i1; i += nwarps)
+      warp_em_m_step_vjp_row(src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J, mu, mu + JH,
+                             ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH, ws.g_var + b * JH, g_V + i * JH,
+                             g_R + i * J, out.g_a + b * I + i, lane);
+    if (t > 0) {
+      __syncthreads();  // the range's g_R = dL/dR^t complete
+      const acc_t* prev = st + (t - 1) * block;  // the statistics E-step t - 1 used
+      for (int64_t i = i0 + warp; i < i1; i += nwarps)
+        warp_em_e_step_vjp_row(src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J, g_R + i * J, g_V + i * JH,
+                               lane);
+      __syncthreads();  // the range's g_L complete
+      acc_t* part = ws.partial_cols + item * cols;
+      for (int64_t jh = tid; jh < JH; jh += nthreads) {
+        const int64_t j = jh / H;
+        const bool first = jh == j * H;
+        acc_t gm = 0, gvar = 0, gl = 0;
+        em_e_step_vjp_sums(src, b, i0, i1, J, jh, j, first, prev, prev + JH, prev + 2 * JH, g_R, gm, gvar, gl);
+        part[jh] = gm;
+        part[JH + jh] = gvar;
+        if (first) part[2 * JH + j] = gl;
+      }
+    }
+    __syncthreads();  // end of item
   }
 }
 

@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -14,10 +16,33 @@
 #include "em_kernels.cuh"
 #include "em_sequence.cuh"
 #include "host_checks.cuh"
+#include "kernel_options.h"
 #include "stream_launch.cuh"
 
 namespace capsroute {
 namespace cuda {
+
+// How the EM kernels cover each element (em_sequence.cuh): kEmFused with the v1 kernels; with
+// v2, row ranges: 1 when B blocks fill the GPU, else enough for about 4 blocks per SM, each at
+// least kEmMinSplitRows rows (4 per warp). CAPSROUTE_EM_SPLITS=N forces N ranges with v2 (tests
+// run several on small shapes).
+constexpr int64_t kEmMinSplitRows = 32;
+
+inline int64_t em_splits(const EmDims& dims) {
+  if (cuda_kernel_set() == KernelSet::v1) return kEmFused;
+  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_EM_SPLITS")) return *forced;
+  return row_ranges_to_fill_device(dims.B, dims.I, kEmMinSplitRows);
+}
+
+// The row ranges' partial sums: a (B, splits, n) buffer, or none for the fused kernels.
+inline at::Tensor em_partial_buffer(int64_t B, int64_t splits, int64_t n, const at::TensorOptions& acc_options) {
+  return splits == kEmFused ? at::Tensor() : at::empty({B, splits, n}, acc_options);
+}
+
+template <typename acc_t>
+acc_t* data_or_null(at::Tensor& t) {
+  return t.defined() ? t.template mutable_data_ptr<acc_t>() : nullptr;
+}
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
 template <typename Source, typename scalar_t>
@@ -26,27 +51,31 @@ void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* 
                        at::Tensor& a_out) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = stats.options();
+  const int64_t splits = em_splits(dims);
   at::Tensor R = at::empty({dims.B, dims.I, dims.J}, acc_options);
   at::Tensor mass = at::empty({dims.B, dims.J}, acc_options);
   at::Tensor norm = at::empty({dims.B, dims.J}, acc_options);
+  at::Tensor partial = em_partial_buffer(dims.B, splits, dims.J * (dims.H + 1), acc_options);
   const EmForwardWorkspace<acc_t> ws{R.mutable_data_ptr<acc_t>(), mass.mutable_data_ptr<acc_t>(),
-                                     norm.mutable_data_ptr<acc_t>()};
+                                     norm.mutable_data_ptr<acc_t>(), data_or_null<acc_t>(partial)};
   run_em_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, beta_a, dims, static_cast<acc_t>(eps),
-                 ws, stats.mutable_data_ptr<acc_t>(), pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
+                 splits, ws, stats.mutable_data_ptr<acc_t>(), pose.mutable_data_ptr<scalar_t>(),
+                 a_out.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernel, so reusing them is safe.
 }
 
-// Owns the backward workspaces for B elements (dims.B); the kernels may run over any
-// contiguous range of at most that many elements, one after another on the stream.
+// Owns the backward workspaces for B elements (dims.B) in `splits` row ranges each; the kernels
+// may run over any contiguous range of at most that many elements, one after another on the stream.
 template <typename acc_t>
 struct EmBackwardBuffers {
-  at::Tensor R_hist, g_R, norm, g_mu, g_var, g_logit, mass, g_mass;
+  at::Tensor R_hist, g_R, norm, g_mu, g_var, g_logit, mass, g_mass, partial_cols, partial_mass;
   EmBackwardWorkspace<acc_t> ws;
 };
 
 template <typename acc_t>
-EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, const at::TensorOptions& acc_options) {
+EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, int64_t splits,
+                                                  const at::TensorOptions& acc_options) {
   const int64_t B = dims.B, I = dims.I, J = dims.J, H = dims.H, R = dims.iters;
   EmBackwardBuffers<acc_t> buf;
   buf.R_hist = at::empty({B, R, I, J}, acc_options);
@@ -57,6 +86,8 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, const at::
   buf.g_logit = at::empty({B, J}, acc_options);
   buf.mass = at::empty({B, J}, acc_options);
   buf.g_mass = at::empty({B, J}, acc_options);
+  buf.partial_cols = em_partial_buffer(B, splits, J * (2 * H + 1), acc_options);
+  buf.partial_mass = em_partial_buffer(B, splits, R * J, acc_options);
   buf.ws = EmBackwardWorkspace<acc_t>{buf.R_hist.template mutable_data_ptr<acc_t>(),
                                       buf.g_R.template mutable_data_ptr<acc_t>(),
                                       buf.norm.template mutable_data_ptr<acc_t>(),
@@ -64,7 +95,9 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, const at::
                                       buf.g_var.template mutable_data_ptr<acc_t>(),
                                       buf.g_logit.template mutable_data_ptr<acc_t>(),
                                       buf.mass.template mutable_data_ptr<acc_t>(),
-                                      buf.g_mass.template mutable_data_ptr<acc_t>()};
+                                      buf.g_mass.template mutable_data_ptr<acc_t>(),
+                                      data_or_null<acc_t>(buf.partial_cols),
+                                      data_or_null<acc_t>(buf.partial_mass)};
   return buf;
 }
 
@@ -77,12 +110,13 @@ void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t*
                         double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
   using acc_t = typename Source::acc_type;
   // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
-  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(dims, stats.options());
+  const int64_t splits = em_splits(dims);
+  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(dims, splits, stats.options());
   const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
                            g_beta.mutable_data_ptr<acc_t>()};
   run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, stats.const_data_ptr<acc_t>(),
                   grad_pose.const_data_ptr<acc_t>(), grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps),
-                  buf.ws, out);
+                  splits, buf.ws, out);
 }
 
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the

@@ -2,17 +2,18 @@
 // computed on the fly by the PoseVotes source. Same checks, results and saved statistics as
 // csrc/cpu/em_routing_pose_cpu.cpp (either backend's backward reads the other's stats).
 //
-// Forward: em_forward_kernel<PoseVotes>, one block per batch element; votes are never stored.
+// Forward: em_forward_kernel<PoseVotes>, one block per batch element (v2: the row-range kernels);
+// votes are never stored.
 //
-// Backward, and how its memory is bounded: em_backward_kernel<PoseVotes> yields the vote
-// gradient g_V (I, J, 16) of each element, which is contracted into
+// Backward, and how its memory is bounded: em_backward_kernel<PoseVotes> (v2: the row-range
+// kernels) yields the vote gradient g_V (I, J, 16) of each element, which is contracted into
 //   g_pose: g_P_i = sum_j g_V_ij W_ij^T          (pose_grad_pose_kernel, per element)
 //   g_weight: g_W_ij = sum_b P_i^T g_V_ij        (pose_grad_weight_kernel, over the batch).
 // The batch is processed in chunks of consecutive elements, one after another on the stream:
 // each chunk runs the EM backward into a chunk-sized g_V buffer (with chunk-sized EM
 // workspaces), then both contractions. A chunk holds as many elements as fit in
 // kPoseBackwardChunkBytes (256 MiB) of g_V and EM workspaces, (16 + iters + 1) I J values per
-// element, and at least one; the buffers are reused by every chunk. So the backward's extra
+// element plus v2's partial sums, and at least one; the buffers are reused by every chunk. So the backward's extra
 // memory is O(min(B, chunk) * I * J * (16 + iters)), never O(B * I * J * 16).
 //
 // Determinism: no atomics and fixed summation orders. The weight gradient is one running sum
@@ -20,7 +21,9 @@
 // batch order, so it is bitwise the same for every chunk size; everything else is per element
 // (the beta gradients per element, summed over the batch by one fixed reduction at the end).
 // The chunk size depends only on the shapes and dtype, never on the device; the environment
-// variable CAPSROUTE_EM_POSE_BACKWARD_CHUNK=n overrides it (for tests of that invariance).
+// variable CAPSROUTE_EM_POSE_BACKWARD_CHUNK=n overrides it (for tests of that invariance). v2's
+// row ranges are chosen once for the whole batch, so every chunk uses the same (they depend on
+// the device's SM count: on another GPU the sums over i may round differently).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -42,11 +45,13 @@ namespace {
 
 constexpr int64_t kPoseBackwardChunkBytes = int64_t(256) << 20;
 
-// Batch elements per chunk of the backward (>= 1; see the top of the file).
-int64_t pose_backward_chunk(const EmDims& dims, int64_t acc_bytes) {
+// Batch elements per chunk of the backward (>= 1; see the top of the file), with `splits` row ranges.
+int64_t pose_backward_chunk(const EmDims& dims, int64_t splits, int64_t acc_bytes) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_EM_POSE_BACKWARD_CHUNK")) return *forced;
-  // Per element: g_V (16 I J), R_hist and g_R ((iters + 1) I J), and the (J)- and (J, H)-sized rest.
-  const int64_t values = dims.I * dims.J * (kPoseSize + dims.iters + 1) + dims.J * (dims.iters + 2 * kPoseSize + 3);
+  // Per element: g_V (16 I J), R_hist and g_R ((iters + 1) I J), the (J)- and (J, H)-sized rest,
+  // and the row ranges' partial sums.
+  const int64_t values = dims.I * dims.J * (kPoseSize + dims.iters + 1) + dims.J * (dims.iters + 2 * kPoseSize + 3) +
+                         splits * dims.J * (2 * kPoseSize + 1 + dims.iters);
   return std::max<int64_t>(1, kPoseBackwardChunkBytes / std::max<int64_t>(1, values * acc_bytes));
 }
 
@@ -82,16 +87,17 @@ template <typename scalar_t, typename acc_t>
 void launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in, const scalar_t* beta_u,
                           const EmBackwardArgs& args, const EmDims& dims, double eps, scalar_t* grad_pose,
                           acc_t* g_a, acc_t* g_W) {
-  const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, sizeof(acc_t)));
+  const int64_t splits = em_splits(dims);  // for every chunk: the same sums whatever the chunking
+  const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, splits, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
   EmDims chunk_dims = dims;
   chunk_dims.B = chunk;
   // Reused by every chunk: stream order runs each chunk's kernels after the previous chunk's.
-  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(chunk_dims, acc_options);
+  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(chunk_dims, splits, acc_options);
   at::Tensor g_V_buffer = at::empty({chunk, dims.I, dims.J, kPoseSize}, acc_options);
   run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, weight, a_in, beta_u,
                     args.stats.const_data_ptr<acc_t>(), args.grad_pose.const_data_ptr<acc_t>(),
-                    args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), chunk, buf.ws,
+                    args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, chunk, buf.ws,
                     g_V_buffer.mutable_data_ptr<acc_t>(), grad_pose, g_a, g_W,
                     args.grad_beta_items.mutable_data_ptr<acc_t>());
 }

@@ -26,10 +26,11 @@ inline std::optional<int64_t> forced_count(const char* name) {
 // CAPSROUTE_CUDA_KERNELS picks the kernel set until a GPU has measured both (bench/NOTES.md, GPU):
 //   v1 (default): the first kernels; dense_capsules recomputes every vote from the weight in
 //       every pass and never stores one.
-//   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 and 4), so far: dense_capsules'
+//   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 to 5), so far: dense_capsules'
 //       votes of a chunk of the batch as one batched GEMM into an L2-sized workspace, the routing
-//       kernels over those stored votes and the backward's contractions as batched GEMMs; and the
-//       vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per block.
+//       kernels over those stored votes and the backward's contractions as batched GEMMs; the
+//       vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per block; and
+//       EM routing's rows cut into ranges of a block each (em_launch.cuh, em_splits).
 enum class KernelSet { v1, v2 };
 
 inline KernelSet cuda_kernel_set() {

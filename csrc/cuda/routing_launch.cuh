@@ -20,18 +20,11 @@ namespace cuda {
 // Row ranges per element for a batch of B: 1 (the fused kernels) when B blocks fill the GPU,
 // else enough ranges for about kBlocksPerSm blocks per SM, each at least kMinSplitTiles
 // tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both paths on small shapes).
-constexpr int64_t kBlocksPerSm = 4;
 constexpr int64_t kMinSplitTiles = 4;
 
 inline int64_t routing_splits(const RoutingDims& dims) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_ROUTING_SPLITS")) return *forced;
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wanted_blocks = kBlocksPerSm * sms;
-  if (dims.B >= wanted_blocks / 2) return 1;
-  const int64_t max_splits = std::max<int64_t>(1, dims.I / (kMinSplitTiles * kRoutingTile));
-  return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(dims.B, 1)), max_splits);
+  return row_ranges_to_fill_device(dims.B, dims.I, kMinSplitTiles * kRoutingTile);
 }
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0).

@@ -1,14 +1,33 @@
 // The `launch` the CUDA ops pass to the launch sequences (routing_sequence.cuh, em_sequence.cuh):
-// a kernel on `blocks` blocks of kBlockThreads threads on the given stream, checked.
+// a kernel on `blocks` blocks of kBlockThreads threads on the given stream, checked; and how many
+// row ranges fill the device.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "device_utils.cuh"
 
 namespace capsroute {
 namespace cuda {
+
+// Row ranges per element (a block each) for B elements of I rows: 1 when B blocks fill the
+// current device, else enough for about kBlocksPerSm blocks per SM, each range at least min_rows
+// rows long. (The routing and EM kernels' row-range paths.)
+constexpr int64_t kBlocksPerSm = 4;
+
+inline int64_t row_ranges_to_fill_device(int64_t B, int64_t I, int64_t min_rows) {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t wanted_blocks = kBlocksPerSm * sms;
+  if (B >= wanted_blocks / 2) return 1;
+  const int64_t max_ranges = std::max<int64_t>(1, I / min_rows);
+  return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(B, 1)), max_ranges);
+}
 
 struct StreamLaunch {
   cudaStream_t stream;

@@ -136,31 +136,34 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
   return o;
 }
 
+// splits: kEmFused (the fused kernels) or the row ranges per element of the row-range kernels.
 template <typename S, typename A>
 Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
-                      const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps) {
-  const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters;
+                      const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps,
+                      int64_t splits) {
+  const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters, ranges = std::max<int64_t>(splits, 1);
   const EmDims dims{B, I, J, H, R, cs.final_lambda};
   const MemoryVotes<S, A> src{V.data(), I, JH};
   const EmuLaunch launch{cs.grid, kBlockThreads};
   Results<S, A> o;
   o.stats = nans<A>(B * R * dims.stats_block()); o.pose = nans<S>(B * JH); o.a_out = nans<S>(B * J);
   {
-    auto Rw = nans<A>(B * I * J), mass = nans<A>(B * J), norm = nans<A>(B * J);
-    const EmForwardWorkspace<A> ws{Rw.data(), mass.data(), norm.data()};
-    run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, static_cast<A>(eps), ws, o.stats.data(),
+    auto Rw = nans<A>(B * I * J), mass = nans<A>(B * J), norm = nans<A>(B * J), partial = nans<A>(B * ranges * (J + JH));
+    const EmForwardWorkspace<A> ws{Rw.data(), mass.data(), norm.data(), partial.data()};
+    run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, static_cast<A>(eps), splits, ws, o.stats.data(),
                    o.pose.data(), o.a_out.data());
   }
   auto R_hist = nans<A>(B * R * I * J), g_R = nans<A>(B * I * J), norm = nans<A>(B * R * J);
   auto g_mu = nans<A>(B * JH), g_var = nans<A>(B * JH), g_logit = nans<A>(B * J), mass = nans<A>(B * J),
        g_mass = nans<A>(B * J);
+  auto partial_cols = nans<A>(B * ranges * (2 * JH + J)), partial_mass = nans<A>(B * ranges * R * J);
   o.g_V = nans<A>(B * I * JH); o.g_a = nans<A>(B * I);
   auto gb = nans<A>(B * 2 * J);
-  const EmBackwardWorkspace<A> ws{R_hist.data(), g_R.data(), norm.data(), g_mu.data(),
-                                  g_var.data(), g_logit.data(), mass.data(), g_mass.data()};
+  const EmBackwardWorkspace<A> ws{R_hist.data(), g_R.data(), norm.data(), g_mu.data(), g_var.data(),
+                                  g_logit.data(), mass.data(), g_mass.data(), partial_cols.data(), partial_mass.data()};
   const EmGrads<A> out{o.g_V.data(), o.g_a.data(), gb.data()};
   run_em_backward(launch, src, a.data(), bu.data(), static_cast<const A*>(o.stats.data()), gp.data(), ga.data(), dims,
-                  static_cast<A>(eps), ws, out);
+                  static_cast<A>(eps), splits, ws, out);
   o.g_beta.assign(2 * J, A(0));
   for (int64_t n = 0; n < B; ++n) for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
   return o;
@@ -182,26 +185,29 @@ void test_case(const Case& cs, const char* tname, double tol) {
   auto Vs = cast<S>(V), as = cast<S>(a), bus = cast<S>(bu), bas = cast<S>(ba);
   auto gp = cast<A>(randn(B * JH)), ga = cast<A>(randn(B * J));
   const auto want = cpu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps);
-  const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps);
   // The truth for judging disagreements: the CPU code on the same inputs in long double.
   const auto truth = cpu_run<S, long double>(cs, Vs, as, bus, bas, cast<long double>(gp), cast<long double>(ga), eps);
-  const std::string p = std::string(tname) + " ";
   // Outputs stored in S are rounded to S: allow one ulp of S.
   const double out_tol = std::max(tol, double(std::numeric_limits<S>::epsilon()));
-  judge(p + "stats", got.stats, want.stats, truth.stats, tol);
-  judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
-  judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
-  judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
-  judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
-  judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
-  // No NaN anywhere unless one was planted in the input.
-  if (sp != "nan") {
-    bool bad = false;
-    for (auto x : got.stats) bad |= !std::isfinite(double(x));
-    for (auto x : got.g_V) bad |= !std::isfinite(double(x));
-    for (auto x : got.g_a) bad |= !std::isfinite(double(x));
-    for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
-    if (bad) { std::printf("  FAIL %s: non-finite output\n", tname); ++failures; }
+  // The fused kernels, and the row-range kernels with 1 to 4 ranges (more ranges than rows where I is small).
+  for (const int64_t splits : {kEmFused, (cs.B + cs.I) % 4 + 1}) {
+    const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits);
+    const std::string p = std::string(tname) + (splits == kEmFused ? " fused " : " splits=" + std::to_string(splits) + " ");
+    judge(p + "stats", got.stats, want.stats, truth.stats, tol);
+    judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
+    judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
+    judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
+    judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
+    judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
+    // No NaN anywhere unless one was planted in the input.
+    if (sp != "nan") {
+      bool bad = false;
+      for (auto x : got.stats) bad |= !std::isfinite(double(x));
+      for (auto x : got.g_V) bad |= !std::isfinite(double(x));
+      for (auto x : got.g_a) bad |= !std::isfinite(double(x));
+      for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
+      if (bad) { std::printf("  FAIL %s: non-finite output\n", p.c_str()); ++failures; }
+    }
   }
 }
 
@@ -211,7 +217,8 @@ void test_case(const Case& cs, const char* tname, double tol) {
 // the vote gradient contracted into grad_pose and grad_weight. S is the accumulation type too,
 // so the CPU code can be given the same votes the kernels compute.
 template <typename S>
-void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, unsigned grid, double tol) {
+void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, int64_t splits, unsigned grid,
+                    double tol) {
   constexpr int64_t H = kPoseSize;
   const int64_t JH = J * H;
   const double eps = 1e-6;
@@ -248,25 +255,30 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   const EmDims dims{B, I, J, H, iters, 1.0};
   const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
   auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH), a_out = nans<S>(B * J);
-  auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J);
+  const int64_t ranges = std::max<int64_t>(splits, 1);
+  auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J), partial = nans<S>(B * ranges * (J + JH));
   const EmuLaunch launch{grid, kBlockThreads};
-  run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, S(eps),
-                 EmForwardWorkspace<S>{R.data(), mass.data(), norm.data()}, stats.data(), pose_out.data(), a_out.data());
+  run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, S(eps), splits,
+                 EmForwardWorkspace<S>{R.data(), mass.data(), norm.data(), partial.data()}, stats.data(), pose_out.data(),
+                 a_out.data());
 
   auto R_hist = nans<S>(chunk * iters * I * J), g_R = nans<S>(chunk * I * J), norm_hist = nans<S>(chunk * iters * J);
   auto g_mu = nans<S>(chunk * JH), g_var = nans<S>(chunk * JH), g_logit = nans<S>(chunk * J), chunk_mass = nans<S>(chunk * J),
        g_mass = nans<S>(chunk * J), g_V = nans<S>(chunk * I * JH);
+  auto partial_cols = nans<S>(chunk * ranges * (2 * JH + J)), partial_mass = nans<S>(chunk * ranges * iters * J);
   const EmBackwardWorkspace<S> ws{R_hist.data(), g_R.data(), norm_hist.data(), g_mu.data(),
-                                  g_var.data(), g_logit.data(), chunk_mass.data(), g_mass.data()};
+                                  g_var.data(), g_logit.data(), chunk_mass.data(), g_mass.data(),
+                                  partial_cols.data(), partial_mass.data()};
   auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H), g_weight = nans<S>(I * J * H);
   run_pose_backward(launch, pose.data(), weight.data(), a.data(), bu.data(), static_cast<const S*>(stats.data()),
-                    gp.data(), ga.data(), dims, S(eps), chunk, ws, g_V.data(), g_pose.data(), g_a.data(),
+                    gp.data(), ga.data(), dims, S(eps), splits, chunk, ws, g_V.data(), g_pose.data(), g_a.data(),
                     g_weight.data(), g_beta.data());
   std::vector<S> g_beta_sum(2 * J, S(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];
   const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") + " pose B=" + std::to_string(B) + " I=" +
-                        std::to_string(I) + " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) + " ";
+                        std::to_string(I) + " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) +
+                        " splits=" + std::to_string(splits) + " ";
   judge(p + "stats", stats, want.stats, truth.stats, tol);
   judge(p + "pose", pose_out, want.pose, truth.pose, tol);
   judge(p + "a_out", a_out, want.a_out, truth.a_out, tol);
@@ -328,10 +340,12 @@ int main(int argc, char** argv) {
   }
   for (int64_t chunk : {1, 2, 5}) {
     if (tsan && chunk > 2) break;
-    test_pose_case<double>(5, 9, 4, 3, chunk, 2, 1e-12);
-    if (mode == "full") test_pose_case<float>(5, 9, 4, 3, chunk, 2, 2e-5);
+    for (int64_t splits : {kEmFused, chunk + 1}) {
+      test_pose_case<double>(5, 9, 4, 3, chunk, splits, 2, 1e-12);
+      if (mode == "full") test_pose_case<float>(5, 9, 4, 3, chunk, splits, 2, 2e-5);
+    }
   }
-  if (mode == "full") test_pose_case<double>(2, 1, 1, 1, 1, 1, 1e-12);
+  if (mode == "full") test_pose_case<double>(2, 1, 1, 1, 1, kEmFused, 1, 1e-12);
   std::printf("%d checks, worst emu-vs-cpu rel err %.3e, %d explained by conditioning\n", checks, worst, ill);
   std::printf(failures ? "%d failures\n" : "all passed\n", failures);
   return failures ? 1 : 0;
