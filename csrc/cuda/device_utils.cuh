@@ -51,6 +51,28 @@ __device__ __forceinline__ T warp_max(T x) {
 __device__ __forceinline__ float neg_infinity(float) { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ double neg_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
 
+// Rows [begin, end) of one range when an element's rows are cut into contiguous ranges.
+struct RowRange {
+  int64_t begin, end;
+};
+
+// Rows of range g of `splits` over I rows (empty when g * ceil(I / splits) >= I).
+__host__ __device__ __forceinline__ RowRange split_rows(int64_t I, int64_t splits, int64_t g) {
+  const int64_t chunk = ceil_div<int64_t>(I, splits);
+  const int64_t begin = g * chunk < I ? g * chunk : I;
+  return {begin, begin + chunk < I ? begin + chunk : I};
+}
+
+// The (element b, range g) items of a row-range kernel, grid-stride over blocks, item =
+// b * splits + g: f(b, item, rows) for each, then a barrier (the block moves on together).
+template <typename F>
+__device__ __forceinline__ void for_each_row_range(int64_t B, int64_t I, int64_t splits, F&& f) {
+  for (int64_t item = blockIdx.x; item < B * splits; item += gridDim.x) {
+    f(item / splits, item, split_rows(I, splits, item % splits));
+    __syncthreads();
+  }
+}
+
 // Blocks for a grid-stride loop over n items with kBlockThreads threads per block (n > 0).
 inline unsigned int blocks_for(int64_t n) {
   return static_cast<unsigned int>(std::min<int64_t>(ceil_div<int64_t>(n, kBlockThreads), kMaxBlocks));

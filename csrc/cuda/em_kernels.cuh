@@ -151,13 +151,6 @@ __device__ __forceinline__ void em_write_outputs(const acc_t* last, int64_t J, i
   for (int64_t j = tid; j < J; j += nthreads) a_out_b[j] = static_cast<scalar_t>(em_sigmoid(last[2 * JH + j]));
 }
 
-// Rows [i0, i1) of range s when I rows are cut into `splits` contiguous ranges.
-__device__ __forceinline__ void em_split_rows(int64_t I, int64_t splits, int64_t s, int64_t& i0, int64_t& i1) {
-  const int64_t per = ceil_div<int64_t>(I, splits);
-  i0 = s * per < I ? s * per : I;
-  i1 = i0 + per < I ? i0 + per : I;
-}
-
 // ---- forward ----
 
 // The EM kernels are declared for at least 2 resident blocks per SM, which allows 128
@@ -260,10 +253,8 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
 
-  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
-    const int64_t b = item / splits;
-    int64_t i0, i1;
-    em_split_rows(I, splits, item - b * splits, i0, i1);
+  for_each_row_range(dims.B, I, splits, [&](int64_t b, int64_t item, RowRange rows) {
+    const int64_t i0 = rows.begin, i1 = rows.end;
     acc_t* R = ws.R + b * I * J;
     const scalar_t* a = a_in + b * I;
     if (t == 0) {
@@ -282,8 +273,7 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       out[J + jh] = sum;
       if (jh == j * H) out[j] = m;
     }
-    __syncthreads();  // end of item
-  }
+  });
 }
 
 template <typename acc_t>
@@ -313,15 +303,13 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
                        const typename Source::acc_type* stats, const EmForwardWorkspace<typename Source::acc_type> ws) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H;
-  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
-    const int64_t b = item / splits;
-    int64_t i0, i1;
-    em_split_rows(I, splits, item - b * splits, i0, i1);
+  for_each_row_range(dims.B, I, splits, [&](int64_t b, int64_t item, RowRange rows) {
+    const int64_t i0 = rows.begin, i1 = rows.end;
     const acc_t* mu = stats + (b * dims.iters + t) * dims.stats_block();
     acc_t* out = ws.partial + item * (J + JH);  // sq (JH)
     for (int64_t jh = threadIdx.x; jh < JH; jh += blockDim.x)
       out[jh] = em_var_sum(src, b, i0, i1, J, jh, jh / H, ws.R + b * I * J, a_in + b * I, mu[jh]);
-  }
+  });
 }
 
 template <typename scalar_t, typename acc_t>
@@ -642,10 +630,8 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, IJ = I * J, iters = dims.iters;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
-  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
-    const int64_t b = item / splits;
-    int64_t i0, i1;
-    em_split_rows(I, splits, item - b * splits, i0, i1);
+  for_each_row_range(dims.B, I, splits, [&](int64_t b, int64_t item, RowRange rows) {
+    const int64_t i0 = rows.begin, i1 = rows.end;
     const acc_t* st = stats + b * iters * dims.stats_block();
     acc_t* R_hist = ws.R_hist + b * iters * IJ;
     for (int64_t idx = i0 * JH + tid; idx < i1 * JH; idx += nthreads) out.g_V[b * I * JH + idx] = 0;
@@ -663,8 +649,7 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       const int64_t t = tj / J, j = tj - t * J;
       ws.partial_mass[item * iters * J + tj] = em_mass_sum(R_hist + t * IJ, a_in + b * I, i0, i1, J, j);
     }
-    __syncthreads();  // end of item
-  }
+  });
 }
 
 // (The 2-block hint: unhinted, ptxas put it at 64 registers on sm_80 and spilled.)
@@ -719,10 +704,8 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
   const int64_t block = dims.stats_block(), cols = 2 * JH + J;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
-  for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
-    const int64_t b = item / splits;
-    int64_t i0, i1;
-    em_split_rows(I, splits, item - b * splits, i0, i1);
+  for_each_row_range(dims.B, I, splits, [&](int64_t b, int64_t item, RowRange rows) {
+    const int64_t i0 = rows.begin, i1 = rows.end;
     const acc_t* st = stats + b * iters * block;
     const acc_t* R_hist = ws.R_hist + b * iters * IJ;
     acc_t* g_R = ws.g_R + b * IJ;
@@ -750,8 +733,7 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
         if (first) part[2 * JH + j] = gl;
       }
     }
-    __syncthreads();  // end of item
-  }
+  });
 }
 
 // ---- em_routing_pose: contracting the vote gradient with the pose and the weight ----

@@ -127,21 +127,13 @@ __device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t 
 // whose partial sums over their rows are added up, in range order, by a per-element kernel
 // between phases (the split kernels). Both run the same device functions below.
 
-struct RowRange {
-  int64_t begin, end;
-};
-
-// Rows of range g of `splits` over I rows (empty when g * ceil(I / splits) >= I).
-__host__ __device__ __forceinline__ RowRange split_rows(int64_t I, int64_t splits, int64_t g) {
-  const int64_t chunk = ceil_div<int64_t>(I, splits);
-  const int64_t begin = g * chunk < I ? g * chunk : I;
-  return {begin, begin + chunk < I ? begin + chunk : I};
-}
-
-// The (b, range g) items of the split kernels, grid-stride over blocks: each gets its partial
-// sums partial[b, g] (J, D) zeroed by their column owners, then rows(b, range g, partial[b, g]).
+// The (b, range g) items of the split kernels (RowRange, split_rows: device_utils.cuh): each
+// gets its partial sums partial[b, g] (J, D) zeroed by their column owners, then
+// rows(b, range g, partial[b, g]).
 template <typename acc_t, typename Rows>
 __device__ __forceinline__ void for_each_range(const RoutingDims& dims, int64_t splits, acc_t* partial, Rows&& rows) {
+  // (Not through for_each_row_range: one more lambda level made ptxas spill the float64
+  // routing_backward_rows_kernel on sm_90.)
   const int64_t JD = dims.J * dims.D;
   for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x) {
     acc_t* acc = partial + item * JD;
