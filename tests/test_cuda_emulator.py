@@ -1,8 +1,8 @@
 """The CUDA kernels' logic without a GPU: tests/emulator runs the device code of
 csrc/cuda/routing_kernels.cuh and em_kernels.cuh on the host (a std::thread per CUDA thread,
 barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h) against the CPU
-backend's element code: both launch paths of dynamic routing (a block per element, and rows split
-over blocks), float16/bfloat16 storage included (through c10::Half/BFloat16 from torch's headers),
+backend's element code: every launch path of dynamic routing (a block per element, rows split
+over blocks, and the v2 kernel set's warp per part of an element's rows), float16/bfloat16 storage included (through c10::Half/BFloat16 from torch's headers),
 and the EM forward and backward (em_routing_pose's in batch chunks), all run by the very launch
 sequences the ops use (csrc/cuda/routing_sequence.cuh and em_sequence.cuh, given a host launcher
 instead of the CUDA stream one); and a ThreadSanitizer build of the same programs for data races

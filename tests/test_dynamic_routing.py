@@ -61,12 +61,15 @@ SPLIT_OPTIONS = [(3, False, False, True), (3, True, True, False), (1, False, Fal
 
 
 @pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("kernels", ["v1", "v2"])
 @pytest.mark.parametrize("splits", ["2", "5", "300"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
-def test_row_ranges_match_reference(device, monkeypatch, splits, iters, leaky, detach, with_bias):
+def test_row_ranges_match_reference(device, monkeypatch, kernels, splits, iters, leaky, detach, with_bias):
     """When the batch is too small to fill the GPU, each element's rows are routed in ranges, one
-    block each, whose partial sums are added in order (CAPSROUTE_ROUTING_SPLITS forces how many):
-    the results are the reference's for any number of ranges, more ranges than rows included."""
+    block each (v2: each range cut again among the block's warps), whose partial sums are added in
+    order (CAPSROUTE_ROUTING_SPLITS forces how many): the results are the reference's for any number
+    of ranges, more ranges than rows included."""
+    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
     B, I, J, D = 3, 133, 10, 16
     votes = randn(B, I, J, D, device=device, scale=0.3, requires_grad=True)
@@ -79,10 +82,13 @@ def test_row_ranges_match_reference(device, monkeypatch, splits, iters, leaky, d
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
 @pytest.mark.parametrize("I", [133, 8, 5])
 def test_kernel_set_v2_matches_reference(device, monkeypatch, iters, leaky, detach, with_bias, I):
-    """CAPSROUTE_CUDA_KERNELS=v2 writes the vote gradient a tile of 8 rows per block: I a multiple
-    of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5), over J * D > 256 too."""
+    """CAPSROUTE_CUDA_KERNELS=v2 routes with a warp per part of an element's rows where the capsules
+    fit 8 lane groups (J = 10, D = 16: 5 groups; J = 16, D = 12: 8, 4 lanes of each segment idle;
+    D = 20: whole warps), with the block kernels beyond (J = 20, D = 16: 10 groups), and writes the
+    vote gradient a tile of 8 rows per block: I a multiple of the tile, one short tile, and a last
+    tile short (133 = 16 x 8 + 5)."""
     monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
-    for J, D in ((10, 16), (20, 16)):
+    for J, D in ((10, 16), (16, 12), (8, 20), (20, 16)):
         votes = randn(3, I, J, D, device=device, scale=0.3, requires_grad=True)
         bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
         for name, a, e in compare(votes, bias, iters, leaky, detach):
@@ -90,16 +96,19 @@ def test_kernel_set_v2_matches_reference(device, monkeypatch, iters, leaky, deta
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_row_ranges_deterministic_and_checked(device, monkeypatch):
+@pytest.mark.parametrize("kernels", ["v1", "v2"])
+def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels):
+    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
     votes = randn(2, 300, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
     grad = randn(2, 10, 16, dtype=torch.float32, device=device)
-    monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "4")
-    runs = []
-    for _ in range(2):
-        v = capsroute.dynamic_routing(votes)
-        runs.append((v,) + torch.autograd.grad(v, votes, grad))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for splits in ("1", "4"):
+        monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
+        runs = []
+        for _ in range(2):
+            v = capsroute.dynamic_routing(votes)
+            runs.append((v,) + torch.autograd.grad(v, votes, grad))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "0")
     with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_SPLITS must be an integer >= 1"):
         capsroute.dynamic_routing(votes)

@@ -29,7 +29,10 @@ inline std::optional<int64_t> forced_count(const char* name) {
 //   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 to 5), so far: dense_capsules'
 //       votes of a chunk of the batch as one batched GEMM into an L2-sized workspace, the routing
 //       kernels over those stored votes and the backward's contractions as batched GEMMs; the
-//       vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per block; and
+//       routing rows of votes read from memory a warp per part of each element, every row's
+//       votes read once per pass into registers (routing_warp_kernels.cuh, where the capsules
+//       fit); the vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per
+//       block; and
 //       EM routing's rows cut into ranges of a block each (em_launch.cuh, em_splits).
 enum class KernelSet { v1, v2 };
 

@@ -69,6 +69,8 @@ struct MemoryVotes {
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
     return static_cast<acc_t>(votes[(b * I + i) * JD + jd]);
   }
+  // Row (b, i)'s J * D votes (the warp-rows kernels index it in 32-bit arithmetic).
+  __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const { return votes + (b * I + i) * JD; }
 };
 
 // votes_bij = weight_ij @ u_bi: u (B, I, Din), weight (I, J, D, Din), both contiguous.

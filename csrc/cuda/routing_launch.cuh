@@ -1,4 +1,4 @@
-// Host side of the routing kernels: how many row ranges per element (routing_splits), the
+// Host side of the routing kernels: how an element's rows are split (routing_row_split), the
 // workspaces, and the launch sequences of routing_sequence.cuh on the current stream.
 #pragma once
 
@@ -27,22 +27,33 @@ inline int64_t routing_splits(const RoutingDims& dims) {
   return row_ranges_to_fill_device(dims.B, dims.I, kMinSplitTiles * kRoutingTile);
 }
 
+// The v2 kernel set routes votes read from memory with the warp-rows kernels where the capsules
+// fit them (routing_warp_kernels.cuh); v1, and votes computed on the fly, with the block kernels.
+template <typename Source>
+RowSplit routing_row_split(const RoutingDims& dims) {
+  return {routing_splits(dims),
+          !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims)};
+}
+
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
 template <typename Source, typename scalar_t>
 void launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
                             at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
+  const RowSplit split = routing_row_split<Source>(dims);
   at::Tensor logits = at::empty({dims.B, dims.I, dims.J}, acc_options);
-  at::Tensor coupling = at::empty({dims.B, dims.I, dims.J}, acc_options);
+  // (The warp kernels keep a row's couplings in registers.)
+  at::Tensor coupling = split.warp_rows ? at::Tensor() : at::empty({dims.B, dims.I, dims.J}, acc_options);
   at::Tensor v_ws = at::empty({dims.B, dims.J, dims.D}, acc_options);
-  const ForwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), coupling.mutable_data_ptr<acc_t>(),
+  const ForwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(),
+                                   coupling.defined() ? coupling.mutable_data_ptr<acc_t>() : nullptr,
                                    v_ws.mutable_data_ptr<acc_t>()};
-  const int64_t splits = routing_splits(dims);
-  at::Tensor partial = splits > 1 ? at::empty({dims.B, splits, dims.J, dims.D}, acc_options) : at::Tensor();
-  run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims, static_cast<acc_t>(eps), splits,
-                      ws, splits > 1 ? partial.mutable_data_ptr<acc_t>() : nullptr, s_hist.mutable_data_ptr<acc_t>(),
-                      v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
+  at::Tensor partial =
+      split.fused() ? at::Tensor() : at::empty({dims.B, split.parts(), dims.J, dims.D}, acc_options);
+  run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims, static_cast<acc_t>(eps), split,
+                      ws, partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr,
+                      s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
 }
@@ -82,14 +93,16 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
                                 R,
                                 first_r,
                                 nkeep};
-  at::Tensor logits = at::empty({B, I, J}, acc_options);
+  const RowSplit split = routing_row_split<Source>(dims);
+  // (The warp kernels keep a row's logits in registers.)
+  at::Tensor logits = split.warp_rows ? at::Tensor() : at::empty({B, I, J}, acc_options);
   at::Tensor gv = at::empty({B, J, D}, acc_options);
-  const BackwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(), gv.mutable_data_ptr<acc_t>()};
-  const int64_t splits = routing_splits(dims);
-  const bool walks_back = splits > 1 && R - 1 > first_r;
-  at::Tensor partial = walks_back ? at::empty({B, splits, J, D}, acc_options) : at::Tensor();
+  const BackwardWorkspace<acc_t> ws{logits.defined() ? logits.mutable_data_ptr<acc_t>() : nullptr,
+                                    gv.mutable_data_ptr<acc_t>()};
+  const bool walks_back = !split.fused() && R - 1 > first_r;
+  at::Tensor partial = walks_back ? at::empty({B, split.parts(), J, D}, acc_options) : at::Tensor();
   run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v, s_hist.const_data_ptr<acc_t>(),
-                       dims, static_cast<acc_t>(eps), splits, st, ws,
+                       dims, static_cast<acc_t>(eps), split, st, ws,
                        walks_back ? partial.mutable_data_ptr<acc_t>() : nullptr,
                        grad_bias_items.mutable_data_ptr<acc_t>());
   return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};

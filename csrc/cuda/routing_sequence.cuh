@@ -8,53 +8,102 @@
 #include <cstdint>
 
 #include "routing_kernels.cuh"
+#include "routing_warp_kernels.cuh"
 
 namespace capsroute {
 namespace cuda {
 
-// The forward of B > 0 elements in `splits` row ranges each (1: the fused kernel). partial
-// holds B * splits * J * D values when splits > 1.
+// How an element's rows are routed: in `splits` ranges of a block each (the block kernels;
+// splits = 1 is the fused kernel), or with warp_rows, each range cut again among its block's
+// warps (routing_warp_kernels.cuh: votes read from memory only, warp_rows_fit). Either way the
+// rows kernels leave parts() partial sums per element for the reduce kernels.
+struct RowSplit {
+  int64_t splits;
+  bool warp_rows;
+  int64_t parts() const { return warp_rows ? splits * kWarpsPerBlock : splits; }
+  bool fused() const { return !warp_rows && splits == 1; }
+};
+
+// The forward of B > 0 elements. partial holds B * split.parts() * J * D values unless fused.
 template <typename Launch, typename Source, typename scalar_t>
 void run_routing_forward(const Launch& launch, const Source& src, const scalar_t* bias, const RoutingDims& dims,
-                         typename Source::acc_type eps, int64_t splits,
+                         typename Source::acc_type eps, const RowSplit& split,
                          const ForwardWorkspace<typename Source::acc_type>& ws, typename Source::acc_type* partial,
                          typename Source::acc_type* s_hist, scalar_t* v, scalar_t* c) {
   using acc_t = typename Source::acc_type;
-  if (splits == 1) {
-    launch(routing_forward_kernel<Source, scalar_t>, blocks_for_items(dims.B), src, bias, dims, eps, ws, s_hist, v, c);
+  const int64_t B = dims.B, parts = split.parts();
+  if (split.fused()) {
+    launch(routing_forward_kernel<Source, scalar_t>, blocks_for_items(B), src, bias, dims, eps, ws, s_hist, v, c);
     return;
   }
-  for (int64_t r = 0; r < dims.iters; ++r) {
-    launch(routing_forward_rows_kernel<Source, scalar_t>, blocks_for_items(dims.B * splits), src, dims, splits, r, ws,
-           c, partial);
-    launch(routing_forward_reduce_kernel<scalar_t, acc_t>, blocks_for_items(dims.B), static_cast<const acc_t*>(partial),
-           splits, bias, dims, r, eps, ws.v, s_hist, v);
+  // Per iteration r: launch_rows(r) leaves each part's sums in partial, then s^r and v^r.
+  const auto iterate = [&](const auto& launch_rows) {
+    for (int64_t r = 0; r < dims.iters; ++r) {
+      launch_rows(r);
+      launch(routing_forward_reduce_kernel<scalar_t, acc_t>, blocks_for_items(B), static_cast<const acc_t*>(partial),
+             parts, bias, dims, r, eps, ws.v, s_hist, v);
+    }
+  };
+  // (Votes computed on the fly never take the warp kernels, which are not even instantiated for them.)
+  if constexpr (!Source::kComputesVotes) {
+    if (split.warp_rows)
+      return iterate([&](int64_t r) {
+        launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowGroups>, blocks_for_warps(B * parts), src,
+               dims, parts, r, ws, c, partial);
+      });
   }
+  iterate([&](int64_t r) {
+    launch(routing_forward_rows_kernel<Source, scalar_t>, blocks_for_items(B * parts), src, dims, parts, r, ws, c,
+           partial);
+  });
 }
 
 // The backward of B > 0 elements: fills the state st and grad_bias (B, J, D). grad_v and s_hist
-// in the accumulation dtype; partial as for the forward when splits > 1 and a step is walked back.
+// in the accumulation dtype; partial as for the forward unless fused, when a step is walked back.
 template <typename Launch, typename Source>
 void run_routing_backward(const Launch& launch, const Source& src, const typename Source::acc_type* grad_v,
                           const typename Source::acc_type* s_hist, const RoutingDims& dims,
-                          typename Source::acc_type eps, int64_t splits,
+                          typename Source::acc_type eps, const RowSplit& split,
                           const BackwardState<typename Source::acc_type>& st,
                           const BackwardWorkspace<typename Source::acc_type>& ws, typename Source::acc_type* partial,
                           typename Source::acc_type* grad_bias) {
   using acc_t = typename Source::acc_type;
-  const int64_t B = dims.B, R = dims.iters;
-  if (splits == 1) {
+  const int64_t B = dims.B, R = dims.iters, parts = split.parts();
+  if (split.fused()) {
     launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st, ws, grad_bias);
     return;
   }
-  launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps, st, ws.gv);
-  launch(routing_coupling_rows_kernel<Source>, blocks_for_items(B * splits), src, dims, splits, st, ws.logits);
-  if (R - 1 == st.first_r) launch(routing_sum_gs_kernel<acc_t>, blocks_for_items(B), dims, st, grad_bias);
-  for (int64_t r = R - 1; r > st.first_r; --r) {
-    launch(routing_backward_rows_kernel<Source>, blocks_for_items(B * splits), src, dims, splits, r, st, partial);
-    launch(routing_backward_reduce_kernel<acc_t>, blocks_for_items(B), static_cast<const acc_t*>(partial), splits,
-           s_hist, dims, r, eps, st, ws.gv, grad_bias);
+  // launch_coupling_rows() recomputes the kept couplings; per step r walked back,
+  // launch_step_rows(r) leaves each part's share of gv^{r-1} in partial, then gs^{r-1}.
+  const auto walk_back = [&](const auto& launch_coupling_rows, const auto& launch_step_rows) {
+    launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps, st, ws.gv);
+    launch_coupling_rows();
+    if (R - 1 == st.first_r) launch(routing_sum_gs_kernel<acc_t>, blocks_for_items(B), dims, st, grad_bias);
+    for (int64_t r = R - 1; r > st.first_r; --r) {
+      launch_step_rows(r);
+      launch(routing_backward_reduce_kernel<acc_t>, blocks_for_items(B), static_cast<const acc_t*>(partial), parts,
+             s_hist, dims, r, eps, st, ws.gv, grad_bias);
+    }
+  };
+  if constexpr (!Source::kComputesVotes) {
+    if (split.warp_rows)
+      return walk_back(
+          [&] {
+            launch(routing_coupling_warp_rows_kernel<Source, kWarpRowGroups>, blocks_for_warps(B * parts), src, dims,
+                   parts, st);
+          },
+          [&](int64_t r) {
+            launch(routing_backward_warp_rows_kernel<Source, kWarpRowGroups>, blocks_for_warps(B * parts), src, dims,
+                   parts, r, st, partial);
+          });
   }
+  walk_back(
+      [&] {
+        launch(routing_coupling_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts, st, ws.logits);
+      },
+      [&](int64_t r) {
+        launch(routing_backward_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts, r, st, partial);
+      });
 }
 
 }  // namespace cuda

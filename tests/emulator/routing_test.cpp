@@ -3,7 +3,8 @@
 // state and the gradients (dynamic_routing's grad_votes; dense_capsules' grad_u and grad_weight;
 // squash_rows_kernel too),
 // for votes read from memory and votes computed from a weight, one
-// block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), in
+// block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), votes
+// read from memory also by the warp-rows kernels (v2: a warp per part of a range), in
 // float64 and float32, and float16/bfloat16 storage with float accumulation as the extension
 // instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real ones),
 // also with votes in the accumulation dtype as dense_capsules' v2 kernel set stores them,
@@ -123,10 +124,12 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std
 // kernels' grid-stride loops are exercised), with splits given, checking v, c, s_hist and
 // grad_bias_items; then check_vote_grad(state) checks what the op's own kernels make of the saved
 // state.
+// split.warp_rows: the warp-rows kernels (votes read from memory), without the workspaces they
+// do not use (nullptr: a read of one would crash).
 template <typename S, typename Source, typename CheckVoteGrad>
-void check_kernels(const char* label, const Case& cs, const Source& src, const std::vector<double>& bias_d,
-                   const std::vector<double>& grad_v_d, const Expected& want, double eps, double tol,
-                   CheckVoteGrad&& check_vote_grad) {
+void check_kernels(const char* label, const Case& cs, const RowSplit& split, const Source& src,
+                   const std::vector<double>& bias_d, const std::vector<double>& grad_v_d, const Expected& want,
+                   double eps, double tol, CheckVoteGrad&& check_vote_grad) {
   using A = typename Source::acc_type;
   const int64_t B = cs.B, I = cs.I, J = cs.J, D = cs.D, JD = J * D, R = cs.iters;
   const RoutingDims dims{B, I, J, D, R, cs.leaky};
@@ -136,11 +139,11 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
 
   // Forward.
   std::vector<A> logits = nans<A>(B * I * J), coupling = nans<A>(B * I * J), v_ws = nans<A>(B * JD);
-  std::vector<A> s_hist = nans<A>(B * R * JD), partial = nans<A>(B * cs.splits * JD);
+  std::vector<A> s_hist = nans<A>(B * R * JD), partial = nans<A>(B * split.parts() * JD);
   std::vector<S> v = nans<S>(B * JD), c = nans<S>(B * I * J);
-  const ForwardWorkspace<A> fws{logits.data(), coupling.data(), v_ws.data()};
+  const ForwardWorkspace<A> fws{logits.data(), split.warp_rows ? nullptr : coupling.data(), v_ws.data()};
   const EmuLaunch launch{cs.grid, kBlockThreads};
-  run_routing_forward(launch, src, bias, dims, A(eps), cs.splits, fws, partial.data(), s_hist.data(), v.data(), c.data());
+  run_routing_forward(launch, src, bias, dims, A(eps), split, fws, partial.data(), s_hist.data(), v.data(), c.data());
   compare(label, "v", v, want.v, tol);
   compare(label, "c", c, want.c, tol);
   compare(label, "s_hist", s_hist, want.s_hist, tol);
@@ -152,34 +155,39 @@ void check_kernels(const char* label, const Case& cs, const Source& src, const s
   std::vector<A> gv = nans<A>(B * JD), grad_bias_items = nans<A>(B * JD);
   const BackwardState<A> st{v_hist.data(), gs_hist.data(), coupling_hist.data(), g_logits.data(), I, J, D, R,
                             first_r, nkeep};
-  const BackwardWorkspace<A> bws{logits.data(), gv.data()};
+  const BackwardWorkspace<A> bws{split.warp_rows ? nullptr : logits.data(), gv.data()};
   std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
-  run_routing_backward(launch, src, grad_v.data(), static_cast<const A*>(s_hist.data()), dims, A(eps), cs.splits, st, bws,
+  run_routing_backward(launch, src, grad_v.data(), static_cast<const A*>(s_hist.data()), dims, A(eps), split, st, bws,
                        partial.data(), grad_bias_items.data());
   compare(label, "grad_bias_items", grad_bias_items, want.grad_bias_items, tol);
   check_vote_grad(st);
 }
 
 // Votes read from memory in type V, their gradient written in V (V = S as dynamic_routing, or
-// V = the accumulation dtype as dense_capsules' v2 kernel set), outputs in S.
+// V = the accumulation dtype as dense_capsules' v2 kernel set), outputs in S; by the block
+// kernels and, where the capsules fit them, the warp-rows kernels (the v2 kernel set).
 template <typename S, typename V>
-void check_memory_votes(const char* label, const Case& cs, const std::vector<double>& votes,
+void check_memory_votes(const char* case_label, const Case& cs, const std::vector<double>& votes,
                         const std::vector<double>& bias, const std::vector<double>& grad_v, const Expected& want,
                         double eps, double tol) {
   using A = acc_of<S>;
   const std::vector<V> votes_v = cast<V>(votes);
-  check_kernels<S>(label, cs, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D}, bias, grad_v, want, eps, tol,
-                   [&](const BackwardState<A>& st) {
+  for (bool warp_rows : {false, true}) {
+    if (warp_rows && !warp_rows_fit({cs.B, cs.I, cs.J, cs.D, cs.iters, cs.leaky})) break;
+    const std::string label = std::string(case_label) + (warp_rows ? " warp rows" : "");
+    check_kernels<S>(label.c_str(), cs, {cs.splits, warp_rows}, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D},
+                     bias, grad_v, want, eps, tol, [&](const BackwardState<A>& st) {
                      if (votes.empty()) return;
                      // Both kernel sets' writers: a thread per element (v1), a block per tile of rows (v2).
                      std::vector<V> grad_votes = nans<V>(votes.size()), grad_votes_rows = nans<V>(votes.size());
                      emu_launch(2, kBlockThreads, write_vote_grad_kernel<V, A>, st, cs.B, grad_votes.data());
                      emu_launch(2, kBlockThreads, write_vote_grad_rows_kernel<V, A>, st, cs.B, grad_votes_rows.data());
                      const char* what = std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)";
-                     compare(label, what, grad_votes, want.grad_votes, tol);
-                     compare(label, (std::string(what) + ", a tile of rows per block").c_str(), grad_votes_rows,
-                             want.grad_votes, tol);
+                     compare(label.c_str(), what, grad_votes, want.grad_votes, tol);
+                     compare(label.c_str(), (std::string(what) + ", a tile of rows per block").c_str(),
+                             grad_votes_rows, want.grad_votes, tol);
                    });
+  }
 }
 
 template <typename S>
@@ -221,8 +229,9 @@ void check_case(const Case& cs, double tol) {
           want_grad_u[(b * cs.I + i) * cs.Din + k] += weight[(i * JD + jd) * cs.Din + k] * g;
           want_grad_weight[(i * JD + jd) * cs.Din + k] += g * u[(b * cs.I + i) * cs.Din + k];
         }
-  check_kernels<S>(label, cs, DenseVotes<S, A>{u_s.data(), weight_s.data(), cs.I, JD, cs.Din}, bias, grad_v,
-                   from_weight, eps, tol, [&](const BackwardState<A>& st) {
+  const DenseVotes<S, A> dense_src{u_s.data(), weight_s.data(), cs.I, JD, cs.Din};
+  check_kernels<S>(label, cs, {cs.splits, false}, dense_src, bias, grad_v, from_weight, eps, tol,
+                   [&](const BackwardState<A>& st) {
                      std::vector<S> grad_u = nans<S>(want_grad_u.size()), grad_weight = nans<S>(want_grad_weight.size());
                      if (!grad_u.empty())
                        emu_launch(3, kBlockThreads, dense_grad_u_kernel<S, A>, st, weight_s.data(), cs.B, cs.Din,
@@ -286,6 +295,9 @@ int main(int argc, char** argv) {
       {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},     {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
       // J * D > 256: each column owner holds 2 (320) or 2 of 300 columns, and J = 100 > 3 lanes' worth.
       {2, 40, 20, 16, 4, 3, false, false, true, 2, 1},  {1, 12, 100, 3, 2, 2, true, false, true, 2, 1},
+      // The warp-rows kernels at their limit of 8 groups: D = 12 in segments of 16 lanes (4 idle),
+      // D = 20 in whole warps (12 idle).
+      {2, 37, 16, 12, 3, 3, false, false, true, 2, 1},  {2, 45, 8, 20, 2, 2, true, false, true, 2, 1},
   };
   // float16 / bfloat16 storage, float accumulation: a fused and a split launch of an MNIST-like
   // and a J * D > 256 shape. The outputs are rounded to the storage type: 2 ulps of it.
