@@ -26,7 +26,7 @@ inline std::optional<int64_t> forced_count(const char* name) {
 // CAPSROUTE_CUDA_KERNELS picks the kernel set until a GPU has measured both (bench/NOTES.md, GPU):
 //   v1 (default): the first kernels; dense_capsules recomputes every vote from the weight in
 //       every pass and never stores one.
-//   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 to 5), so far: dense_capsules'
+//   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 to 6), so far: dense_capsules'
 //       votes of a chunk of the batch as one batched GEMM into an L2-sized workspace, the routing
 //       kernels over those stored votes and the backward's contractions as batched GEMMs; the
 //       routing rows of votes read from memory a warp per part of each element, every row's

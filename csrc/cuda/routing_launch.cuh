@@ -17,9 +17,9 @@
 namespace capsroute {
 namespace cuda {
 
-// Row ranges per element for a batch of B: 1 (the fused kernels) when B blocks fill the GPU,
-// else enough ranges for about kBlocksPerSm blocks per SM, each at least kMinSplitTiles
-// tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both paths on small shapes).
+// Row ranges per element for a batch of B: 1 (the fused kernels, or with the warp-rows kernels
+// one range of 8 warp parts) when B blocks fill the GPU, else enough ranges for about
+// kBlocksPerSm blocks per SM, each at least kMinSplitTiles tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both paths on small shapes).
 constexpr int64_t kMinSplitTiles = 4;
 
 inline int64_t routing_splits(const RoutingDims& dims) {

@@ -39,21 +39,21 @@ __host__ __device__ __forceinline__ int segment_lanes(int64_t D) {
   return seg;
 }
 
-// Groups of a row: ceil(J / capsules per group).
+// Groups of a row: ceil(J / capsules per group), for D <= kWarpSize.
 __host__ __device__ __forceinline__ int64_t warp_row_groups(int64_t J, int64_t D) {
   return ceil_div<int64_t>(J, kWarpSize / segment_lanes(D));
 }
 
-// Resident blocks per SM asked of ptxas: unhinted, the float32 kernels take 106-144 registers on
+// Resident blocks per SM asked of ptxas: unhinted, the float32 kernels took 106-144 registers on
 // sm_90 (1-2 blocks of 256 threads: as few as 8 warps per SM to keep loads in flight); 2 blocks
-// (up to 128 registers) puts them at 94-116 with no spill on sm_80 and sm_90. float64 needs more
+// (up to 128 registers) puts them at 103-124 with no spill on sm_80 and sm_90. float64 needs more
 // than 128 (bench/NOTES.md, GPU section 6).
 template <typename acc_t>
 constexpr int warp_rows_min_blocks() {
   return sizeof(acc_t) == 8 ? 1 : 2;
 }
 
-// Whether the warp-rows kernels take these capsules.
+// Whether the warp-rows kernels take these capsules (D first: warp_row_groups needs D <= 32).
 inline bool warp_rows_fit(const RoutingDims& dims) {
   return dims.D <= kWarpSize && warp_row_groups(dims.J, dims.D) <= kWarpRowGroups;
 }
@@ -199,9 +199,9 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const WarpSlots slots(J, dims.D, threadIdx.x % kWarpSize);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     acc_t v_prev[kGroups], s_sum[kGroups];
-    load_slab(ws.v + b * J * dims.D, slots, v_prev);  // v^{r-1} (unused at r = 0)
 #pragma unroll
-    for (int k = 0; k < kGroups; ++k) s_sum[k] = 0;
+    for (int k = 0; k < kGroups; ++k) v_prev[k] = s_sum[k] = 0;
+    if (r > 0) load_slab(ws.v + b * J * dims.D, slots, v_prev);  // v^{r-1} (not yet written at r = 0)
     for_each_row<kGroups>(src, slots, b, rows, [&](int64_t i, const acc_t(&u)[kGroups]) {
       acc_t x[kGroups];  // the logits, then the couplings
       acc_t* logits_i = ws.logits + (b * I + i) * J;
@@ -209,9 +209,12 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
       for (int k = 0; k < kGroups; ++k)
         x[k] = reads_logits && k < slots.groups && slots.capsule(k) ? logits_i[slots.j(k)] : acc_t(0);
       if (r > 0) add_agreement(slots, u, v_prev, x);
+      if (writes_logits) {
+        if (reads_logits) __syncwarp();  // every lane of a capsule has read its logit before the writer stores
 #pragma unroll
-      for (int k = 0; k < kGroups; ++k)
-        if (writes_logits && k < slots.groups && slots.writer(k)) logits_i[slots.j(k)] = x[k];
+        for (int k = 0; k < kGroups; ++k)
+          if (k < slots.groups && slots.writer(k)) logits_i[slots.j(k)] = x[k];
+      }
       softmax_in_place(slots, dims.leaky, x);
 #pragma unroll
       for (int k = 0; k < kGroups; ++k) {

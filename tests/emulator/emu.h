@@ -1,7 +1,8 @@
 // Runs CUDA kernels on the host, for tests on machines without a GPU: one std::thread per CUDA
 // thread, all blocks of a launch at once, std::barrier for __syncthreads() and a barrier per
-// warp for the shuffles. Enough of CUDA for the device code of csrc/cuda/routing_kernels.cuh:
-// __syncthreads, __shfl_xor_sync with a full mask, and the bit casts of device_utils.cuh.
+// warp for the shuffles. Enough of CUDA for the device code of csrc/cuda (routing_kernels.cuh,
+// routing_warp_kernels.cuh, em_kernels.cuh): __syncthreads, __syncwarp and __shfl_xor_sync with a
+// full mask, and the bit casts of device_utils.cuh.
 // Races between threads are real races here, so ThreadSanitizer sees missing barriers.
 #pragma once
 
@@ -37,6 +38,14 @@ struct EmuBlock {
 inline thread_local EmuBlock* emu_block = nullptr;
 
 inline void __syncthreads() { emu_block->block_barrier.arrive_and_wait(); }
+
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) {
+    std::fprintf(stderr, "emulator: only full-mask __syncwarp is emulated\n");
+    std::abort();
+  }
+  emu_block->warp_barriers[threadIdx.x / 32]->arrive_and_wait();
+}
 
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T x, int lane_mask) {
