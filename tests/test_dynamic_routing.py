@@ -79,15 +79,18 @@ def test_row_ranges_match_reference(device, monkeypatch, kernels, splits, iters,
 
 
 @pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("cluster", ["1", "0"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
 @pytest.mark.parametrize("I", [133, 8, 5])
-def test_kernel_set_v2_matches_reference(device, monkeypatch, iters, leaky, detach, with_bias, I):
+def test_kernel_set_v2_matches_reference(device, monkeypatch, cluster, iters, leaky, detach, with_bias, I):
     """CAPSROUTE_CUDA_KERNELS=v2 routes with a warp per part of an element's rows where the capsules
     fit 8 lane groups (J = 10, D = 16: 5 groups; J = 16, D = 12: 8, 4 lanes of each segment idle;
-    D = 20: whole warps), with the block kernels beyond (J = 20, D = 16: 10 groups), and writes the
-    vote gradient a tile of 8 rows per block: I a multiple of the tile, one short tile, and a last
-    tile short (133 = 16 x 8 + 5)."""
+    D = 20: whole warps), with the block kernels beyond (J = 20, D = 16: 10 groups); on sm_90 its
+    forward runs an element per cluster of 8 blocks (I = 5: blocks without rows) unless
+    CAPSROUTE_ROUTING_CLUSTER=0; it writes the vote gradient a tile of 8 rows per block: I a
+    multiple of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5)."""
     monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", cluster)
     for J, D in ((10, 16), (16, 12), (8, 20), (20, 16)):
         votes = randn(3, I, J, D, device=device, scale=0.3, requires_grad=True)
         bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
@@ -96,9 +99,10 @@ def test_kernel_set_v2_matches_reference(device, monkeypatch, iters, leaky, deta
 
 
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("kernels", ["v1", "v2"])
-def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels):
+@pytest.mark.parametrize("kernels,cluster", [("v1", "1"), ("v2", "1"), ("v2", "0")])
+def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels, cluster):
     monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
+    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", cluster)
     votes = randn(2, 300, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
     grad = randn(2, 10, 16, dtype=torch.float32, device=device)
     for splits in ("1", "4"):
@@ -112,6 +116,11 @@ def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels):
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "0")
     with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_SPLITS must be an integer >= 1"):
         capsroute.dynamic_routing(votes)
+    monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "1")
+    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", "yes")
+    if kernels == "v2":
+        with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_CLUSTER must be 0 or 1, got 'yes'"):
+            capsroute.dynamic_routing(votes)
 
 
 @settings(max_examples=25, deadline=None)

@@ -7,6 +7,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#include <cooperative_groups.h>
+#endif
+
 namespace capsroute {
 namespace cuda {
 
@@ -50,6 +54,28 @@ __device__ __forceinline__ T warp_max(T x) {
 // -infinity in the accumulation type (overloaded on a dummy argument of that type).
 __device__ __forceinline__ float neg_infinity(float) { return -__int_as_float(0x7f800000); }
 __device__ __forceinline__ double neg_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// ---- dynamic shared memory and thread block clusters (sm_90) ----
+// (On the host, tests/emulator/emu.h defines the same functions.)
+#if defined(__CUDACC__)
+// This block's dynamic shared memory (the launch's bytes), as T.
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+  extern __shared__ __align__(16) unsigned char capsroute_dynamic_shared[];
+  return reinterpret_cast<T*>(capsroute_dynamic_shared);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// This block's rank in its cluster, a barrier of the whole cluster (ordering the blocks' shared
+// memory writes before it with the reads after it), and block `rank`'s copy of a shared variable.
+__device__ __forceinline__ unsigned cluster_block_rank() { return cooperative_groups::this_cluster().block_rank(); }
+__device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
+template <typename T>
+__device__ __forceinline__ T* cluster_shared(T* local, unsigned rank) {
+  return cooperative_groups::this_cluster().map_shared_rank(local, static_cast<int>(rank));
+}
+#endif
+#endif
 
 // Rows [begin, end) of one range when an element's rows are cut into contiguous ranges.
 struct RowRange {

@@ -31,7 +31,8 @@ inline std::optional<int64_t> forced_count(const char* name) {
 //       kernels over those stored votes and the backward's contractions as batched GEMMs; the
 //       routing rows of votes read from memory a warp per part of each element, every row's
 //       votes read once per pass into registers (routing_warp_kernels.cuh, where the capsules
-//       fit); the vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per
+//       fit), and on sm_90 the forward an element per cluster with its votes in shared memory
+//       (routing_cluster_kernels.cuh); the vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per
 //       block; and
 //       EM routing's rows cut into ranges of a block each (em_launch.cuh, em_splits).
 enum class KernelSet { v1, v2 };
@@ -41,6 +42,15 @@ inline KernelSet cuda_kernel_set() {
   if (name == nullptr || std::strcmp(name, "v1") == 0) return KernelSet::v1;
   TORCH_CHECK(std::strcmp(name, "v2") == 0, "capsroute: CAPSROUTE_CUDA_KERNELS must be v1 or v2, got '", name, "'");
   return KernelSet::v2;
+}
+
+// CAPSROUTE_ROUTING_CLUSTER=0 keeps v2's dynamic_routing forward on the warp-rows kernels where
+// it would run an element per cluster (sm_90; routing_cluster_kernels.cuh); 1 (default) allows it.
+inline bool routing_clusters_allowed() {
+  const char* value = std::getenv("CAPSROUTE_ROUTING_CLUSTER");
+  if (value == nullptr || std::strcmp(value, "1") == 0) return true;
+  TORCH_CHECK(std::strcmp(value, "0") == 0, "capsroute: CAPSROUTE_ROUTING_CLUSTER must be 0 or 1, got '", value, "'");
+  return false;
 }
 
 inline const char* kernel_set_name(KernelSet set) { return set == KernelSet::v1 ? "v1" : "v2"; }

@@ -27,12 +27,26 @@ inline int64_t routing_splits(const RoutingDims& dims) {
   return row_ranges_to_fill_device(dims.B, dims.I, kMinSplitTiles * kRoutingTile);
 }
 
+// Whether the forward can run an element per cluster (routing_cluster_kernels.cuh): a GPU with
+// clusters (sm_90 on) whose blocks can hold an eighth of an element's votes in shared memory.
+inline bool cluster_forward_fits(const RoutingDims& dims, int64_t acc_bytes) {
+  int device = 0, major = 0, max_shared = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return major >= 9 && cluster_forward_shared_bytes(dims, acc_bytes) <= max_shared;
+}
+
 // The v2 kernel set routes votes read from memory with the warp-rows kernels where the capsules
-// fit them (routing_warp_kernels.cuh); v1, and votes computed on the fly, with the block kernels.
+// fit them (routing_warp_kernels.cuh), and its forward an element per cluster where that fits
+// too (CAPSROUTE_ROUTING_CLUSTER=0 keeps the warp rows); v1, and votes computed on the fly, with
+// the block kernels.
 template <typename Source>
 RowSplit routing_row_split(const RoutingDims& dims) {
-  return {routing_splits(dims),
-          !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims)};
+  const bool warp_rows = !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims);
+  const bool cluster_forward = warp_rows && routing_clusters_allowed() &&
+                               cluster_forward_fits(dims, sizeof(typename Source::acc_type));
+  return {routing_splits(dims), warp_rows, cluster_forward};
 }
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
@@ -42,17 +56,18 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
   const RowSplit split = routing_row_split<Source>(dims);
-  at::Tensor logits = at::empty({dims.B, dims.I, dims.J}, acc_options);
-  // (The warp kernels keep a row's couplings in registers.)
-  at::Tensor coupling = split.warp_rows ? at::Tensor() : at::empty({dims.B, dims.I, dims.J}, acc_options);
-  at::Tensor v_ws = at::empty({dims.B, dims.J, dims.D}, acc_options);
-  const ForwardWorkspace<acc_t> ws{logits.mutable_data_ptr<acc_t>(),
-                                   coupling.defined() ? coupling.mutable_data_ptr<acc_t>() : nullptr,
-                                   v_ws.mutable_data_ptr<acc_t>()};
-  at::Tensor partial =
-      split.fused() ? at::Tensor() : at::empty({dims.B, split.parts(), dims.J, dims.D}, acc_options);
+  // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on chip.)
+  const auto workspace = [&](bool needed, at::IntArrayRef sizes) {
+    return needed ? at::empty(sizes, acc_options) : at::Tensor();
+  };
+  const auto data = [](at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc_t>() : nullptr; };
+  at::Tensor logits = workspace(!split.cluster_forward, {dims.B, dims.I, dims.J});
+  at::Tensor coupling = workspace(!split.warp_rows, {dims.B, dims.I, dims.J});
+  at::Tensor v_ws = workspace(!split.cluster_forward, {dims.B, dims.J, dims.D});
+  const ForwardWorkspace<acc_t> ws{data(logits), data(coupling), data(v_ws)};
+  at::Tensor partial = workspace(!split.fused() && !split.cluster_forward, {dims.B, split.parts(), dims.J, dims.D});
   run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims, static_cast<acc_t>(eps), split,
-                      ws, partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr,
+                      ws, data(partial),
                       s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.

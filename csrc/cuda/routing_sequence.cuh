@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "routing_cluster_kernels.cuh"
 #include "routing_kernels.cuh"
 #include "routing_warp_kernels.cuh"
 
@@ -16,13 +17,21 @@ namespace cuda {
 // How an element's rows are routed: in `splits` ranges of a block each (the block kernels;
 // splits = 1 is the fused kernel), or with warp_rows, each range cut again among its block's
 // warps (routing_warp_kernels.cuh: votes read from memory only, warp_rows_fit). Either way the
-// rows kernels leave parts() partial sums per element for the reduce kernels.
+// rows kernels leave parts() partial sums per element for the reduce kernels. With
+// cluster_forward (and warp_rows) the forward is instead one launch of an element per cluster
+// (routing_cluster_kernels.cuh, sm_90, cluster_forward_fits), the backward as warp_rows.
 struct RowSplit {
   int64_t splits;
   bool warp_rows;
+  bool cluster_forward = false;
   int64_t parts() const { return warp_rows ? splits * kWarpsPerBlock : splits; }
   bool fused() const { return !warp_rows && splits == 1; }
 };
+
+// Bytes of dynamic shared memory of routing_forward_cluster_kernel's blocks.
+inline int64_t cluster_forward_shared_bytes(const RoutingDims& dims, int64_t acc_bytes) {
+  return ClusterForwardLayout(dims).size() * acc_bytes;
+}
 
 // The forward of B > 0 elements. partial holds B * split.parts() * J * D values unless fused.
 template <typename Launch, typename Source, typename scalar_t>
@@ -44,8 +53,15 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
              parts, bias, dims, r, eps, ws.v, s_hist, v);
     }
   };
-  // (Votes computed on the fly never take the warp kernels, which are not even instantiated for them.)
+  // (Votes computed on the fly never take the warp or cluster kernels, which are not even
+  // instantiated for them.)
   if constexpr (!Source::kComputesVotes) {
+    if (split.cluster_forward) {
+      launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowGroups>, blocks_for_items(B),
+                     kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)), src, bias, dims, eps, s_hist, v,
+                     c);
+      return;
+    }
     if (split.warp_rows)
       return iterate([&](int64_t r) {
         launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowGroups>, blocks_for_warps(B * parts), src,

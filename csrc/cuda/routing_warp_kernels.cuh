@@ -184,10 +184,40 @@ __device__ __forceinline__ void store_part(const WarpSlots& slots, const acc_t (
     if (k < slots.groups && slots.entry(k)) slab[slots.jd(k)] = x[k];
 }
 
-// Forward, iteration r, a warp per (b, part): b^r = b^{r-1} + <u, v^{r-1}> (b^0 = 0) and
-// c^r = softmax per row (c_out at the last iteration), and the part's s sums in partial. The
-// logits go through ws.logits between iterations only: written at r = 1 .. iters-2, read at
-// r = 2 .. iters-1 (b^1 = <u, v^0>).
+// Iteration r of the forward on one row of votes u: b^r = b^{r-1} + <u, v^{r-1}> (b^0 = 0), kept
+// between iterations in the row's logits (written at r = 1 .. iters-2, read at r = 2 .. iters-1:
+// b^1 = <u, v^0>), then x = c^r = softmax(b^r) and s_sum += c^r u.
+template <int kGroups, typename acc_t>
+__device__ __forceinline__ void route_row_forward(const WarpSlots& slots, const RoutingDims& dims, int64_t r,
+                                                  const acc_t (&u)[kGroups], const acc_t (&v_prev)[kGroups],
+                                                  acc_t* logits, acc_t (&x)[kGroups], acc_t (&s_sum)[kGroups]) {
+  const bool reads_logits = r > 1, writes_logits = r > 0 && r < dims.iters - 1;
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k)
+    x[k] = reads_logits && k < slots.groups && slots.capsule(k) ? logits[slots.j(k)] : acc_t(0);
+  if (r > 0) add_agreement(slots, u, v_prev, x);
+  if (writes_logits) {
+    if (reads_logits) __syncwarp();  // every lane of a capsule has read its logit before the writer stores
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k)
+      if (k < slots.groups && slots.writer(k)) logits[slots.j(k)] = x[k];
+  }
+  softmax_in_place(slots, dims.leaky, x);
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k)
+    if (k < slots.groups) s_sum[k] += x[k] * u[k];
+}
+
+// The row's couplings x into c_row (J values) by the capsules' writers.
+template <int kGroups, typename acc_t, typename scalar_t>
+__device__ __forceinline__ void store_row_coupling(const WarpSlots& slots, const acc_t (&x)[kGroups], scalar_t* c_row) {
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k)
+    if (k < slots.groups && slots.writer(k)) c_row[slots.j(k)] = static_cast<scalar_t>(x[k]);
+}
+
+// Forward, iteration r, a warp per (b, part): route_row_forward over the part's rows (logits in
+// ws.logits, c_out at the last iteration), the part's s sums in partial.
 template <typename Source, typename scalar_t, int kGroups>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_forward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts, const int64_t r,
@@ -195,7 +225,6 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
                                      typename Source::acc_type* partial) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J;
-  const bool reads_logits = r > 1, writes_logits = r > 0 && r < dims.iters - 1, last = r == dims.iters - 1;
   const WarpSlots slots(J, dims.D, threadIdx.x % kWarpSize);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     acc_t v_prev[kGroups], s_sum[kGroups];
@@ -203,25 +232,9 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     for (int k = 0; k < kGroups; ++k) v_prev[k] = s_sum[k] = 0;
     if (r > 0) load_slab(ws.v + b * J * dims.D, slots, v_prev);  // v^{r-1} (not yet written at r = 0)
     for_each_row<kGroups>(src, slots, b, rows, [&](int64_t i, const acc_t(&u)[kGroups]) {
-      acc_t x[kGroups];  // the logits, then the couplings
-      acc_t* logits_i = ws.logits + (b * I + i) * J;
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k)
-        x[k] = reads_logits && k < slots.groups && slots.capsule(k) ? logits_i[slots.j(k)] : acc_t(0);
-      if (r > 0) add_agreement(slots, u, v_prev, x);
-      if (writes_logits) {
-        if (reads_logits) __syncwarp();  // every lane of a capsule has read its logit before the writer stores
-#pragma unroll
-        for (int k = 0; k < kGroups; ++k)
-          if (k < slots.groups && slots.writer(k)) logits_i[slots.j(k)] = x[k];
-      }
-      softmax_in_place(slots, dims.leaky, x);
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        if (k >= slots.groups) continue;
-        if (last && slots.writer(k)) c_out[(b * I + i) * J + slots.j(k)] = static_cast<scalar_t>(x[k]);
-        s_sum[k] += x[k] * u[k];
-      }
+      acc_t x[kGroups];
+      route_row_forward(slots, dims, r, u, v_prev, ws.logits + (b * I + i) * J, x, s_sum);
+      if (r == dims.iters - 1) store_row_coupling(slots, x, c_out + (b * I + i) * J);
     });
     store_part(slots, s_sum, item, J * dims.D, partial);
   });

@@ -1,6 +1,6 @@
 // The `launch` the CUDA ops pass to the launch sequences (routing_sequence.cuh, em_sequence.cuh):
-// a kernel on `blocks` blocks of kBlockThreads threads on the given stream, checked; and how many
-// row ranges fill the device.
+// a kernel on `blocks` blocks of kBlockThreads threads on the given stream, checked (or on
+// clusters of blocks with dynamic shared memory); and how many row ranges fill the device.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -35,6 +35,28 @@ struct StreamLaunch {
   void operator()(void (*kernel)(Params...), unsigned int blocks, const Args&... args) const {
     kernel<<<blocks, kBlockThreads, 0, stream>>>(args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  // `kernel` on `clusters` clusters of cluster_blocks blocks (sm_90), each block with
+  // shared_bytes of dynamic shared memory (more than the default 48 KB allowed first).
+  template <typename... Params, typename... Args>
+  void cluster(void (*kernel)(Params...), unsigned int clusters, int cluster_blocks, int64_t shared_bytes,
+               const Args&... args) const {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared_bytes)));
+    cudaLaunchAttribute cluster_dims = {};
+    cluster_dims.id = cudaLaunchAttributeClusterDimension;
+    cluster_dims.val.clusterDim.x = cluster_blocks;
+    cluster_dims.val.clusterDim.y = 1;
+    cluster_dims.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(clusters * cluster_blocks);
+    config.blockDim = dim3(kBlockThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+    config.stream = stream;
+    config.attrs = &cluster_dims;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
   }
 };
 

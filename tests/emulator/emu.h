@@ -1,6 +1,7 @@
 // Runs CUDA kernels on the host, for tests on machines without a GPU: one std::thread per CUDA
 // thread, all blocks of a launch at once, std::barrier for __syncthreads() and a barrier per
-// warp for the shuffles. Enough of CUDA for the device code of csrc/cuda (routing_kernels.cuh,
+// warp for the shuffles; dynamic shared memory per block, and thread block clusters (a barrier
+// of the cluster's threads, and each block's shared memory reachable by the others). Enough of CUDA for the device code of csrc/cuda (routing_kernels.cuh,
 // routing_warp_kernels.cuh, em_kernels.cuh): __syncthreads, __syncwarp and __shfl_xor_sync with a
 // full mask, and the bit casts of device_utils.cuh.
 // Races between threads are real races here, so ThreadSanitizer sees missing barriers.
@@ -26,18 +27,43 @@ struct EmuDim3 {
 };
 inline thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 
-// The barriers and the shuffle exchange of one block.
+struct EmuCluster;
+
+// The barriers, the shuffle exchange and the dynamic shared memory of one block, and its cluster.
 struct EmuBlock {
   std::barrier<> block_barrier;
   std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
   std::vector<double> exchange;  // one slot per thread (every shuffled type fits a double)
-  explicit EmuBlock(unsigned threads) : block_barrier(threads), exchange(threads) {
+  std::vector<double> shared;    // dynamic shared memory (doubles: aligned for every type)
+  EmuCluster* cluster = nullptr;
+  unsigned cluster_rank = 0;
+  EmuBlock(unsigned threads, size_t shared_bytes)
+      : block_barrier(threads), exchange(threads), shared((shared_bytes + sizeof(double) - 1) / sizeof(double)) {
     for (unsigned w = 0; w < threads / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
   }
 };
 inline thread_local EmuBlock* emu_block = nullptr;
 
+// The blocks of one cluster and a barrier of all their threads.
+struct EmuCluster {
+  std::barrier<> barrier;
+  std::vector<EmuBlock*> blocks;
+  explicit EmuCluster(unsigned threads) : barrier(threads) {}
+};
+
 inline void __syncthreads() { emu_block->block_barrier.arrive_and_wait(); }
+
+template <typename T>
+T* dynamic_shared() {
+  return reinterpret_cast<T*>(emu_block->shared.data());
+}
+inline unsigned cluster_block_rank() { return emu_block->cluster_rank; }
+inline void cluster_sync() { emu_block->cluster->barrier.arrive_and_wait(); }
+template <typename T>
+T* cluster_shared(T* local, unsigned rank) {
+  const auto offset = reinterpret_cast<unsigned char*>(local) - reinterpret_cast<unsigned char*>(emu_block->shared.data());
+  return reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(emu_block->cluster->blocks[rank]->shared.data()) + offset);
+}
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   if (mask != 0xffffffffu) {
@@ -74,15 +100,24 @@ inline double __longlong_as_double(long long i) {
   return d;
 }
 
-// kernel<<<grid, block>>>(args...): every thread of every block at once; returns when all end.
+// kernel<<<grid, block, shared_bytes>>>(args...) in clusters of cluster_blocks blocks: every
+// thread of every block at once; returns when all end.
 template <typename Kernel, typename... Args>
-void emu_launch(unsigned grid, unsigned block, Kernel kernel, Args... args) {
-  if (grid == 0 || block % 32 != 0) {
-    std::fprintf(stderr, "emulator: bad launch <<<%u, %u>>>\n", grid, block);
+void emu_launch_clusters(unsigned grid, unsigned block, unsigned cluster_blocks, size_t shared_bytes, Kernel kernel,
+                         Args... args) {
+  if (grid == 0 || block % 32 != 0 || grid % cluster_blocks != 0) {
+    std::fprintf(stderr, "emulator: bad launch <<<%u, %u>>> in clusters of %u\n", grid, block, cluster_blocks);
     std::abort();
   }
   std::vector<std::unique_ptr<EmuBlock>> blocks;
-  for (unsigned g = 0; g < grid; ++g) blocks.emplace_back(new EmuBlock(block));
+  std::vector<std::unique_ptr<EmuCluster>> clusters;
+  for (unsigned g = 0; g < grid; ++g) {
+    blocks.emplace_back(new EmuBlock(block, shared_bytes));
+    if (g % cluster_blocks == 0) clusters.emplace_back(new EmuCluster(block * cluster_blocks));
+    blocks[g]->cluster = clusters.back().get();
+    blocks[g]->cluster_rank = g % cluster_blocks;
+    clusters.back()->blocks.push_back(blocks[g].get());
+  }
   std::vector<std::thread> threads;
   for (unsigned g = 0; g < grid; ++g)
     for (unsigned t = 0; t < block; ++t)
@@ -97,6 +132,12 @@ void emu_launch(unsigned grid, unsigned block, Kernel kernel, Args... args) {
   for (std::thread& thread : threads) thread.join();
 }
 
+// kernel<<<grid, block>>>(args...).
+template <typename Kernel, typename... Args>
+void emu_launch(unsigned grid, unsigned block, Kernel kernel, Args... args) {
+  emu_launch_clusters(grid, block, 1, 0, kernel, args...);
+}
+
 // The `launch` of the launch sequences (csrc/cuda/routing_sequence.cuh, em_sequence.cuh) on the
 // host: the kernel on at most max_blocks blocks (fewer than the sequence asks for exercises the
 // kernels' grid-stride loops) of `threads` threads.
@@ -105,5 +146,11 @@ struct EmuLaunch {
   template <typename Kernel, typename... Args>
   void operator()(Kernel kernel, unsigned blocks, const Args&... args) const {
     emu_launch(blocks < max_blocks ? blocks : max_blocks, threads, kernel, args...);
+  }
+  // At most max_blocks clusters.
+  template <typename Kernel, typename... Args>
+  void cluster(Kernel kernel, unsigned clusters, int cluster_blocks, int64_t shared_bytes, const Args&... args) const {
+    emu_launch_clusters((clusters < max_blocks ? clusters : max_blocks) * cluster_blocks, threads, cluster_blocks,
+                        shared_bytes, kernel, args...);
   }
 };

@@ -4,7 +4,8 @@
 // squash_rows_kernel too),
 // for votes read from memory and votes computed from a weight, one
 // block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), votes
-// read from memory also by the warp-rows kernels (v2: a warp per part of a range), in
+// read from memory also by the warp-rows kernels (v2: a warp per part of a range) and the cluster
+// forward (v2 on sm_90: an element per cluster of 8 blocks, votes in shared memory), in
 // float64 and float32, and float16/bfloat16 storage with float accumulation as the extension
 // instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real ones),
 // also with votes in the accumulation dtype as dense_capsules' v2 kernel set stores them,
@@ -38,6 +39,8 @@ namespace {
 
 std::mt19937_64 rng(1234);
 int failures = 0;
+// Under ThreadSanitizer (tsan mode) the cluster forward runs one cluster (2048 threads), not two.
+bool one_cluster = false;
 
 std::vector<double> randn(int64_t n, double scale) {
   std::normal_distribution<double> normal(0.0, scale);
@@ -124,8 +127,8 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std
 // kernels' grid-stride loops are exercised), with splits given, checking v, c, s_hist and
 // grad_bias_items; then check_vote_grad(state) checks what the op's own kernels make of the saved
 // state.
-// split.warp_rows: the warp-rows kernels (votes read from memory), without the workspaces they
-// do not use (nullptr: a read of one would crash).
+// split.warp_rows: the warp-rows kernels (votes read from memory), split.cluster_forward: the
+// cluster forward, each without the workspaces it does not use (nullptr: a read of one would crash).
 template <typename S, typename Source, typename CheckVoteGrad>
 void check_kernels(const char* label, const Case& cs, const RowSplit& split, const Source& src,
                    const std::vector<double>& bias_d, const std::vector<double>& grad_v_d, const Expected& want,
@@ -141,9 +144,12 @@ void check_kernels(const char* label, const Case& cs, const RowSplit& split, con
   std::vector<A> logits = nans<A>(B * I * J), coupling = nans<A>(B * I * J), v_ws = nans<A>(B * JD);
   std::vector<A> s_hist = nans<A>(B * R * JD), partial = nans<A>(B * split.parts() * JD);
   std::vector<S> v = nans<S>(B * JD), c = nans<S>(B * I * J);
-  const ForwardWorkspace<A> fws{logits.data(), split.warp_rows ? nullptr : coupling.data(), v_ws.data()};
+  const bool on_chip = split.cluster_forward;
+  const ForwardWorkspace<A> fws{on_chip ? nullptr : logits.data(), split.warp_rows ? nullptr : coupling.data(),
+                                on_chip ? nullptr : v_ws.data()};
   const EmuLaunch launch{cs.grid, kBlockThreads};
-  run_routing_forward(launch, src, bias, dims, A(eps), split, fws, partial.data(), s_hist.data(), v.data(), c.data());
+  run_routing_forward(launch, src, bias, dims, A(eps), split, fws, on_chip ? nullptr : partial.data(), s_hist.data(),
+                      v.data(), c.data());
   compare(label, "v", v, want.v, tol);
   compare(label, "c", c, want.c, tol);
   compare(label, "s_hist", s_hist, want.s_hist, tol);
@@ -172,10 +178,15 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
                         double eps, double tol) {
   using A = acc_of<S>;
   const std::vector<V> votes_v = cast<V>(votes);
-  for (bool warp_rows : {false, true}) {
-    if (warp_rows && !warp_rows_fit({cs.B, cs.I, cs.J, cs.D, cs.iters, cs.leaky})) break;
-    const std::string label = std::string(case_label) + (warp_rows ? " warp rows" : "");
-    check_kernels<S>(label.c_str(), cs, {cs.splits, warp_rows}, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D},
+  // The block kernels, the warp rows, and (its forward ignores the splits: once) the cluster forward.
+  const bool fit = warp_rows_fit({cs.B, cs.I, cs.J, cs.D, cs.iters, cs.leaky});
+  for (const RowSplit split : {RowSplit{cs.splits, false}, RowSplit{cs.splits, true}, RowSplit{cs.splits, true, true}}) {
+    if ((split.warp_rows && !fit) || (split.cluster_forward && cs.splits != 1)) break;
+    const std::string label =
+        std::string(case_label) + (split.cluster_forward ? " cluster forward" : split.warp_rows ? " warp rows" : "");
+    Case launch_cs = cs;
+    if (split.cluster_forward && one_cluster) launch_cs.grid = 1;
+    check_kernels<S>(label.c_str(), launch_cs, split, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D},
                      bias, grad_v, want, eps, tol, [&](const BackwardState<A>& st) {
                      if (votes.empty()) return;
                      // Both kernel sets' writers: a thread per element (v1), a block per tile of rows (v2).
@@ -287,6 +298,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool quick = mode != "full", tsan = mode == "tsan";
+  one_cluster = tsan;
   // B, I, J, D, Din, iters, leaky, detach, bias, grid blocks, splits (set below)
   std::vector<Case> shapes = {
       {3, 33, 10, 16, 8, 3, false, false, true, 2, 1},  {3, 33, 10, 16, 8, 3, true, true, false, 2, 1},
