@@ -44,8 +44,9 @@ inline KernelSet cuda_kernel_set() {
   return KernelSet::v2;
 }
 
-// CAPSROUTE_ROUTING_CLUSTER=0 keeps v2's dynamic_routing forward on the warp-rows kernels where
-// it would run an element per cluster (sm_90; routing_cluster_kernels.cuh); 1 (default) allows it.
+// CAPSROUTE_ROUTING_CLUSTER=0 keeps v2's routing forward (dynamic_routing, dense_capsules) on the
+// warp-rows kernels where it would run an element per cluster (sm_90; routing_cluster_kernels.cuh,
+// use_cluster_forward); 1 (default) allows it.
 inline bool routing_clusters_allowed() {
   const char* value = std::getenv("CAPSROUTE_ROUTING_CLUSTER");
   if (value == nullptr || std::strcmp(value, "1") == 0) return true;

@@ -5,7 +5,7 @@
 // (routing_warp_kernels.cuh) reading shared memory; the iterations' sums over the element's rows
 // meet in the blocks' shared memory through the cluster (distributed shared memory), and every
 // block adds them in the same order, so each holds the bitwise same s^r and v^r. Launched only
-// where cluster_forward_fits: on sm_80 the kernel body is empty.
+// where cluster_forward_fits (the loaded code built for sm_90 or later: elsewhere the body traps).
 #pragma once
 
 #include <cstdint>
@@ -112,6 +112,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     // No block refills its sums (next element) or exits while another still reads them.
     cluster_sync();
   }
+#else
+  __trap();  // code built for an arch without clusters: cluster_forward_fits never launches it
 #endif
 }
 

@@ -27,26 +27,31 @@ inline int64_t routing_splits(const RoutingDims& dims) {
   return row_ranges_to_fill_device(dims.B, dims.I, kMinSplitTiles * kRoutingTile);
 }
 
-// Whether the forward can run an element per cluster (routing_cluster_kernels.cuh): a GPU with
-// clusters (sm_90 on) whose blocks can hold an eighth of an element's votes in shared memory.
-inline bool cluster_forward_fits(const RoutingDims& dims, int64_t acc_bytes) {
-  int device = 0, major = 0, max_shared = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return major >= 9 && cluster_forward_shared_bytes(dims, acc_bytes) <= max_shared;
-}
-
 // The v2 kernel set routes votes read from memory with the warp-rows kernels where the capsules
-// fit them (routing_warp_kernels.cuh), and its forward an element per cluster where that fits
-// too (CAPSROUTE_ROUTING_CLUSTER=0 keeps the warp rows); v1, and votes computed on the fly, with
-// the block kernels.
+// fit them (routing_warp_kernels.cuh); v1, and votes computed on the fly, with the block kernels.
 template <typename Source>
 RowSplit routing_row_split(const RoutingDims& dims) {
-  const bool warp_rows = !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims);
-  const bool cluster_forward = warp_rows && routing_clusters_allowed() &&
-                               cluster_forward_fits(dims, sizeof(typename Source::acc_type));
-  return {routing_splits(dims), warp_rows, cluster_forward};
+  return {routing_splits(dims), !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims)};
+}
+
+// Whether the warp rows' forward should run an element per cluster instead (the cluster
+// `kernel`, routing_cluster_kernels.cuh; CAPSROUTE_ROUTING_CLUSTER=0 says no): the kernel loaded
+// as code built for sm_90 or later (elsewhere its body traps), its blocks' shared memory within
+// the device's, and at least half as many elements as clusters fit on the GPU at once (with fewer,
+// the warp rows' row ranges keep more of it busy).
+template <typename Kernel>
+bool use_cluster_forward(Kernel kernel, const RoutingDims& dims, int64_t shared_bytes) {
+  if (!routing_clusters_allowed()) return false;
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  int device = 0, max_shared = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (attributes.ptxVersion < 90 || shared_bytes > max_shared) return false;
+  const ClusterLaunch launch(kernel, 1, kClusterBlocks, shared_bytes, c10::cuda::getCurrentCUDAStream());
+  int resident_clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &launch.config));
+  return resident_clusters > 0 && 2 * dims.B >= resident_clusters;
 }
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
@@ -55,7 +60,12 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
                             at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
-  const RowSplit split = routing_row_split<Source>(dims);
+  RowSplit split = routing_row_split<Source>(dims);
+  if constexpr (!Source::kComputesVotes) {
+    if (split.warp_rows)
+      split.cluster_forward = use_cluster_forward(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowGroups>,
+                                                  dims, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
+  }
   // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on chip.)
   const auto workspace = [&](bool needed, at::IntArrayRef sizes) {
     return needed ? at::empty(sizes, acc_options) : at::Tensor();

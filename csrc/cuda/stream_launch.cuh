@@ -29,6 +29,32 @@ inline int64_t row_ranges_to_fill_device(int64_t B, int64_t I, int64_t min_rows)
   return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(B, 1)), max_ranges);
 }
 
+// The launch configuration of a kernel on clusters of blocks with dynamic shared memory. The
+// kernel is allowed the device's whole opt-in shared memory per block (always the same value, so
+// host threads launching it with different sizes cannot race on the attribute).
+struct ClusterLaunch {
+  cudaLaunchAttribute cluster_dims = {};
+  cudaLaunchConfig_t config = {};
+  template <typename Kernel>
+  ClusterLaunch(Kernel kernel, unsigned int clusters, int cluster_blocks, int64_t shared_bytes, cudaStream_t stream) {
+    int device = 0, max_shared = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_shared));
+    cluster_dims.id = cudaLaunchAttributeClusterDimension;
+    cluster_dims.val.clusterDim.x = cluster_blocks;
+    cluster_dims.val.clusterDim.y = 1;
+    cluster_dims.val.clusterDim.z = 1;
+    config.gridDim = dim3(clusters * cluster_blocks);
+    config.blockDim = dim3(kBlockThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
+    config.stream = stream;
+    config.attrs = &cluster_dims;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points at cluster_dims
+};
+
 struct StreamLaunch {
   cudaStream_t stream;
   template <typename... Params, typename... Args>
@@ -38,27 +64,15 @@ struct StreamLaunch {
   }
 
   // `kernel` on `clusters` clusters of cluster_blocks blocks (sm_90), each block with
-  // shared_bytes of dynamic shared memory (more than the default 48 KB allowed first).
+  // shared_bytes of dynamic shared memory (see ClusterLaunch).
   template <typename... Params, typename... Args>
   void cluster(void (*kernel)(Params...), unsigned int clusters, int cluster_blocks, int64_t shared_bytes,
                const Args&... args) const {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(shared_bytes)));
-    cudaLaunchAttribute cluster_dims = {};
-    cluster_dims.id = cudaLaunchAttributeClusterDimension;
-    cluster_dims.val.clusterDim.x = cluster_blocks;
-    cluster_dims.val.clusterDim.y = 1;
-    cluster_dims.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(clusters * cluster_blocks);
-    config.blockDim = dim3(kBlockThreads);
-    config.dynamicSmemBytes = static_cast<size_t>(shared_bytes);
-    config.stream = stream;
-    config.attrs = &cluster_dims;
-    config.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+    ClusterLaunch launch(kernel, clusters, cluster_blocks, shared_bytes, stream);
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, args...));
   }
 };
+
 
 }  // namespace cuda
 }  // namespace capsroute

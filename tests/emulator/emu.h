@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -34,11 +35,14 @@ struct EmuBlock {
   std::barrier<> block_barrier;
   std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
   std::vector<double> exchange;  // one slot per thread (every shuffled type fits a double)
-  std::vector<double> shared;    // dynamic shared memory (doubles: aligned for every type)
+  std::vector<double> shared;    // dynamic shared memory (doubles: aligned for every type), NaN
+                                 // (garbage on a GPU: a read before a write shows)
   EmuCluster* cluster = nullptr;
   unsigned cluster_rank = 0;
   EmuBlock(unsigned threads, size_t shared_bytes)
-      : block_barrier(threads), exchange(threads), shared((shared_bytes + sizeof(double) - 1) / sizeof(double)) {
+      : block_barrier(threads),
+        exchange(threads),
+        shared((shared_bytes + sizeof(double) - 1) / sizeof(double), std::numeric_limits<double>::quiet_NaN()) {
     for (unsigned w = 0; w < threads / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
   }
 };
