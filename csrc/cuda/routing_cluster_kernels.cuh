@@ -5,7 +5,7 @@
 // (routing_warp_kernels.cuh) reading shared memory; the iterations' sums over the element's rows
 // meet in the blocks' shared memory through the cluster (distributed shared memory), and every
 // block adds them in the same order, so each holds the bitwise same s^r and v^r. Launched only
-// where cluster_forward_fits (the loaded code built for sm_90 or later: elsewhere the body traps).
+// where use_cluster_forward allows it (the loaded code built for sm_90 or later: elsewhere the body traps).
 #pragma once
 
 #include <cstdint>
@@ -91,11 +91,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
       store_part(slots, s_sum, warp, JD, warp_sums_s);
       __syncthreads();  // the warps' sums complete
       acc_t* block_sums = block_sums_s + (r % 2) * JD;
-      for (int64_t jd = tid; jd < JD; jd += blockDim.x) {
-        acc_t sum = 0;
-        for (int w = 0; w < kWarpsPerBlock; ++w) sum += warp_sums_s[w * JD + jd];
-        block_sums[jd] = sum;
-      }
+      sum_ranges(warp_sums_s, kWarpsPerBlock, 0, JD, static_cast<const acc_t*>(nullptr), block_sums);
       cluster_sync();  // every block's sums of iteration r complete and visible to the cluster
       for (int64_t jd = tid; jd < JD; jd += blockDim.x) {
         acc_t sum = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
@@ -113,7 +109,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     cluster_sync();
   }
 #else
-  __trap();  // code built for an arch without clusters: cluster_forward_fits never launches it
+  __trap();  // code built for an arch without clusters: use_cluster_forward never launches it
 #endif
 }
 

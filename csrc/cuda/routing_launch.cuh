@@ -19,7 +19,8 @@ namespace cuda {
 
 // Row ranges per element for a batch of B: 1 (the fused kernels, or with the warp-rows kernels
 // one range of 8 warp parts) when B blocks fill the GPU, else enough ranges for about
-// kBlocksPerSm blocks per SM, each at least kMinSplitTiles tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both paths on small shapes).
+// kBlocksPerSm blocks per SM, each at least kMinSplitTiles tiles long. CAPSROUTE_ROUTING_SPLITS=N
+// forces N (tests run both paths on small shapes).
 constexpr int64_t kMinSplitTiles = 4;
 
 inline int64_t routing_splits(const RoutingDims& dims) {
@@ -54,6 +55,15 @@ bool use_cluster_forward(Kernel kernel, const RoutingDims& dims, int64_t shared_
   return resident_clusters > 0 && 2 * dims.B >= resident_clusters;
 }
 
+// A workspace of the given sizes where `needed`, else an undefined tensor; and its data or nullptr.
+inline at::Tensor optional_workspace(bool needed, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return needed ? at::empty(sizes, options) : at::Tensor();
+}
+template <typename acc_t>
+acc_t* data_or_null(at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr<acc_t>() : nullptr;
+}
+
 // Allocates the workspaces and launches the forward on the current stream (B > 0).
 template <typename Source, typename scalar_t>
 void launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
@@ -67,18 +77,16 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
                                                   dims, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
   }
   // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on chip.)
-  const auto workspace = [&](bool needed, at::IntArrayRef sizes) {
-    return needed ? at::empty(sizes, acc_options) : at::Tensor();
-  };
-  const auto data = [](at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<acc_t>() : nullptr; };
-  at::Tensor logits = workspace(!split.cluster_forward, {dims.B, dims.I, dims.J});
-  at::Tensor coupling = workspace(!split.warp_rows, {dims.B, dims.I, dims.J});
-  at::Tensor v_ws = workspace(!split.cluster_forward, {dims.B, dims.J, dims.D});
-  const ForwardWorkspace<acc_t> ws{data(logits), data(coupling), data(v_ws)};
-  at::Tensor partial = workspace(!split.fused() && !split.cluster_forward, {dims.B, split.parts(), dims.J, dims.D});
+  at::Tensor logits = optional_workspace(!split.cluster_forward, {dims.B, dims.I, dims.J}, acc_options);
+  at::Tensor coupling = optional_workspace(!split.warp_rows, {dims.B, dims.I, dims.J}, acc_options);
+  at::Tensor v_ws = optional_workspace(!split.cluster_forward, {dims.B, dims.J, dims.D}, acc_options);
+  const ForwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), data_or_null<acc_t>(coupling),
+                                   data_or_null<acc_t>(v_ws)};
+  at::Tensor partial = optional_workspace(!split.fused() && !split.cluster_forward,
+                                          {dims.B, split.parts(), dims.J, dims.D}, acc_options);
   run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims, static_cast<acc_t>(eps), split,
-                      ws, data(partial),
-                      s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
+                      ws, data_or_null<acc_t>(partial), s_hist.mutable_data_ptr<acc_t>(),
+                      v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
 }
@@ -120,15 +128,13 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
                                 nkeep};
   const RowSplit split = routing_row_split<Source>(dims);
   // (The warp kernels keep a row's logits in registers.)
-  at::Tensor logits = split.warp_rows ? at::Tensor() : at::empty({B, I, J}, acc_options);
+  at::Tensor logits = optional_workspace(!split.warp_rows, {B, I, J}, acc_options);
   at::Tensor gv = at::empty({B, J, D}, acc_options);
-  const BackwardWorkspace<acc_t> ws{logits.defined() ? logits.mutable_data_ptr<acc_t>() : nullptr,
-                                    gv.mutable_data_ptr<acc_t>()};
-  const bool walks_back = !split.fused() && R - 1 > first_r;
-  at::Tensor partial = walks_back ? at::empty({B, split.parts(), J, D}, acc_options) : at::Tensor();
+  const BackwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), gv.mutable_data_ptr<acc_t>()};
+  at::Tensor partial = optional_workspace(!split.fused() && R - 1 > first_r, {B, split.parts(), J, D}, acc_options);
   run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v, s_hist.const_data_ptr<acc_t>(),
                        dims, static_cast<acc_t>(eps), split, st, ws,
-                       walks_back ? partial.mutable_data_ptr<acc_t>() : nullptr,
+                       data_or_null<acc_t>(partial),
                        grad_bias_items.mutable_data_ptr<acc_t>());
   return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
 }

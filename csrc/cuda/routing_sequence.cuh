@@ -19,7 +19,7 @@ namespace cuda {
 // warps (routing_warp_kernels.cuh: votes read from memory only, warp_rows_fit). Either way the
 // rows kernels leave parts() partial sums per element for the reduce kernels. With
 // cluster_forward (and warp_rows) the forward is instead one launch of an element per cluster
-// (routing_cluster_kernels.cuh, sm_90, cluster_forward_fits), the backward as warp_rows.
+// (routing_cluster_kernels.cuh, sm_90, use_cluster_forward), the backward as warp_rows.
 struct RowSplit {
   int64_t splits;
   bool warp_rows;
