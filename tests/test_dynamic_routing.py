@@ -84,14 +84,14 @@ def test_row_ranges_match_reference(device, monkeypatch, kernels, splits, iters,
 @pytest.mark.parametrize("I", [133, 8, 5])
 def test_kernel_set_v2_matches_reference(device, monkeypatch, cluster, iters, leaky, detach, with_bias, I):
     """CAPSROUTE_CUDA_KERNELS=v2 routes with a warp per part of an element's rows where the capsules
-    fit 8 lane groups (J = 10, D = 16: 5 groups; J = 16, D = 12: 8, 4 lanes of each segment idle;
-    D = 20: whole warps), with the block kernels beyond (J = 20, D = 16: 10 groups); on sm_90 its
+    fit a lane each (J <= 32, D <= 16: J = 10 and 16 two rows a warp, D = 12 read as 3 vectors;
+    J = 20 and 32 a row a warp, D = 5 read by scalars), with the block kernels beyond (D = 20); on sm_90 its
     forward runs an element per cluster of 8 blocks (I = 5: blocks without rows) unless
     CAPSROUTE_ROUTING_CLUSTER=0; it writes the vote gradient a tile of 8 rows per block: I a
     multiple of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5)."""
     monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
     monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", cluster)
-    for J, D in ((10, 16), (16, 12), (8, 20), (20, 16)):
+    for J, D in ((10, 16), (16, 12), (20, 16), (32, 5), (8, 20)):
         votes = randn(3, I, J, D, device=device, scale=0.3, requires_grad=True)
         bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
         for name, a, e in compare(votes, bias, iters, leaky, detach):

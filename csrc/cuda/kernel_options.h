@@ -29,8 +29,8 @@ inline std::optional<int64_t> forced_count(const char* name) {
 //   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 to 6), so far: dense_capsules'
 //       votes of a chunk of the batch as one batched GEMM into an L2-sized workspace, the routing
 //       kernels over those stored votes and the backward's contractions as batched GEMMs; the
-//       routing rows of votes read from memory a warp per part of each element, every row's
-//       votes read once per pass into registers (routing_warp_kernels.cuh, where the capsules
+//       routing rows of votes read from memory a warp per part of each element, a capsule per
+//       lane, every row's votes read once per pass into registers (routing_warp_kernels.cuh, where the capsules
 //       fit), and on sm_90 the forward an element per cluster with its votes in shared memory
 //       (routing_cluster_kernels.cuh); the vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per
 //       block; and

@@ -73,7 +73,7 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
   RowSplit split = routing_row_split<Source>(dims);
   if constexpr (!Source::kComputesVotes) {
     if (split.warp_rows)
-      split.cluster_forward = use_cluster_forward(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowGroups>,
+      split.cluster_forward = use_cluster_forward(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>,
                                                   dims, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
   }
   // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on chip.)

@@ -57,14 +57,14 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
   // instantiated for them.)
   if constexpr (!Source::kComputesVotes) {
     if (split.cluster_forward) {
-      launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowGroups>, blocks_for_items(B),
+      launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, blocks_for_items(B),
                      kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)), src, bias, dims, eps, s_hist, v,
                      c);
       return;
     }
     if (split.warp_rows)
       return iterate([&](int64_t r) {
-        launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowGroups>, blocks_for_warps(B * parts), src,
+        launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowMaxD>, blocks_for_warps(B * parts), src,
                dims, parts, r, ws, c, partial);
       });
   }
@@ -89,14 +89,15 @@ void run_routing_backward(const Launch& launch, const Source& src, const typenam
     launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st, ws, grad_bias);
     return;
   }
-  // launch_coupling_rows() recomputes the kept couplings; per step r walked back,
-  // launch_step_rows(r) leaves each part's share of gv^{r-1} in partial, then gs^{r-1}.
-  const auto walk_back = [&](const auto& launch_coupling_rows, const auto& launch_step_rows) {
+  // launch_coupling_rows() recomputes the kept couplings (and with coupling_walks_back takes the
+  // first step back too); per step r walked back, launch_step_rows(r) leaves each part's share of
+  // gv^{r-1} in partial, then gs^{r-1}.
+  const auto walk_back = [&](bool coupling_walks_back, const auto& launch_coupling_rows, const auto& launch_step_rows) {
     launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps, st, ws.gv);
     launch_coupling_rows();
     if (R - 1 == st.first_r) launch(routing_sum_gs_kernel<acc_t>, blocks_for_items(B), dims, st, grad_bias);
     for (int64_t r = R - 1; r > st.first_r; --r) {
-      launch_step_rows(r);
+      if (r < R - 1 || !coupling_walks_back) launch_step_rows(r);
       launch(routing_backward_reduce_kernel<acc_t>, blocks_for_items(B), static_cast<const acc_t*>(partial), parts,
              s_hist, dims, r, eps, st, ws.gv, grad_bias);
     }
@@ -104,16 +105,18 @@ void run_routing_backward(const Launch& launch, const Source& src, const typenam
   if constexpr (!Source::kComputesVotes) {
     if (split.warp_rows)
       return walk_back(
+          true,
           [&] {
-            launch(routing_coupling_warp_rows_kernel<Source, kWarpRowGroups>, blocks_for_warps(B * parts), src, dims,
-                   parts, st);
+            launch(routing_coupling_warp_rows_kernel<Source, kWarpRowMaxD>, blocks_for_warps(B * parts), src, dims,
+                   parts, st, partial);
           },
           [&](int64_t r) {
-            launch(routing_backward_warp_rows_kernel<Source, kWarpRowGroups>, blocks_for_warps(B * parts), src, dims,
+            launch(routing_backward_warp_rows_kernel<Source, kWarpRowMaxD>, blocks_for_warps(B * parts), src, dims,
                    parts, r, st, partial);
           });
   }
   walk_back(
+      false,
       [&] {
         launch(routing_coupling_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts, st, ws.logits);
       },

@@ -1,16 +1,16 @@
 // The v2 kernel set's dynamic routing rows (CAPSROUTE_CUDA_KERNELS=v2, votes read from memory,
-// warp_rows_fit): a warp per part of an element's rows, each row's votes read once per pass,
-// coalesced, into registers and routed there. The block kernels of routing_kernels.cuh read a
-// row with a lane per capsule and a serial loop over d (10 of 32 lanes busy at J = 10, lanes
-// 64 bytes apart), then again by column owners behind two barriers per tile (bench/NOTES.md,
-// GPU section 6).
+// warp_rows_fit): a warp per part of an element's rows, each row's votes read once per pass into
+// registers and routed there (bench/NOTES.md, GPU section 6).
 //
-// Slots. Lane l of a warp holds, in group k = 0 .. groups-1, the vote entry (j, d) with
-//   j = k * (32 / seg) + l / seg,  d = l % seg,  seg = the power of two >= D (D <= 32),
-// so that a capsule's D entries sit in one segment of seg consecutive lanes and a row's groups
-// are kWarpRowGroups coalesced loads at most. A capsule's dot products are segment sums (xor
-// butterflies inside the segment: every lane of it gets the bitwise same value), so its logit,
-// coupling and logit gradient are held by all of its segment's lanes; lane d = 0 writes them.
+// Lanes. A row's capsules sit on seg consecutive lanes, seg = the power of two >= J (J <= 32), so
+// a warp routes 32 / seg rows at once: lane l takes row slot l / seg and capsule j = l % seg, and
+// holds that capsule's whole vote vector u_ij (D <= kWarpRowMaxD values) in registers. A capsule's
+// agreement <u_ij, v_j> is then D FMAs in one lane, and the softmax over the row's capsules and
+// its VJP are reductions over the row's seg lanes (xor butterflies: every lane gets the bitwise
+// same value). At MNIST (J = 10, D = 16) a warp routes 2 rows with 20 of its 32 lanes, about 35
+// instructions per row and iteration where a lane per vote entry (D lanes per capsule, dot
+// products as butterflies) took about 175. The votes are read as 16-byte vectors where the rows
+// allow it (vector_capsules).
 //
 // Each warp routes its part's rows alone: no shared memory, no block barrier. Its sums over the
 // rows (s forward, gv walking back) go to its own partial slab, which the reduce kernels of
@@ -28,73 +28,105 @@
 namespace capsroute {
 namespace cuda {
 
-// Most groups a lane holds (registers per row and per sum): J * seg <= 256, e.g. J = 10 and
-// D = 16 (MNIST) is 5 groups. Larger capsule layers keep the block kernels.
-constexpr int kWarpRowGroups = 8;
+// Most capsule dimensions D a lane holds (registers per vote vector). Larger capsules, and more
+// than 32 capsules per row, keep the block kernels.
+constexpr int kWarpRowMaxD = 16;
 
-// Lanes per capsule: the power of two >= D (D <= kWarpSize).
-__host__ __device__ __forceinline__ int segment_lanes(int64_t D) {
-  int seg = 1;
-  while (seg < D) seg *= 2;
-  return seg;
-}
-
-// Groups of a row: ceil(J / capsules per group), for D <= kWarpSize.
-__host__ __device__ __forceinline__ int64_t warp_row_groups(int64_t J, int64_t D) {
-  return ceil_div<int64_t>(J, kWarpSize / segment_lanes(D));
-}
-
-// Resident blocks per SM asked of ptxas: unhinted, the float32 kernels took 106-144 registers on
-// sm_90 (1-2 blocks of 256 threads: as few as 8 warps per SM to keep loads in flight); 2 blocks
-// (up to 128 registers) puts them at 103-124 with no spill on sm_80 and sm_90. float64 needs more
-// than 128 (bench/NOTES.md, GPU section 6).
+// Resident blocks per SM asked of ptxas (bench/NOTES.md, GPU section 6); float64 needs more
+// than 128 registers.
 template <typename acc_t>
 constexpr int warp_rows_min_blocks() {
   return sizeof(acc_t) == 8 ? 1 : 2;
 }
 
-// Whether the warp-rows kernels take these capsules (D first: warp_row_groups needs D <= 32).
-inline bool warp_rows_fit(const RoutingDims& dims) {
-  return dims.D <= kWarpSize && warp_row_groups(dims.J, dims.D) <= kWarpRowGroups;
+// Lanes per row: the power of two >= J.
+__host__ __device__ __forceinline__ int row_lanes(int64_t J) {
+  int seg = 1;
+  while (seg < J) seg *= 2;
+  return seg;
 }
 
-// The slots of one lane (see the top of the file), in 32-bit arithmetic (J * seg <= 256 where the
-// warp kernels run, warp_rows_fit) and with the per-group conditions as bit masks: registers are
-// what limits these kernels.
-struct WarpSlots {
-  int groups, seg;
-  int jd0, jd_step;      // group k's flat (j, d) index: jd0 + k * jd_step
-  int j0, j_step;        // group k's capsule: j0 + k * j_step
-  unsigned capsules;     // bit k: group k holds a capsule (its logit)
-  unsigned entries;      // bit k: group k holds a vote entry (d < D too)
-  unsigned writers;      // bit k: group k writes its capsule's values (d = 0)
-  __device__ __forceinline__ WarpSlots(int64_t J, int64_t D, int lane)
-      : groups(static_cast<int>(warp_row_groups(J, D))), seg(segment_lanes(D)), capsules(0), entries(0), writers(0) {
-    const int d = lane % seg;
-    j0 = lane / seg;
-    j_step = kWarpSize / seg;
-    jd0 = j0 * static_cast<int>(D) + d;
-    jd_step = j_step * static_cast<int>(D);
-    for (int k = 0; k < groups; ++k) {
-      const bool holds_capsule = j0 + k * j_step < J;
-      capsules |= unsigned(holds_capsule) << k;
-      entries |= unsigned(holds_capsule && d < D) << k;
-      writers |= unsigned(holds_capsule && d == 0) << k;
-    }
-  }
-  __device__ __forceinline__ int j(int k) const { return j0 + k * j_step; }
-  __device__ __forceinline__ int jd(int k) const { return jd0 + k * jd_step; }
-  __device__ __forceinline__ bool capsule(int k) const { return (capsules >> k) & 1u; }
-  __device__ __forceinline__ bool entry(int k) const { return (entries >> k) & 1u; }
-  __device__ __forceinline__ bool writer(int k) const { return (writers >> k) & 1u; }
+// Whether the warp-rows kernels take these capsules.
+inline bool warp_rows_fit(const RoutingDims& dims) { return dims.J <= kWarpSize && dims.D <= kWarpRowMaxD; }
+
+// The place of one lane (see the top of the file).
+struct CapsuleLanes {
+  int seg;      // lanes per row
+  int rows;     // rows a warp routes at once: 32 / seg
+  int slot;     // the lane's row among them
+  int j;        // the lane's capsule
+  bool active;  // j < J
+  __device__ __forceinline__ CapsuleLanes(int64_t J, int lane)
+      : seg(row_lanes(J)), rows(kWarpSize / seg), slot(lane / seg), j(lane % seg), active(lane % seg < J) {}
 };
 
-// Sum over the lanes of each segment of seg lanes (a power of two); every lane gets its
-// segment's sum. All 32 lanes call it together.
+// Sum / max over the seg lanes of each row; every lane of the row gets the result. All 32 lanes
+// call them together.
 template <typename T>
-__device__ __forceinline__ T segment_sum(T x, int seg) {
+__device__ __forceinline__ T row_sum(T x, int seg) {
   for (int offset = seg / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
   return x;
+}
+template <typename T>
+__device__ __forceinline__ T row_max(T x, int seg) {
+  for (int offset = seg / 2; offset > 0; offset >>= 1) {
+    const T y = __shfl_xor_sync(kFullMask, x, offset);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+// 16 bytes of T, loaded or stored as one vector.
+template <typename T>
+struct alignas(16) Vector16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T x[kSize];
+};
+
+// Whether D values of T at p, p + D, p + 2D, ... can be read as 16-byte vectors.
+template <typename T>
+__device__ __forceinline__ bool vector_capsules(const T* p, int64_t D) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (D * sizeof(T)) % 16 == 0;
+}
+
+// The D <= kD values at p into x (0 beyond D, and everywhere when !valid); as 16-byte vectors
+// when `vectors` (vector_capsules of the rows read).
+template <int kD, typename T, typename acc_t>
+__device__ __forceinline__ void load_capsule(const T* p, int D, bool valid, bool vectors, acc_t (&x)[kD]) {
+  constexpr int kPer = Vector16<T>::kSize;
+  if (valid && vectors && kD % kPer == 0) {
+#pragma unroll
+    for (int v = 0; v < kD / kPer; ++v) {
+      const Vector16<T> chunk =
+          v * kPer < D ? reinterpret_cast<const Vector16<T>*>(p)[v] : Vector16<T>{};
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) x[v * kPer + e] = v * kPer < D ? static_cast<acc_t>(chunk.x[e]) : acc_t(0);
+    }
+  } else {
+#pragma unroll
+    for (int d = 0; d < kD; ++d) x[d] = valid && d < D ? static_cast<acc_t>(p[d]) : acc_t(0);
+  }
+}
+
+template <int kD, typename acc_t>
+__device__ __forceinline__ acc_t capsule_dot(const acc_t (&x)[kD], const acc_t (&y)[kD]) {
+  acc_t sum = 0;
+#pragma unroll
+  for (int d = 0; d < kD; ++d) sum += x[d] * y[d];
+  return sum;
+}
+
+// The coupling of the lane's capsule: softmax over the row's logits x (an extra zero logit when
+// leaky, its share dropped), as warp_coupling_row; 0 where !valid (every lane of a row past the
+// part's end is, and gets 0 rather than 0 / 0).
+template <typename acc_t>
+__device__ __forceinline__ acc_t row_softmax(const CapsuleLanes& lanes, bool valid, bool leaky, acc_t x) {
+  acc_t max_logit = row_max(valid ? x : neg_infinity(acc_t(0)), lanes.seg);
+  if (leaky) max_logit = max_logit > acc_t(0) ? max_logit : acc_t(0);
+  const acc_t e = valid ? acc_exp(x - max_logit) : acc_t(0);
+  acc_t denom = row_sum(e, lanes.seg);
+  if (leaky) denom += acc_exp(-max_logit);
+  return valid ? e * (acc_t(1) / denom) : acc_t(0);
 }
 
 // The (element b, part p) items of a warp-rows kernel, grid-stride over the grid's warps, item =
@@ -107,220 +139,181 @@ __device__ __forceinline__ void for_each_warp_part(int64_t B, int64_t I, int64_t
     f(item / parts, item, split_rows(I, parts, item % parts));
 }
 
-// One row's votes into the lane's groups (0 where the lane holds no entry).
-template <int kGroups, typename Source>
-__device__ __forceinline__ void load_row(const Source& src, const WarpSlots& slots, int64_t b, int64_t i,
-                                         typename Source::acc_type (&u)[kGroups]) {
+// The rows of a part, lanes.rows at a time in order, each lane's vote vector loaded one step ahead
+// (two steps' loads in flight per warp: one step is a few loads per lane, too few to cover the
+// memory latency at 16 warps per SM): f(i, valid, u) with i the lane's row and u its votes (0
+// where !valid: a capsule beyond J or a row past the part's end).
+template <int kD, typename Source, typename F>
+__device__ __forceinline__ void for_each_row(const Source& src, const CapsuleLanes& lanes, int64_t b, RowRange rows,
+                                             int D, bool vectors, F&& f) {
   using acc_t = typename Source::acc_type;
-  const auto* row = src.row(b, i);
+  const auto load = [&](int64_t i, acc_t(&x)[kD]) {
+    const bool valid = lanes.active && i < rows.end;
+    load_capsule(valid ? src.row(b, i) + lanes.j * D : nullptr, D, valid, vectors, x);
+  };
+  acc_t next[kD];
+  if (rows.begin < rows.end) load(rows.begin + lanes.slot, next);
+  for (int64_t i0 = rows.begin; i0 < rows.end; i0 += lanes.rows) {
+    acc_t u[kD];
 #pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    u[k] = k < slots.groups && slots.entry(k) ? static_cast<acc_t>(row[slots.jd(k)]) : acc_t(0);
-}
-
-// The rows of a part in order, each row's votes loaded into registers one row ahead (two rows'
-// loads in flight per warp: a warp's row is only kWarpRowGroups loads of 128 bytes, too few to
-// cover the memory latency at 16 warps per SM): f(i, u) with u the votes of row i.
-template <int kGroups, typename Source, typename F>
-__device__ __forceinline__ void for_each_row(const Source& src, const WarpSlots& slots, int64_t b, RowRange rows,
-                                             F&& f) {
-  using acc_t = typename Source::acc_type;
-  acc_t next[kGroups];
-  if (rows.begin < rows.end) load_row(src, slots, b, rows.begin, next);
-  for (int64_t i = rows.begin; i < rows.end; ++i) {
-    acc_t u[kGroups];
-#pragma unroll
-    for (int k = 0; k < kGroups; ++k) u[k] = next[k];
-    if (i + 1 < rows.end) load_row(src, slots, b, i + 1, next);
-    f(i, u);
+    for (int d = 0; d < kD; ++d) u[d] = next[d];
+    if (i0 + lanes.rows < rows.end) load(i0 + lanes.rows + lanes.slot, next);
+    const int64_t i = i0 + lanes.slot;
+    f(i, lanes.active && i < rows.end, u);
   }
 }
 
-// The lane's groups of an element's (J, D) slab (0 where the lane holds no entry).
-template <int kGroups, typename acc_t>
-__device__ __forceinline__ void load_slab(const acc_t* slab, const WarpSlots& slots, acc_t (&x)[kGroups]) {
+// x summed over the warp's row slots (each slot's lanes summed its own rows); every lane of a
+// capsule gets the bitwise same sum.
+template <int kD, typename acc_t>
+__device__ __forceinline__ void sum_row_slots(const CapsuleLanes& lanes, acc_t (&x)[kD]) {
+  for (int offset = lanes.seg; offset < kWarpSize; offset *= 2)
 #pragma unroll
-  for (int k = 0; k < kGroups; ++k) x[k] = k < slots.groups && slots.entry(k) ? slab[slots.jd(k)] : acc_t(0);
+    for (int d = 0; d < kD; ++d) x[d] += __shfl_xor_sync(kFullMask, x[d], offset);
 }
 
-// logit[k] += <u_j, v_j> for the lane's capsules.
-template <int kGroups, typename acc_t>
-__device__ __forceinline__ void add_agreement(const WarpSlots& slots, const acc_t (&u)[kGroups],
-                                              const acc_t (&v)[kGroups], acc_t (&logit)[kGroups]) {
+// A sum over the rows of every row slot, x, into part `item`'s (J, D) slab of partial.
+template <int kD, typename acc_t>
+__device__ __forceinline__ void store_part(const CapsuleLanes& lanes, acc_t (&x)[kD], int64_t item, int D,
+                                           int64_t JD, acc_t* partial) {
+  sum_row_slots(lanes, x);
+  if (lanes.slot != 0 || !lanes.active) return;
+  acc_t* capsule = partial + item * JD + lanes.j * D;
 #pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    if (k < slots.groups) logit[k] += segment_sum(u[k] * v[k], slots.seg);
+  for (int d = 0; d < kD; ++d)
+    if (d < D) capsule[d] = x[d];
 }
 
-// x = softmax over the row's J logits x (an extra zero logit when leaky, its share dropped), as
-// warp_coupling_row; 0 in groups without a capsule.
-template <int kGroups, typename acc_t>
-__device__ __forceinline__ void softmax_in_place(const WarpSlots& slots, bool leaky, acc_t (&x)[kGroups]) {
-  acc_t max_logit = leaky ? acc_t(0) : neg_infinity(acc_t(0));
+// Iteration r of the forward on one row, the lane's capsule: b^r = b^{r-1} + <u, v^{r-1}>
+// (b^0 = 0), kept between iterations in the lane's logit (written at r = 1 .. iters-2, read at
+// r = 2 .. iters-1: b^1 = <u, v^0>); returns c^r = softmax(b^r) after s_sum += c^r u.
+template <int kD, typename acc_t>
+__device__ __forceinline__ acc_t route_row_forward(const CapsuleLanes& lanes, bool valid, const RoutingDims& dims,
+                                                   int64_t r, const acc_t (&u)[kD], const acc_t (&v_prev)[kD],
+                                                   acc_t* logit, acc_t (&s_sum)[kD]) {
+  acc_t x = valid && r > 1 ? *logit : acc_t(0);
+  if (r > 0) x += capsule_dot(u, v_prev);
+  if (valid && r > 0 && r < dims.iters - 1) *logit = x;
+  const acc_t c = row_softmax(lanes, valid, dims.leaky, x);
 #pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    if (k < slots.groups && slots.capsule(k)) max_logit = x[k] > max_logit ? x[k] : max_logit;
-  max_logit = warp_max(max_logit);
-  acc_t denom = 0;
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k) {
-    x[k] = k < slots.groups && slots.capsule(k) ? acc_exp(x[k] - max_logit) : acc_t(0);
-    if (slots.writer(k)) denom += x[k];
-  }
-  denom = warp_sum(denom);
-  if (leaky) denom += acc_exp(-max_logit);
-  const acc_t inv_denom = acc_t(1) / denom;
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k) x[k] *= inv_denom;
-}
-
-// The lane's groups of a sum over rows into part `item`'s (J, D) slab of partial.
-template <int kGroups, typename acc_t>
-__device__ __forceinline__ void store_part(const WarpSlots& slots, const acc_t (&x)[kGroups], int64_t item, int64_t JD,
-                                           acc_t* partial) {
-  acc_t* slab = partial + item * JD;
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    if (k < slots.groups && slots.entry(k)) slab[slots.jd(k)] = x[k];
-}
-
-// Iteration r of the forward on one row of votes u: b^r = b^{r-1} + <u, v^{r-1}> (b^0 = 0), kept
-// between iterations in the row's logits (written at r = 1 .. iters-2, read at r = 2 .. iters-1:
-// b^1 = <u, v^0>), then x = c^r = softmax(b^r) and s_sum += c^r u.
-template <int kGroups, typename acc_t>
-__device__ __forceinline__ void route_row_forward(const WarpSlots& slots, const RoutingDims& dims, int64_t r,
-                                                  const acc_t (&u)[kGroups], const acc_t (&v_prev)[kGroups],
-                                                  acc_t* logits, acc_t (&x)[kGroups], acc_t (&s_sum)[kGroups]) {
-  const bool reads_logits = r > 1, writes_logits = r > 0 && r < dims.iters - 1;
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    x[k] = reads_logits && k < slots.groups && slots.capsule(k) ? logits[slots.j(k)] : acc_t(0);
-  if (r > 0) add_agreement(slots, u, v_prev, x);
-  if (writes_logits) {
-    if (reads_logits) __syncwarp();  // every lane of a capsule has read its logit before the writer stores
-#pragma unroll
-    for (int k = 0; k < kGroups; ++k)
-      if (k < slots.groups && slots.writer(k)) logits[slots.j(k)] = x[k];
-  }
-  softmax_in_place(slots, dims.leaky, x);
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    if (k < slots.groups) s_sum[k] += x[k] * u[k];
-}
-
-// The row's couplings x into c_row (J values) by the capsules' writers.
-template <int kGroups, typename acc_t, typename scalar_t>
-__device__ __forceinline__ void store_row_coupling(const WarpSlots& slots, const acc_t (&x)[kGroups], scalar_t* c_row) {
-#pragma unroll
-  for (int k = 0; k < kGroups; ++k)
-    if (k < slots.groups && slots.writer(k)) c_row[slots.j(k)] = static_cast<scalar_t>(x[k]);
+  for (int d = 0; d < kD; ++d) s_sum[d] += c * u[d];
+  return c;
 }
 
 // Forward, iteration r, a warp per (b, part): route_row_forward over the part's rows (logits in
 // ws.logits, c_out at the last iteration), the part's s sums in partial.
-template <typename Source, typename scalar_t, int kGroups>
+template <typename Source, typename scalar_t, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_forward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts, const int64_t r,
                                      const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
                                      typename Source::acc_type* partial) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J;
-  const WarpSlots slots(J, dims.D, threadIdx.x % kWarpSize);
+  const int D = static_cast<int>(dims.D);
+  const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
+  const bool vectors = vector_capsules(src.row(0, 0), D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
-    acc_t v_prev[kGroups], s_sum[kGroups];
+    acc_t v_prev[kD], s_sum[kD];
+    // v^{r-1} (not yet written at r = 0)
+    load_capsule(ws.v + (b * J + lanes.j) * D, D, r > 0 && lanes.active, false, v_prev);
 #pragma unroll
-    for (int k = 0; k < kGroups; ++k) v_prev[k] = s_sum[k] = 0;
-    if (r > 0) load_slab(ws.v + b * J * dims.D, slots, v_prev);  // v^{r-1} (not yet written at r = 0)
-    for_each_row<kGroups>(src, slots, b, rows, [&](int64_t i, const acc_t(&u)[kGroups]) {
-      acc_t x[kGroups];
-      route_row_forward(slots, dims, r, u, v_prev, ws.logits + (b * I + i) * J, x, s_sum);
-      if (r == dims.iters - 1) store_row_coupling(slots, x, c_out + (b * I + i) * J);
+    for (int d = 0; d < kD; ++d) s_sum[d] = 0;
+    for_each_row<kD>(src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+      const int64_t ij = (b * I + i) * J + lanes.j;
+      const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev, ws.logits + ij, s_sum);
+      if (valid && r == dims.iters - 1) c_out[ij] = static_cast<scalar_t>(c);
     });
-    store_part(slots, s_sum, item, J * dims.D, partial);
+    store_part(lanes, s_sum, item, D, J * D, partial);
   });
 }
 
+// One backward step on a row, the lane's capsule, given c = c^r_ij, g_next = G^r_ij and
+// gs = gs^r_j: returns G^{r-1}_ij = G^r_ij + the softmax VJP of gc = <gs^r, u> after
+// gv_sum += G^{r-1}_ij u.
+template <int kD, typename acc_t>
+__device__ __forceinline__ acc_t walk_back_row(const CapsuleLanes& lanes, bool valid, const acc_t (&u)[kD],
+                                               const acc_t (&gs)[kD], acc_t c, acc_t g_next, acc_t (&gv_sum)[kD]) {
+  const acc_t gc = capsule_dot(gs, u);
+  const acc_t weighted = row_sum(c * gc, lanes.seg);
+  const acc_t g = valid ? g_next + c * (gc - weighted) : acc_t(0);
+#pragma unroll
+  for (int d = 0; d < kD; ++d) gv_sum[d] += g * u[d];
+  return g;
+}
+
 // Backward: c^r for r >= first_r, a warp per (b, part), each row's votes read once for all the
-// iterations (v_hist complete); zeroes the part's rows of G^{iters-1}.
-template <typename Source, int kGroups>
+// iterations (v_hist complete); zeroes the part's rows of G^{iters-1}. Unless nothing is walked
+// back (first_r = iters-1), also the first step back on the same votes (gs^{iters-1} complete,
+// G^{iters-1} = 0): G^{iters-2} and the part's gv^{iters-2} sums in partial, as
+// routing_backward_warp_rows_kernel would at r = iters-1.
+template <typename Source, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_coupling_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts,
-                                      const BackwardState<typename Source::acc_type> st) {
+                                      const BackwardState<typename Source::acc_type> st,
+                                      typename Source::acc_type* partial) {
   using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, JD = J * dims.D, R = dims.iters;
-  const WarpSlots slots(J, dims.D, threadIdx.x % kWarpSize);
-  for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t, RowRange rows) {
-    const acc_t* v_b = st.v_hist + b * R * JD;
-    for_each_row<kGroups>(src, slots, b, rows, [&](int64_t i, const acc_t(&u)[kGroups]) {
-      acc_t logit[kGroups];
-      acc_t* g_last_i = st.g_logits + ((b * st.nkeep + st.nkeep - 1) * I + i) * J;
+  const int64_t I = dims.I, J = dims.J, R = dims.iters, last = st.nkeep - 1;
+  const int D = static_cast<int>(dims.D);
+  const bool walks_back = R - 1 > st.first_r;
+  const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
+  const bool vectors = vector_capsules(src.row(0, 0), D), state_vectors = vector_capsules(st.v_hist, D);
+  for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
+    const acc_t* v_j = st.v_hist + (b * R * J + lanes.j) * D;  // v^r_j at v_j + r * J * D
+    acc_t gs[kD], gv_sum[kD];
+    load_capsule(st.gs_hist + ((b * st.nkeep + last) * J + lanes.j) * D, D, walks_back && lanes.active, false, gs);
 #pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        logit[k] = 0;
-        if (k < slots.groups && slots.writer(k)) g_last_i[slots.j(k)] = 0;
-      }
+    for (int d = 0; d < kD; ++d) gv_sum[d] = 0;
+    for_each_row<kD>(src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+      const auto ij = [&](int64_t k) { return ((b * st.nkeep + k) * I + i) * J + lanes.j; };
+      if (valid) st.g_logits[ij(last)] = 0;
+      acc_t logit = 0, c = 0;
       for (int64_t r = 0; r < R; ++r) {
         if (r > 0) {
-          acc_t v_prev[kGroups];
-          load_slab(v_b + (r - 1) * JD, slots, v_prev);
-          add_agreement(slots, u, v_prev, logit);
+          acc_t v_prev[kD];
+          load_capsule(v_j + (r - 1) * J * D, D, valid, state_vectors, v_prev);
+          logit += capsule_dot(u, v_prev);
         }
         if (r < st.first_r) continue;
-        acc_t c[kGroups];
-#pragma unroll
-        for (int k = 0; k < kGroups; ++k) c[k] = logit[k];
-        softmax_in_place(slots, dims.leaky, c);
-        acc_t* c_i = st.coupling + ((b * st.nkeep + r - st.first_r) * I + i) * J;
-#pragma unroll
-        for (int k = 0; k < kGroups; ++k)
-          if (k < slots.groups && slots.writer(k)) c_i[slots.j(k)] = c[k];
+        c = row_softmax(lanes, valid, dims.leaky, logit);
+        if (valid) st.coupling[ij(r - st.first_r)] = c;
+      }
+      if (walks_back) {
+        const acc_t g = walk_back_row(lanes, valid, u, gs, c, acc_t(0), gv_sum);
+        if (valid) st.g_logits[ij(last - 1)] = g;
       }
     });
+    if (walks_back) store_part(lanes, gv_sum, item, D, J * D, partial);
   });
 }
 
 // Backward step r > first_r (gs^r complete), a warp per (b, part): G^{r-1} = G^r + softmax VJP
-// of gc = <gs^r, u> per row, and the part's gv^{r-1} sums (of G^{r-1}_ij u_ij) in partial.
-template <typename Source, int kGroups>
+// of gc = <gs^r, u> per row, and the part's gv^{r-1} sums (of G^{r-1}_ij u_ij) in partial. (Step
+// iters-1 is routing_coupling_warp_rows_kernel's.)
+template <typename Source, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_backward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts, const int64_t r,
                                       const BackwardState<typename Source::acc_type> st,
                                       typename Source::acc_type* partial) {
   using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, JD = J * dims.D, k_r = r - st.first_r;
-  const WarpSlots slots(J, dims.D, threadIdx.x % kWarpSize);
+  const int64_t I = dims.I, J = dims.J, k_r = r - st.first_r;
+  const int D = static_cast<int>(dims.D);
+  const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
+  const bool vectors = vector_capsules(src.row(0, 0), D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     const acc_t* c_b = st.coupling + (b * st.nkeep + k_r) * I * J;
     const acc_t* g_next_b = st.g_logits + (b * st.nkeep + k_r) * I * J;  // G^r = dL/db^{r+1}
     acc_t* g_here_b = st.g_logits + (b * st.nkeep + k_r - 1) * I * J;    // G^{r-1} = dL/db^r
-    acc_t gs[kGroups], gv_sum[kGroups];
-    load_slab(st.gs_hist + (b * st.nkeep + k_r) * JD, slots, gs);
+    acc_t gs[kD], gv_sum[kD];
+    load_capsule(st.gs_hist + ((b * st.nkeep + k_r) * J + lanes.j) * D, D, lanes.active, false, gs);
 #pragma unroll
-    for (int k = 0; k < kGroups; ++k) gv_sum[k] = 0;
-    for_each_row<kGroups>(src, slots, b, rows, [&](int64_t i, const acc_t(&u)[kGroups]) {
-      acc_t gc[kGroups], c[kGroups];
-      const acc_t* c_i = c_b + i * J;
-      acc_t weighted = 0;
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        gc[k] = c[k] = 0;
-        if (k >= slots.groups) continue;
-        gc[k] = segment_sum(gs[k] * u[k], slots.seg);
-        if (slots.capsule(k)) c[k] = c_i[slots.j(k)];
-        if (slots.writer(k)) weighted += c[k] * gc[k];
-      }
-      weighted = warp_sum(weighted);
-      const acc_t* g_next_i = g_next_b + i * J;
-      acc_t* g_here_i = g_here_b + i * J;
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        if (k >= slots.groups || !slots.capsule(k)) continue;
-        const acc_t g = g_next_i[slots.j(k)] + c[k] * (gc[k] - weighted);
-        if (slots.writer(k)) g_here_i[slots.j(k)] = g;
-        gv_sum[k] += g * u[k];
-      }
+    for (int d = 0; d < kD; ++d) gv_sum[d] = 0;
+    for_each_row<kD>(src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+      const int64_t ij = i * J + lanes.j;
+      const acc_t g = walk_back_row(lanes, valid, u, gs, valid ? c_b[ij] : acc_t(0), valid ? g_next_b[ij] : acc_t(0),
+                                    gv_sum);
+      if (valid) g_here_b[ij] = g;
     });
-    store_part(slots, gv_sum, item, JD, partial);
+    store_part(lanes, gv_sum, item, D, J * D, partial);
   });
 }
 

@@ -308,9 +308,9 @@ int main(int argc, char** argv) {
       {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},     {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
       // J * D > 256: each column owner holds 2 (320) or 2 of 300 columns, and J = 100 > 3 lanes' worth.
       {2, 40, 20, 16, 4, 3, false, false, true, 2, 1},  {1, 12, 100, 3, 2, 2, true, false, true, 2, 1},
-      // The warp-rows kernels at their limit of 8 groups: D = 12 in segments of 16 lanes (4 idle),
-      // D = 20 in whole warps (12 idle), walking back 3 steps.
-      {2, 37, 16, 12, 3, 3, false, false, true, 2, 1},  {2, 45, 8, 20, 2, 4, true, false, true, 2, 1},
+      // The warp-rows kernels: J = 16 (2 rows a warp, D = 12 as 3 of 4 vectors) and at their limit
+      // of J = 32 (a row a warp, D = 5 read by scalars), walking back 3 steps.
+      {2, 37, 16, 12, 3, 3, false, false, true, 2, 1},  {2, 45, 32, 5, 2, 4, true, false, true, 2, 1},
   };
   // float16 / bfloat16 storage, float accumulation: a fused and a split launch of an MNIST-like
   // and a J * D > 256 shape. The outputs are rounded to the storage type: 2 ulps of it.
