@@ -43,7 +43,7 @@ for stage in $stages; do
       # Both kernel sets side by side until one is dropped (bench/NOTES.md, GPU section 3).
       CAPSROUTE_CUDA_KERNELS=v2 python -m capsroute.cli bench --device cuda --op dynamic dense --shape mnist --batch 32 128 512 2048 \
         --no-progress --plot --out "$out/kernels-v2" || status=1
-      # v2's dynamic_routing forward on the warp rows instead of an element per cluster (bench/NOTES.md, GPU section 7)
+      # v2's dynamic_routing on the warp rows both ways instead of an element per cluster (bench/NOTES.md, GPU sections 7-8)
       CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=0 python -m capsroute.cli bench --device cuda --op dynamic --shape mnist \
         --batch 32 512 2048 --impl capsroute --no-progress --out "$out/kernels-v2-no-cluster" || status=1
       # v2 with chunks of 182 elements (128 MiB of votes, past the 50 MB L2: fewer launches, HBM traffic)

@@ -63,17 +63,19 @@ os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 
 # The v2 kernel set: dynamic_routing's rows a warp per part of an element where the capsules fit
 # (J = 7, D = 16 and 1 x 1 here; J = 33, D = 5 and D = 32 take the block kernels), in one range per
-# element, the forward an element per cluster of 8 blocks (sm_90), and (CAPSROUTE_ROUTING_SPLITS)
-# in 3 ranges with the forward on the warp rows too (CAPSROUTE_ROUTING_CLUSTER=0); its vote
-# gradient a tile of rows per block; and
+# element with (sm_90) the forward an element per cluster of 8 blocks and the backward an element
+# per cluster of 16 (CAPSROUTE_ROUTING_CLUSTER=force, whatever the batch), and
+# (CAPSROUTE_ROUTING_SPLITS) in 3 ranges on the warp rows both ways (CAPSROUTE_ROUTING_CLUSTER=0),
+# the vote gradient then a tile of rows per block; and
 # dense_capsules' votes of a chunk of the batch as one batched GEMM: the whole batch in one chunk
 # and (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one included; float32 and
 # float16 storage (dense_capsules' votes in float32 either way, bfloat16 as float16).
 os.environ["CAPSROUTE_CUDA_KERNELS"] = "v2"
+CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)
 for dtype, shape, detach, splits, chunk in itertools.product(
         [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], ["1", "3"], [None, "2"]):
     os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
-    os.environ["CAPSROUTE_ROUTING_CLUSTER"] = "1" if splits == "1" else "0"
+    os.environ["CAPSROUTE_ROUTING_CLUSTER"] = "force" if splits == "1" and CLUSTERS else "0"
     if chunk is None:
         os.environ.pop("CAPSROUTE_DENSE_CHUNK", None)
     else:

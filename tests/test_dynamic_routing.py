@@ -78,19 +78,28 @@ def test_row_ranges_match_reference(device, monkeypatch, kernels, splits, iters,
         assert_rel_close(a, e, 1e-10, name)
 
 
+def use_clusters(monkeypatch, cluster):
+    """CAPSROUTE_ROUTING_CLUSTER=cluster; "force" (the cluster kernels whatever the batch, an error
+    where they cannot run) needs sm_90 or later."""
+    if cluster == "force" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread block clusters need sm_90")
+    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", cluster)
+
+
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("cluster", ["1", "0"])
+@pytest.mark.parametrize("cluster", ["force", "0"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
 @pytest.mark.parametrize("I", [133, 8, 5])
 def test_kernel_set_v2_matches_reference(device, monkeypatch, cluster, iters, leaky, detach, with_bias, I):
     """CAPSROUTE_CUDA_KERNELS=v2 routes with a warp per part of an element's rows where the capsules
     fit a lane each (J <= 32, D <= 16: J = 10 and 16 two rows a warp, D = 12 read as 3 vectors;
-    J = 20 and 32 a row a warp, D = 5 read by scalars), with the block kernels beyond (D = 20); on sm_90 its
-    forward runs an element per cluster of 8 blocks (I = 5: blocks without rows) unless
-    CAPSROUTE_ROUTING_CLUSTER=0; it writes the vote gradient a tile of 8 rows per block: I a
-    multiple of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5)."""
+    J = 20 and 32 a row a warp, D = 5 read by scalars), with the block kernels beyond (D = 20); on sm_90
+    with CAPSROUTE_ROUTING_CLUSTER=force its forward runs an element per cluster of 8 blocks and its
+    backward, vote gradient included, an element per cluster of 16 (I = 8 and 5: blocks without
+    rows); with =0 the warp rows' vote gradient is written a tile of 8 rows per block: I a multiple
+    of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5)."""
     monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
-    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", cluster)
+    use_clusters(monkeypatch, cluster)
     for J, D in ((10, 16), (16, 12), (20, 16), (32, 5), (8, 20)):
         votes = randn(3, I, J, D, device=device, scale=0.3, requires_grad=True)
         bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
@@ -99,10 +108,10 @@ def test_kernel_set_v2_matches_reference(device, monkeypatch, cluster, iters, le
 
 
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("kernels,cluster", [("v1", "1"), ("v2", "1"), ("v2", "0")])
+@pytest.mark.parametrize("kernels,cluster", [("v1", "1"), ("v2", "force"), ("v2", "0")])
 def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels, cluster):
     monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
-    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", cluster)
+    use_clusters(monkeypatch, cluster)
     votes = randn(2, 300, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
     grad = randn(2, 10, 16, dtype=torch.float32, device=device)
     for splits in ("1", "4"):
@@ -119,7 +128,7 @@ def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels, clus
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "1")
     monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", "yes")
     if kernels == "v2":
-        with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_CLUSTER must be 0 or 1, got 'yes'"):
+        with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got 'yes'"):
             capsroute.dynamic_routing(votes)
 
 

@@ -139,11 +139,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
                                                              const at::Tensor& u_chunk, const at::Tensor& votes) {
         const int64_t Bc = chunk_dims.B;
         at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
+        // (The cluster backward writes the gradient over the votes itself: each block reads its
+        // rows' votes into shared memory before it writes their gradient.)
         const BackwardBuffers<acc_t> buf = launch_routing_backward(
             MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
             grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
-            grad_bias_chunk);
-        if (votes.numel() > 0)
+            grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
+        if (votes.numel() > 0 && !buf.vote_grad_written)
           launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I), buf.state, Bc,
                  votes.mutable_data_ptr<acc_t>());
         // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T @ u_i.
@@ -161,7 +163,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
       const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
                                             dims.J * dims.D, Din};
       const BackwardBuffers<acc_t> buf =
-          launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
+          launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items,
+                                  static_cast<acc_t*>(nullptr));
       const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
       if (grad_u.numel() > 0)
         launch(dense_grad_u_kernel<scalar_t, acc_t>, blocks_for(grad_u.numel()), buf.state,

@@ -60,9 +60,10 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
-      const BackwardBuffers<acc_t> buf =
-          launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items);
-      const int64_t n = grad_votes.numel();
+      const BackwardBuffers<acc_t> buf = launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims,
+                                                                 detach, eps, grad_bias_items,
+                                                                 grad_votes.mutable_data_ptr<scalar_t>());
+      const int64_t n = buf.vote_grad_written ? 0 : grad_votes.numel();
       const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
       if (n > 0 && kernels == KernelSet::v2)
         launch(write_vote_grad_rows_kernel<scalar_t, acc_t>, vote_grad_rows_blocks(B, dims.I), buf.state, B,

@@ -44,14 +44,20 @@ inline KernelSet cuda_kernel_set() {
   return KernelSet::v2;
 }
 
-// CAPSROUTE_ROUTING_CLUSTER=0 keeps v2's routing forward (dynamic_routing, dense_capsules) on the
-// warp-rows kernels where it would run an element per cluster (sm_90; routing_cluster_kernels.cuh,
-// use_cluster_forward); 1 (default) allows it.
-inline bool routing_clusters_allowed() {
+// CAPSROUTE_ROUTING_CLUSTER=0 keeps v2's routing forward and backward (dynamic_routing,
+// dense_capsules) on the warp-rows kernels where they would run an element per cluster (sm_90;
+// routing_cluster_kernels.cuh, use_clusters); 1 (default) lets use_clusters decide; force runs the
+// clusters wherever the warp rows would run, whatever the batch, and is an error where the GPU
+// or the build cannot (the tests use it to know which kernels ran).
+enum class ClusterMode { off, automatic, force };
+
+inline ClusterMode routing_cluster_mode() {
   const char* value = std::getenv("CAPSROUTE_ROUTING_CLUSTER");
-  if (value == nullptr || std::strcmp(value, "1") == 0) return true;
-  TORCH_CHECK(std::strcmp(value, "0") == 0, "capsroute: CAPSROUTE_ROUTING_CLUSTER must be 0 or 1, got '", value, "'");
-  return false;
+  if (value == nullptr || std::strcmp(value, "1") == 0) return ClusterMode::automatic;
+  if (std::strcmp(value, "force") == 0) return ClusterMode::force;
+  TORCH_CHECK(std::strcmp(value, "0") == 0, "capsroute: CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got '", value,
+              "'");
+  return ClusterMode::off;
 }
 
 inline const char* kernel_set_name(KernelSet set) { return set == KernelSet::v1 ? "v1" : "v2"; }

@@ -108,17 +108,18 @@ __device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J
   for (int64_t j = lane; j < J; j += kWarpSize) c[j] = acc_exp(logits[j] - max_logit) * inv_denom;
 }
 
-// v = squash(s) for the J capsules of one (J, D) slab; warp per capsule.
+// v = squash(s) for the J capsules of one (J, D) slab; warp per capsule. v_stride: values from
+// one capsule of v to the next (D, or more for a padded layout in shared memory).
 template <typename acc_t>
 __device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc_t* v, int warp,
-                                             int nwarps, int lane) {
+                                             int nwarps, int lane, int64_t v_stride) {
   for (int64_t j = warp; j < J; j += nwarps) {
     const acc_t* sj = s + j * D;
     acc_t q = 0;
     for (int64_t d = lane; d < D; d += kWarpSize) q += sj[d] * sj[d];
     q = warp_sum(q);
     const acc_t scale = squash_scale(q, eps);
-    for (int64_t d = lane; d < D; d += kWarpSize) v[j * D + d] = scale * sj[d];
+    for (int64_t d = lane; d < D; d += kWarpSize) v[j * v_stride + d] = scale * sj[d];
   }
 }
 
@@ -227,7 +228,7 @@ __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r, c
   const int64_t JD = dims.J * dims.D;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   __syncthreads();  // s complete (also when no row ran)
-  block_squash(s, dims.J, dims.D, eps, v, tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize);
+  block_squash(s, dims.J, dims.D, eps, v, tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize, dims.D);
   __syncthreads();  // v^r complete before the next iteration's agreement (or the copy) reads it
   if (r == dims.iters - 1) {
     for (int64_t jd = tid; jd < JD; jd += nthreads) v_out[b * JD + jd] = static_cast<scalar_t>(v[jd]);
@@ -325,10 +326,11 @@ struct BackwardWorkspace {
   acc_t* gv;
 };
 
-// gs = squash_vjp(s, gv) for the J capsules of one element (warp per capsule).
+// gs = squash_vjp(s, gv) for the J capsules of one element (warp per capsule); gs_stride as
+// block_squash's v_stride.
 template <typename acc_t>
 __device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv, int64_t J, int64_t D, acc_t eps,
-                                                 acc_t* gs) {
+                                                 acc_t* gs, int64_t gs_stride) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, nwarps = blockDim.x / kWarpSize;
   for (int64_t j = warp; j < J; j += nwarps) {
     acc_t q = 0, sg = 0;
@@ -340,7 +342,8 @@ __device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv
     sg = warp_sum(sg);
     const SquashVjp<acc_t> coeffs = squash_vjp_coeffs(q, eps);
     const acc_t radial = coeffs.radial * sg;
-    for (int64_t d = lane; d < D; d += kWarpSize) gs[j * D + d] = coeffs.scale * gv[j * D + d] + radial * s[j * D + d];
+    for (int64_t d = lane; d < D; d += kWarpSize)
+      gs[j * gs_stride + d] = coeffs.scale * gv[j * D + d] + radial * s[j * D + d];
   }
 }
 
@@ -354,10 +357,11 @@ __device__ __forceinline__ void backward_start(int64_t b, const acc_t* grad_v, c
   const int64_t JD = dims.J * dims.D, R = dims.iters;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   block_squash(s_hist + b * R * JD, R * dims.J, dims.D, eps, st.v_hist + b * R * JD, tid / kWarpSize,
-               nthreads / kWarpSize, tid % kWarpSize);
+               nthreads / kWarpSize, tid % kWarpSize, dims.D);
   for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = grad_v[b * JD + jd];
   __syncthreads();  // gv complete
-  block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv, dims.J, dims.D, eps, st.gs_hist + (b * st.nkeep + st.nkeep - 1) * JD);
+  block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv, dims.J, dims.D, eps,
+                   st.gs_hist + (b * st.nkeep + st.nkeep - 1) * JD, dims.D);
   __syncthreads();  // v_hist and gs^{iters-1} complete
 }
 
@@ -466,7 +470,7 @@ __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
       backward_rows(src, b, {0, dims.I}, r, dims, st, gv);
       __syncthreads();  // gv^{r-1} complete (also when I == 0)
       block_squash_vjp(s_hist + (b * R + r - 1) * JD, gv, dims.J, dims.D, eps,
-                       st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD);
+                       st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD, dims.D);
       __syncthreads();  // gs^{r-1} complete before gv is cleared for the next step
     }
     sum_gs(b, JD, st, grad_bias_items);
@@ -517,7 +521,7 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     sum_ranges(partial, splits, b, JD, static_cast<const acc_t*>(nullptr), gv);
     __syncthreads();  // gv^{r-1} complete
     block_squash_vjp(s_hist + (b * dims.iters + r - 1) * JD, gv, dims.J, dims.D, eps,
-                     st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD);
+                     st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD, dims.D);
     __syncthreads();  // gs^{r-1} complete
     if (r - 1 == st.first_r) {
       sum_gs(b, JD, st, grad_bias_items);

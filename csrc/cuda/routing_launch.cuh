@@ -19,40 +19,56 @@ namespace cuda {
 
 // Row ranges per element for a batch of B: 1 (the fused kernels, or with the warp-rows kernels
 // one range of 8 warp parts) when B blocks fill the GPU, else enough ranges for about
-// kBlocksPerSm blocks per SM, each at least kMinSplitTiles tiles long. CAPSROUTE_ROUTING_SPLITS=N
-// forces N (tests run both paths on small shapes).
+// kBlocksPerSm blocks per SM (the block kernels) or one wave of the warp kernels' resident blocks,
+// each at least kMinSplitTiles tiles long. CAPSROUTE_ROUTING_SPLITS=N forces N (tests run both
+// paths on small shapes).
 constexpr int64_t kMinSplitTiles = 4;
 
-inline int64_t routing_splits(const RoutingDims& dims) {
+inline int64_t routing_splits(const RoutingDims& dims, bool warp_rows, int64_t warp_blocks_per_sm) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_ROUTING_SPLITS")) return *forced;
-  return row_ranges_to_fill_device(dims.B, dims.I, kMinSplitTiles * kRoutingTile);
+  const int64_t min_rows = kMinSplitTiles * kRoutingTile;
+  return warp_rows ? row_ranges_in_one_wave(dims.B, dims.I, min_rows, warp_blocks_per_sm)
+                   : row_ranges_to_fill_device(dims.B, dims.I, min_rows);
 }
 
 // The v2 kernel set routes votes read from memory with the warp-rows kernels where the capsules
 // fit them (routing_warp_kernels.cuh); v1, and votes computed on the fly, with the block kernels.
 template <typename Source>
 RowSplit routing_row_split(const RoutingDims& dims) {
-  return {routing_splits(dims), !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims)};
+  const bool warp_rows = !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims);
+  return {routing_splits(dims, warp_rows, warp_rows_min_blocks<typename Source::acc_type>()), warp_rows};
 }
 
-// Whether the warp rows' forward should run an element per cluster instead (the cluster
-// `kernel`, routing_cluster_kernels.cuh; CAPSROUTE_ROUTING_CLUSTER=0 says no): the kernel loaded
-// as code built for sm_90 or later (elsewhere its body traps), its blocks' shared memory within
-// the device's, and at least half as many elements as clusters fit on the GPU at once (with fewer,
+// Whether the warp rows' forward or backward should run an element per cluster of
+// cluster_blocks blocks instead (the cluster `kernel`, routing_cluster_kernels.cuh;
+// routing_cluster_mode): the kernel loaded as code built for sm_90 or later (elsewhere its body
+// traps), its blocks' shared memory within the device's, clusters of that size schedulable (16
+// blocks is beyond the portable 8: a GPU that refuses says so through the occupancy query), and,
+// unless forced, at least half as many elements as clusters fit on the GPU at once (with fewer,
 // the warp rows' row ranges keep more of it busy).
 template <typename Kernel>
-bool use_cluster_forward(Kernel kernel, const RoutingDims& dims, int64_t shared_bytes) {
-  if (!routing_clusters_allowed()) return false;
+bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks, int64_t shared_bytes) {
+  const ClusterMode mode = routing_cluster_mode();
+  if (mode == ClusterMode::off) return false;
+  const auto cannot = [&](const char* why) {
+    TORCH_CHECK(mode != ClusterMode::force, "capsroute: CAPSROUTE_ROUTING_CLUSTER=force, but ", why);
+    return false;
+  };
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
   int device = 0, max_shared = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (attributes.ptxVersion < 90 || shared_bytes > max_shared) return false;
-  const ClusterLaunch launch(kernel, 1, kClusterBlocks, shared_bytes, c10::cuda::getCurrentCUDAStream());
+  if (attributes.ptxVersion < 90) return cannot("the loaded kernels were not built for sm_90 or later");
+  if (shared_bytes > max_shared) return cannot("a cluster block's shared memory exceeds the device's");
+  const ClusterLaunch launch(kernel, 1, cluster_blocks, shared_bytes, c10::cuda::getCurrentCUDAStream());
   int resident_clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &launch.config));
-  return resident_clusters > 0 && 2 * dims.B >= resident_clusters;
+  if (cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &launch.config) != cudaSuccess) {
+    (void)cudaGetLastError();  // clusters of this size not schedulable here: not an error of the op
+    resident_clusters = 0;
+  }
+  if (resident_clusters == 0) return cannot("the device cannot schedule these clusters");
+  return mode == ClusterMode::force || 2 * dims.B >= resident_clusters;
 }
 
 // A workspace of the given sizes where `needed`, else an undefined tensor; and its data or nullptr.
@@ -73,8 +89,8 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
   RowSplit split = routing_row_split<Source>(dims);
   if constexpr (!Source::kComputesVotes) {
     if (split.warp_rows)
-      split.cluster_forward = use_cluster_forward(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>,
-                                                  dims, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
+      split.cluster_forward = use_clusters(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, dims,
+                                           kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
   }
   // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on chip.)
   at::Tensor logits = optional_workspace(!split.cluster_forward, {dims.B, dims.I, dims.J}, acc_options);
@@ -92,51 +108,61 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
 }
 
 // Owns the backward buffers (they must outlive every kernel that reads the state; stream
-// order makes freeing them afterwards safe).
+// order makes freeing them afterwards safe). vote_grad_written: the backward wrote the vote
+// gradient itself (the cluster backward), and the state is empty.
 template <typename acc_t>
 struct BackwardBuffers {
   at::Tensor v_hist, gs_hist, coupling, g_logits;
   BackwardState<acc_t> state;
+  bool vote_grad_written;
 };
 
 // Allocates the state, launches the backward kernels on the current stream (B > 0) and
-// returns the state for the op-specific vote-gradient kernels. grad_v (B, J, D) is in the
-// accumulation dtype.
-template <typename Source>
+// returns the state for the op-specific vote-gradient kernels, or, where the cluster backward
+// runs (v2 on sm_90, votes read from memory), writes the vote gradient to grad_votes (B, I, J, D)
+// itself. grad_v (B, J, D) is in the accumulation dtype.
+template <typename Source, typename grad_t>
 BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source& src,
                                                                    const typename Source::acc_type* grad_v,
                                                                    const at::Tensor& s_hist, const RoutingDims& dims,
                                                                    bool detach, double eps,
-                                                                   at::Tensor& grad_bias_items) {
+                                                                   at::Tensor& grad_bias_items, grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, I = dims.I, J = dims.J, D = dims.D, R = dims.iters;
   const int64_t first_r = detach ? R - 1 : 0, nkeep = R - first_r;
   const auto acc_options = s_hist.options();
-  at::Tensor v_hist = at::empty({B, R, J, D}, acc_options);
-  at::Tensor gs_hist = at::empty({B, nkeep, J, D}, acc_options);
-  at::Tensor coupling = at::empty({B, nkeep, I, J}, acc_options);
-  at::Tensor g_logits = at::empty({B, nkeep, I, J}, acc_options);
-  const BackwardState<acc_t> st{v_hist.mutable_data_ptr<acc_t>(),
-                                gs_hist.mutable_data_ptr<acc_t>(),
-                                coupling.mutable_data_ptr<acc_t>(),
-                                g_logits.mutable_data_ptr<acc_t>(),
+  RowSplit split = routing_row_split<Source>(dims);
+  if constexpr (!Source::kComputesVotes) {
+    if (split.warp_rows)
+      split.cluster_backward =
+          use_clusters(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, dims, kBackwardClusterBlocks,
+                       cluster_backward_shared_bytes(dims, nkeep, sizeof(acc_t)));
+  }
+  // (The cluster backward keeps its state on chip; the warp kernels keep a row's logits in registers.)
+  const bool state = !split.cluster_backward;
+  at::Tensor v_hist = optional_workspace(state, {B, R, J, D}, acc_options);
+  at::Tensor gs_hist = optional_workspace(state, {B, nkeep, J, D}, acc_options);
+  at::Tensor coupling = optional_workspace(state, {B, nkeep, I, J}, acc_options);
+  at::Tensor g_logits = optional_workspace(state, {B, nkeep, I, J}, acc_options);
+  const BackwardState<acc_t> st{data_or_null<acc_t>(v_hist),
+                                data_or_null<acc_t>(gs_hist),
+                                data_or_null<acc_t>(coupling),
+                                data_or_null<acc_t>(g_logits),
                                 I,
                                 J,
                                 D,
                                 R,
                                 first_r,
                                 nkeep};
-  const RowSplit split = routing_row_split<Source>(dims);
-  // (The warp kernels keep a row's logits in registers.)
-  at::Tensor logits = optional_workspace(!split.warp_rows, {B, I, J}, acc_options);
-  at::Tensor gv = at::empty({B, J, D}, acc_options);
-  const BackwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), gv.mutable_data_ptr<acc_t>()};
-  at::Tensor partial = optional_workspace(!split.fused() && R - 1 > first_r, {B, split.parts(), J, D}, acc_options);
+  at::Tensor logits = optional_workspace(state && !split.warp_rows, {B, I, J}, acc_options);
+  at::Tensor gv = optional_workspace(state, {B, J, D}, acc_options);
+  const BackwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), data_or_null<acc_t>(gv)};
+  at::Tensor partial =
+      optional_workspace(state && !split.fused() && R - 1 > first_r, {B, split.parts(), J, D}, acc_options);
   run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v, s_hist.const_data_ptr<acc_t>(),
-                       dims, static_cast<acc_t>(eps), split, st, ws,
-                       data_or_null<acc_t>(partial),
-                       grad_bias_items.mutable_data_ptr<acc_t>());
-  return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st};
+                       dims, static_cast<acc_t>(eps), split, st, ws, data_or_null<acc_t>(partial),
+                       grad_bias_items.mutable_data_ptr<acc_t>(), grad_votes);
+  return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st, split.cluster_backward};
 }
 
 }  // namespace cuda

@@ -19,18 +19,24 @@ namespace cuda {
 // warps (routing_warp_kernels.cuh: votes read from memory only, warp_rows_fit). Either way the
 // rows kernels leave parts() partial sums per element for the reduce kernels. With
 // cluster_forward (and warp_rows) the forward is instead one launch of an element per cluster
-// (routing_cluster_kernels.cuh, sm_90, use_cluster_forward), the backward as warp_rows.
+// (routing_cluster_kernels.cuh, sm_90, use_clusters), and with cluster_backward the backward,
+// vote gradient included.
 struct RowSplit {
   int64_t splits;
   bool warp_rows;
   bool cluster_forward = false;
+  bool cluster_backward = false;
   int64_t parts() const { return warp_rows ? splits * kWarpsPerBlock : splits; }
   bool fused() const { return !warp_rows && splits == 1; }
 };
 
-// Bytes of dynamic shared memory of routing_forward_cluster_kernel's blocks.
+// Bytes of dynamic shared memory of routing_forward_cluster_kernel's and
+// routing_backward_cluster_kernel's blocks.
 inline int64_t cluster_forward_shared_bytes(const RoutingDims& dims, int64_t acc_bytes) {
   return ClusterForwardLayout(dims).size() * acc_bytes;
+}
+inline int64_t cluster_backward_shared_bytes(const RoutingDims& dims, int64_t nkeep, int64_t acc_bytes) {
+  return ClusterBackwardLayout(dims, nkeep).size() * acc_bytes;
 }
 
 // The forward of B > 0 elements. partial holds B * split.parts() * J * D values unless fused.
@@ -74,17 +80,28 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
   });
 }
 
-// The backward of B > 0 elements: fills the state st and grad_bias (B, J, D). grad_v and s_hist
-// in the accumulation dtype; partial as for the forward unless fused, when a step is walked back.
-template <typename Launch, typename Source>
+// The backward of B > 0 elements: fills the state st and grad_bias (B, J, D), from which the op
+// writes its vote gradient; with split.cluster_backward instead writes grad_votes (B, I, J, D)
+// and grad_bias, and leaves st alone (only st.first_r is read; its buffers and ws may be null).
+// grad_v and s_hist in the accumulation dtype; partial as for the forward unless fused, when a
+// step is walked back.
+template <typename Launch, typename Source, typename grad_t>
 void run_routing_backward(const Launch& launch, const Source& src, const typename Source::acc_type* grad_v,
                           const typename Source::acc_type* s_hist, const RoutingDims& dims,
                           typename Source::acc_type eps, const RowSplit& split,
                           const BackwardState<typename Source::acc_type>& st,
                           const BackwardWorkspace<typename Source::acc_type>& ws, typename Source::acc_type* partial,
-                          typename Source::acc_type* grad_bias) {
+                          typename Source::acc_type* grad_bias, grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, R = dims.iters, parts = split.parts();
+  if constexpr (!Source::kComputesVotes) {
+    if (split.cluster_backward) {
+      launch.cluster(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, blocks_for_items(B),
+                     kBackwardClusterBlocks, cluster_backward_shared_bytes(dims, st.nkeep, sizeof(acc_t)), src, grad_v,
+                     s_hist, dims, eps, st.first_r, grad_bias, grad_votes);
+      return;
+    }
+  }
   if (split.fused()) {
     launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st, ws, grad_bias);
     return;

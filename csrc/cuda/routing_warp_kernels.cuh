@@ -108,6 +108,26 @@ __device__ __forceinline__ void load_capsule(const T* p, int D, bool valid, bool
   }
 }
 
+// x's first D values to p, as load_capsule reads them (16-byte vectors when `vectors`).
+template <int kD, typename T, typename acc_t>
+__device__ __forceinline__ void store_capsule(T* p, int D, bool vectors, const acc_t (&x)[kD]) {
+  constexpr int kPer = Vector16<T>::kSize;
+  if (vectors && kD % kPer == 0) {
+#pragma unroll
+    for (int v = 0; v < kD / kPer; ++v) {
+      if (v * kPer >= D) continue;
+      Vector16<T> chunk;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) chunk.x[e] = static_cast<T>(x[v * kPer + e]);
+      reinterpret_cast<Vector16<T>*>(p)[v] = chunk;
+    }
+  } else {
+#pragma unroll
+    for (int d = 0; d < kD; ++d)
+      if (d < D) p[d] = static_cast<T>(x[d]);
+  }
+}
+
 template <int kD, typename acc_t>
 __device__ __forceinline__ acc_t capsule_dot(const acc_t (&x)[kD], const acc_t (&y)[kD]) {
   acc_t sum = 0;

@@ -14,20 +14,36 @@
 namespace capsroute {
 namespace cuda {
 
+// Streaming multiprocessors of the current device.
+inline int64_t device_sms() {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // Row ranges per element (a block each) for B elements of I rows: 1 when B blocks fill the
 // current device, else enough for about kBlocksPerSm blocks per SM, each range at least min_rows
 // rows long. (The routing and EM kernels' row-range paths.)
 constexpr int64_t kBlocksPerSm = 4;
 
 inline int64_t row_ranges_to_fill_device(int64_t B, int64_t I, int64_t min_rows) {
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wanted_blocks = kBlocksPerSm * sms;
+  const int64_t wanted_blocks = kBlocksPerSm * device_sms();
   if (B >= wanted_blocks / 2) return 1;
   const int64_t max_ranges = std::max<int64_t>(1, I / min_rows);
   return std::min<int64_t>(ceil_div<int64_t>(wanted_blocks, std::max<int64_t>(B, 1)), max_ranges);
 }
+
+// The same for kernels of which only blocks_per_sm fit an SM: as many ranges as keep the B x
+// ranges blocks within one wave of resident blocks (rounding up would leave a short second wave).
+inline int64_t row_ranges_in_one_wave(int64_t B, int64_t I, int64_t min_rows, int64_t blocks_per_sm) {
+  const int64_t resident = blocks_per_sm * device_sms();
+  const int64_t max_ranges = std::max<int64_t>(1, I / min_rows);
+  return std::clamp<int64_t>(resident / std::max<int64_t>(B, 1), 1, max_ranges);
+}
+
+// The most blocks a cluster may have on every GPU that has clusters.
+constexpr int kPortableClusterBlocks = 8;
 
 // The launch configuration of a kernel on clusters of blocks with dynamic shared memory. The
 // kernel is allowed the device's whole opt-in shared memory per block (always the same value, so
@@ -41,6 +57,9 @@ struct ClusterLaunch {
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_shared));
+    // Clusters beyond the portable 8 blocks need the kernel's consent (sm_90 schedules 16).
+    if (cluster_blocks > kPortableClusterBlocks)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     cluster_dims.id = cudaLaunchAttributeClusterDimension;
     cluster_dims.val.clusterDim.x = cluster_blocks;
     cluster_dims.val.clusterDim.y = 1;

@@ -5,7 +5,8 @@
 // for votes read from memory and votes computed from a weight, one
 // block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), votes
 // read from memory also by the warp-rows kernels (v2: a warp per part of a range) and the cluster
-// forward (v2 on sm_90: an element per cluster of 8 blocks, votes in shared memory), in
+// kernels (v2 on sm_90: an element per cluster of 8 blocks forward, 16 backward, votes in shared
+// memory; the backward writing the vote gradient over the votes), in
 // float64 and float32, and float16/bfloat16 storage with float accumulation as the extension
 // instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real ones),
 // also with votes in the accumulation dtype as dense_capsules' v2 kernel set stores them,
@@ -128,12 +129,14 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std
 // kernels' grid-stride loops are exercised), with splits given, checking v, c, s_hist and
 // grad_bias_items; then check_vote_grad(state) checks what the op's own kernels make of the saved
 // state.
-// split.warp_rows: the warp-rows kernels (votes read from memory), split.cluster_forward: the
-// cluster forward, each without the workspaces it does not use (nullptr: a read of one would crash).
-template <typename S, typename Source, typename CheckVoteGrad>
+// split.warp_rows: the warp-rows kernels (votes read from memory), split.cluster_forward /
+// cluster_backward: the cluster kernels, each without the workspaces it does not use (nullptr: a
+// read of one would crash); the cluster backward writes grad_votes instead of the state, and
+// check_vote_grad is not called.
+template <typename S, typename Source, typename GradT, typename CheckVoteGrad>
 void check_kernels(const char* label, const Case& cs, const RowSplit& split, const Source& src,
                    const std::vector<double>& bias_d, const std::vector<double>& grad_v_d, const Expected& want,
-                   double eps, double tol, CheckVoteGrad&& check_vote_grad) {
+                   double eps, double tol, GradT* grad_votes, CheckVoteGrad&& check_vote_grad) {
   using A = typename Source::acc_type;
   const int64_t B = cs.B, I = cs.I, J = cs.J, D = cs.D, JD = J * D, R = cs.iters;
   const RoutingDims dims{B, I, J, D, R, cs.leaky};
@@ -160,14 +163,18 @@ void check_kernels(const char* label, const Case& cs, const RowSplit& split, con
   std::vector<A> v_hist = nans<A>(B * R * JD), gs_hist = nans<A>(B * nkeep * JD);
   std::vector<A> coupling_hist = nans<A>(B * nkeep * I * J), g_logits = nans<A>(B * nkeep * I * J);
   std::vector<A> gv = nans<A>(B * JD), grad_bias_items = nans<A>(B * JD);
-  const BackwardState<A> st{v_hist.data(), gs_hist.data(), coupling_hist.data(), g_logits.data(), I, J, D, R,
-                            first_r, nkeep};
-  const BackwardWorkspace<A> bws{split.warp_rows ? nullptr : logits.data(), gv.data()};
+  const bool state = !split.cluster_backward;
+  const BackwardState<A> st{state ? v_hist.data() : nullptr,
+                            state ? gs_hist.data() : nullptr,
+                            state ? coupling_hist.data() : nullptr,
+                            state ? g_logits.data() : nullptr,
+                            I, J, D, R, first_r, nkeep};
+  const BackwardWorkspace<A> bws{state && !split.warp_rows ? logits.data() : nullptr, state ? gv.data() : nullptr};
   std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
   run_routing_backward(launch, src, grad_v.data(), static_cast<const A*>(s_hist.data()), dims, A(eps), split, st, bws,
-                       partial.data(), grad_bias_items.data());
+                       state ? partial.data() : nullptr, grad_bias_items.data(), grad_votes);
   compare(label, "grad_bias_items", grad_bias_items, want.grad_bias_items, tol);
-  check_vote_grad(st);
+  if (state) check_vote_grad(st);
 }
 
 // Votes read from memory in type V, their gradient written in V (V = S as dynamic_routing, or
@@ -179,16 +186,25 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
                         double eps, double tol) {
   using A = acc_of<S>;
   const std::vector<V> votes_v = cast<V>(votes);
-  // The block kernels, the warp rows, and (its forward ignores the splits: once) the cluster forward.
+  // The block kernels, the warp rows, and (they ignore the splits: once) the cluster forward with
+  // the warp rows' backward, then both directions on clusters (one cluster of 16 blocks, looping
+  // over the elements).
   const bool fit = warp_rows_fit({cs.B, cs.I, cs.J, cs.D, cs.iters, cs.leaky});
-  for (const RowSplit split : {RowSplit{cs.splits, false}, RowSplit{cs.splits, true}, RowSplit{cs.splits, true, true}}) {
+  for (const RowSplit split : {RowSplit{cs.splits, false}, RowSplit{cs.splits, true}, RowSplit{cs.splits, true, true},
+                               RowSplit{cs.splits, true, true, true}}) {
     if ((split.warp_rows && !fit) || (split.cluster_forward && cs.splits != 1)) break;
-    const std::string label =
-        std::string(case_label) + (split.cluster_forward ? " cluster forward" : split.warp_rows ? " warp rows" : "");
+    const std::string label = std::string(case_label) + (split.cluster_backward  ? " clusters"
+                                                         : split.cluster_forward ? " cluster forward"
+                                                         : split.warp_rows       ? " warp rows"
+                                                                                 : "");
     Case launch_cs = cs;
-    if (split.cluster_forward && (one_cluster || !std::is_same_v<S, double>)) launch_cs.grid = 1;
-    check_kernels<S>(label.c_str(), launch_cs, split, MemoryVotes<V, A>{votes_v.data(), cs.I, cs.J * cs.D},
-                     bias, grad_v, want, eps, tol, [&](const BackwardState<A>& st) {
+    if (split.cluster_backward || (split.cluster_forward && (one_cluster || !std::is_same_v<S, double>)))
+      launch_cs.grid = 1;
+    // The cluster backward writes the vote gradient over the votes, as dense_capsules' v2 asks.
+    std::vector<V> votes_then_grad = votes_v;
+    check_kernels<S>(label.c_str(), launch_cs, split, MemoryVotes<V, A>{votes_then_grad.data(), cs.I, cs.J * cs.D},
+                     bias, grad_v, want, eps, tol, split.cluster_backward ? votes_then_grad.data() : nullptr,
+                     [&](const BackwardState<A>& st) {
                      if (votes.empty()) return;
                      // Both kernel sets' writers: a thread per element (v1), a block per tile of rows (v2).
                      std::vector<V> grad_votes = nans<V>(votes.size()), grad_votes_rows = nans<V>(votes.size());
@@ -199,6 +215,9 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
                      compare(label.c_str(), (std::string(what) + ", a tile of rows per block").c_str(),
                              grad_votes_rows, want.grad_votes, tol);
                    });
+    if (split.cluster_backward && !votes.empty())
+      compare(label.c_str(), std::is_same_v<V, S> ? "grad_votes (over the votes)" : "grad_votes (accumulation dtype)",
+              votes_then_grad, want.grad_votes, tol);
   }
 }
 
@@ -243,7 +262,7 @@ void check_case(const Case& cs, double tol) {
         }
   const DenseVotes<S, A> dense_src{u_s.data(), weight_s.data(), cs.I, JD, cs.Din};
   check_kernels<S>(label, cs, {cs.splits, false}, dense_src, bias, grad_v, from_weight, eps, tol,
-                   [&](const BackwardState<A>& st) {
+                   static_cast<S*>(nullptr), [&](const BackwardState<A>& st) {
                      std::vector<S> grad_u = nans<S>(want_grad_u.size()), grad_weight = nans<S>(want_grad_weight.size());
                      if (!grad_u.empty())
                        emu_launch(3, kBlockThreads, dense_grad_u_kernel<S, A>, st, weight_s.data(), cs.B, cs.Din,
@@ -302,7 +321,8 @@ int main(int argc, char** argv) {
   one_cluster = tsan;
   // B, I, J, D, Din, iters, leaky, detach, bias, grid blocks, splits (set below)
   std::vector<Case> shapes = {
-      {3, 33, 10, 16, 8, 3, false, false, true, 2, 1},  {3, 33, 10, 16, 8, 3, true, true, false, 2, 1},
+      // I = 47: rows in every block of a cluster (8 x 6 forward, 16 x 3 backward), the last short.
+      {3, 47, 10, 16, 8, 3, false, false, true, 2, 1},  {3, 47, 10, 16, 8, 3, true, true, false, 2, 1},
       {2, 70, 33, 3, 5, 2, false, false, false, 2, 1},  {2, 70, 33, 3, 5, 4, true, true, true, 1, 1},
       {2, 9, 70, 1, 2, 3, true, false, true, 3, 1},     {2, 40, 5, 7, 1, 1, false, false, true, 2, 1},
       {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},     {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
