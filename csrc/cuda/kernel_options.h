@@ -32,8 +32,9 @@ inline std::optional<int64_t> forced_count(const char* name) {
 //       routing rows of votes read from memory a warp per part of each element, a capsule per
 //       lane, every row's votes read once per pass into registers (routing_warp_kernels.cuh, where the capsules
 //       fit), and on sm_90 the forward an element per cluster with its votes in shared memory
-//       (routing_cluster_kernels.cuh); the vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per
-//       block; and
+//       and the backward an element per cluster of 16 with votes, couplings and G there, the
+//       vote gradient written from shared memory (routing_cluster_kernels.cuh); elsewhere the
+//       vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per block; and
 //       EM routing's rows cut into ranges of a block each (em_launch.cuh, em_splits).
 enum class KernelSet { v1, v2 };
 

@@ -1,11 +1,14 @@
-// The v2 kernel set's dynamic routing forward on sm_90 (bench/NOTES.md, GPU section 7): an
-// element per cluster of kClusterBlocks blocks, each block holding its part of the element's rows'
-// votes in shared memory for every iteration, so the votes are read from HBM once per forward
-// instead of once per iteration. The rows are routed by the warp-rows device code
-// (routing_warp_kernels.cuh) reading shared memory; the iterations' sums over the element's rows
-// meet in the blocks' shared memory through the cluster (distributed shared memory), and every
-// block adds them in the same order, so each holds the bitwise same s^r and v^r. Launched only
-// where use_clusters allows it (the loaded code built for sm_90 or later: elsewhere the body traps).
+// The v2 kernel set's dynamic routing on sm_90, an element per cluster of blocks, each block
+// holding its part of the element's rows' votes in shared memory, so that the votes cross HBM once
+// per direction (bench/NOTES.md, GPU sections 7 and 8):
+//   - the forward on clusters of kClusterBlocks, every iteration on the votes in shared memory;
+//   - the backward on clusters of kBackwardClusterBlocks, the couplings and their gradients in
+//     shared memory too, the vote gradient written from there.
+// The rows are routed by the warp-rows device code (routing_warp_kernels.cuh) reading shared
+// memory; the sums over the element's rows (s^r forward, gv^r backward) meet in the blocks'
+// shared memory through the cluster (distributed shared memory), and every block adds them in
+// the same order, so each holds the bitwise same values. Launched only where use_clusters
+// allows it (the loaded code built for sm_90 or later: elsewhere the bodies trap).
 #pragma once
 
 #include <cstdint>

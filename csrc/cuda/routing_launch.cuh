@@ -56,16 +56,17 @@ bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks, in
   };
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  int device = 0, max_shared = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   if (attributes.ptxVersion < 90) return cannot("the loaded kernels were not built for sm_90 or later");
-  if (shared_bytes > max_shared) return cannot("a cluster block's shared memory exceeds the device's");
+  if (shared_bytes > max_dynamic_shared_bytes(kernel))
+    return cannot("a cluster block's shared memory exceeds the device's");
   const ClusterLaunch launch(kernel, 1, cluster_blocks, shared_bytes, c10::cuda::getCurrentCUDAStream());
   int resident_clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &launch.config) != cudaSuccess) {
+  const cudaError_t status = cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &launch.config);
+  if (status == cudaErrorInvalidClusterSize || status == cudaErrorNotSupported) {
     (void)cudaGetLastError();  // clusters of this size not schedulable here: not an error of the op
     resident_clusters = 0;
+  } else {
+    C10_CUDA_CHECK(status);
   }
   if (resident_clusters == 0) return cannot("the device cannot schedule these clusters");
   return mode == ClusterMode::force || 2 * dims.B >= resident_clusters;

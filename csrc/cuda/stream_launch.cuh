@@ -45,18 +45,32 @@ inline int64_t row_ranges_in_one_wave(int64_t B, int64_t I, int64_t min_rows, in
 // The most blocks a cluster may have on every GPU that has clusters.
 constexpr int kPortableClusterBlocks = 8;
 
+// Dynamic shared memory a block of `kernel` may have on the current device: the opt-in maximum
+// less the kernel's static shared memory.
+template <typename Kernel>
+int64_t max_dynamic_shared_bytes(Kernel kernel) {
+  int device = 0, max_shared = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return max_shared - static_cast<int64_t>(attributes.sharedSizeBytes);
+}
+
 // The launch configuration of a kernel on clusters of blocks with dynamic shared memory. The
-// kernel is allowed the device's whole opt-in shared memory per block (always the same value, so
-// host threads launching it with different sizes cannot race on the attribute).
+// kernel is allowed all the dynamic shared memory it may have (always the same value, so host
+// threads launching it with different sizes cannot race on the attribute), and the SMs' memory
+// split in favour of shared memory (the cluster kernels keep their rows there; with the
+// default split 2 blocks an SM would depend on the driver's choice).
 struct ClusterLaunch {
   cudaLaunchAttribute cluster_dims = {};
   cudaLaunchConfig_t config = {};
   template <typename Kernel>
   ClusterLaunch(Kernel kernel, unsigned int clusters, int cluster_blocks, int64_t shared_bytes, cudaStream_t stream) {
-    int device = 0, max_shared = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_shared));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(max_dynamic_shared_bytes(kernel))));
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
     // Clusters beyond the portable 8 blocks need the kernel's consent (sm_90 schedules 16).
     if (cluster_blocks > kPortableClusterBlocks)
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
