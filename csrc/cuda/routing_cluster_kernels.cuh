@@ -44,6 +44,22 @@ __device__ __forceinline__ void copy_rows_to_shared(const Source& src, int64_t b
   }
 }
 
+// Walks f(i, valid, u) over a warp's rows warp_rows (local to the block) in shared memory,
+// lanes.rows at a time, u the lane's capsule's votes at votes_s (zeros unless with_votes). (Rows
+// in shared memory need no loads ahead, whose registers would spill here.)
+template <int kD, typename acc_t, typename F>
+__device__ __forceinline__ void for_each_shared_row(const CapsuleLanes& lanes, RowRange warp_rows,
+                                                    const acc_t* votes_s, int64_t J, int D, int64_t stride,
+                                                    bool with_votes, F&& f) {
+  for (int64_t i0 = warp_rows.begin; i0 < warp_rows.end; i0 += lanes.rows) {
+    const int64_t i = i0 + lanes.slot;
+    const bool valid = lanes.active && i < warp_rows.end;
+    acc_t u[kD];
+    load_capsule(votes_s + (i * J + lanes.j) * stride, D, valid && with_votes, false, u);
+    f(i, valid, u);
+  }
+}
+
 // out = init (or 0 where init is nullptr) + the sums x over every row of the cluster's blocks
 // (each warp's over its rows, as store_part takes them), the blocks' sums added in rank order,
 // so that every block gets the bitwise same out. block_sums: this block's (J, D) sums for the
@@ -111,15 +127,13 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
       load_capsule(v_s + lanes.j * D, D, r > 0 && lanes.active, false, v_prev);  // v^{r-1}
 #pragma unroll
       for (int d = 0; d < kD; ++d) s_sum[d] = 0;
-      // (Rows in shared memory need no loads ahead, whose registers would spill here.)
-      for (int64_t i0 = warp_rows.begin; i0 < warp_rows.end; i0 += lanes.rows) {
-        const int64_t i = i0 + lanes.slot;
-        const bool valid = lanes.active && i < warp_rows.end;
-        acc_t u[kD];
-        load_capsule(votes_s + (i * J + lanes.j) * stride, D, valid, false, u);
-        const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev, logits_s + i * J + lanes.j, s_sum);
-        if (valid && r == R - 1) c_out[(b * I + rows.begin + i) * J + lanes.j] = static_cast<scalar_t>(c);
-      }
+      for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, true,
+                              [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+                                const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev,
+                                                                  logits_s + i * J + lanes.j, s_sum);
+                                if (valid && r == R - 1)
+                                  c_out[(b * I + rows.begin + i) * J + lanes.j] = static_cast<scalar_t>(c);
+                              });
       cluster_sum<kClusterBlocks>(lanes, s_sum, D, JD, warp_sums_s, block_sums_s + (r % 2) * JD, bias, s_s);
       if (rank == 0)
         for (int64_t jd = tid; jd < JD; jd += blockDim.x) s_hist[(b * R + r) * JD + jd] = s_s[jd];
@@ -197,16 +211,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
   const CapsuleLanes lanes(J, lane);
   const bool vectors = vector_capsules(src.row(0, 0), D), grad_vectors = vector_capsules(grad_votes, D);
-  // Walks f(i, valid, u) over the warp's rows, the lane's votes u from shared memory (0 unless
-  // with_votes).
   const auto for_each_local_row = [&](bool with_votes, auto&& f) {
-    for (int64_t i0 = warp_rows.begin; i0 < warp_rows.end; i0 += lanes.rows) {
-      const int64_t i = i0 + lanes.slot;
-      const bool valid = lanes.active && i < warp_rows.end;
-      acc_t u[kD];
-      load_capsule(votes_s + (i * J + lanes.j) * stride, D, valid && with_votes, false, u);
-      f(i, valid, u);
-    }
+    for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, with_votes, f);
   };
   const int64_t clusters = gridDim.x / kBackwardClusterBlocks;
   for (int64_t b = blockIdx.x / kBackwardClusterBlocks; b < dims.B; b += clusters) {

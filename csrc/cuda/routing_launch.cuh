@@ -54,22 +54,14 @@ bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks, in
     TORCH_CHECK(mode != ClusterMode::force, "capsroute: CAPSROUTE_ROUTING_CLUSTER=force, but ", why);
     return false;
   };
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  if (attributes.ptxVersion < 90) return cannot("the loaded kernels were not built for sm_90 or later");
-  if (shared_bytes > max_dynamic_shared_bytes(kernel))
+  const void* function = reinterpret_cast<const void*>(kernel);
+  const ClusterKernelSetup setup = cluster_kernel_setup(function);
+  if (setup.ptx_version < 90) return cannot("the loaded kernels were not built for sm_90 or later");
+  if (shared_bytes > setup.max_dynamic_shared_bytes)
     return cannot("a cluster block's shared memory exceeds the device's");
-  const ClusterLaunch launch(kernel, 1, cluster_blocks, shared_bytes, c10::cuda::getCurrentCUDAStream());
-  int resident_clusters = 0;
-  const cudaError_t status = cudaOccupancyMaxActiveClusters(&resident_clusters, kernel, &launch.config);
-  if (status == cudaErrorInvalidClusterSize || status == cudaErrorNotSupported) {
-    (void)cudaGetLastError();  // clusters of this size not schedulable here: not an error of the op
-    resident_clusters = 0;
-  } else {
-    C10_CUDA_CHECK(status);
-  }
-  if (resident_clusters == 0) return cannot("the device cannot schedule these clusters");
-  return mode == ClusterMode::force || 2 * dims.B >= resident_clusters;
+  const int resident = resident_clusters(function, cluster_blocks, shared_bytes);
+  if (resident == 0) return cannot("the device cannot schedule these clusters");
+  return mode == ClusterMode::force || 2 * dims.B >= resident;
 }
 
 // A workspace of the given sizes where `needed`, else an undefined tensor; and its data or nullptr.

@@ -8,6 +8,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
 
 #include "device_utils.cuh"
 
@@ -45,35 +49,54 @@ inline int64_t row_ranges_in_one_wave(int64_t B, int64_t I, int64_t min_rows, in
 // The most blocks a cluster may have on every GPU that has clusters.
 constexpr int kPortableClusterBlocks = 8;
 
-// Dynamic shared memory a block of `kernel` may have on the current device: the opt-in maximum
-// less the kernel's static shared memory.
-template <typename Kernel>
-int64_t max_dynamic_shared_bytes(Kernel kernel) {
-  int device = 0, max_shared = 0;
+// A cluster kernel on the current device, set up once per (device, kernel) and cached, so that
+// a launch makes no attribute calls: the PTX version of the code loaded for it, and the dynamic
+// shared memory a block may have (the opt-in maximum less the kernel's static shared memory).
+// Where the code is built for sm_90 or later (elsewhere the cluster kernels trap and are never
+// launched), the kernel is allowed all of that (always the same value, so host threads launching
+// it with different sizes cannot race on the attribute), clusters beyond the portable 8 blocks
+// (sm_90 schedules 16), and the SMs' memory split in favour of shared memory (the cluster kernels
+// keep their rows there; with the default split 2 blocks an SM would depend on the driver).
+struct ClusterKernelSetup {
+  int ptx_version;
+  int64_t max_dynamic_shared_bytes;
+};
+
+inline int current_device() {
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+inline ClusterKernelSetup cluster_kernel_setup(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, ClusterKernelSetup> setups;
+  const int device = current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = setups.find({device, kernel});
+  if (found != setups.end()) return found->second;
+  int max_shared = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return max_shared - static_cast<int64_t>(attributes.sharedSizeBytes);
+  const ClusterKernelSetup setup{attributes.ptxVersion, max_shared - static_cast<int64_t>(attributes.sharedSizeBytes)};
+  if (setup.ptx_version >= 90) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(setup.max_dynamic_shared_bytes)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  }
+  setups.emplace(std::make_pair(device, kernel), setup);
+  return setup;
 }
 
-// The launch configuration of a kernel on clusters of blocks with dynamic shared memory. The
-// kernel is allowed all the dynamic shared memory it may have (always the same value, so host
-// threads launching it with different sizes cannot race on the attribute), and the SMs' memory
-// split in favour of shared memory (the cluster kernels keep their rows there; with the
-// default split 2 blocks an SM would depend on the driver's choice).
+// The launch configuration of `clusters` clusters of cluster_blocks blocks with shared_bytes of
+// dynamic shared memory each (the kernel set up by cluster_kernel_setup).
 struct ClusterLaunch {
   cudaLaunchAttribute cluster_dims = {};
   cudaLaunchConfig_t config = {};
-  template <typename Kernel>
-  ClusterLaunch(Kernel kernel, unsigned int clusters, int cluster_blocks, int64_t shared_bytes, cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(max_dynamic_shared_bytes(kernel))));
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-    // Clusters beyond the portable 8 blocks need the kernel's consent (sm_90 schedules 16).
-    if (cluster_blocks > kPortableClusterBlocks)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  ClusterLaunch(unsigned int clusters, int cluster_blocks, int64_t shared_bytes, cudaStream_t stream) {
     cluster_dims.id = cudaLaunchAttributeClusterDimension;
     cluster_dims.val.clusterDim.x = cluster_blocks;
     cluster_dims.val.clusterDim.y = 1;
@@ -88,6 +111,29 @@ struct ClusterLaunch {
   ClusterLaunch(const ClusterLaunch&) = delete;  // config points at cluster_dims
 };
 
+// How many clusters of cluster_blocks blocks with shared_bytes each of a set-up cluster kernel
+// the current device runs at once (0: it cannot schedule them), cached per device, kernel and
+// size.
+inline int resident_clusters(const void* kernel, int cluster_blocks, int64_t shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, int64_t>, int> counts;
+  const auto key = std::make_tuple(current_device(), kernel, cluster_blocks, shared_bytes);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = counts.find(key);
+  if (found != counts.end()) return found->second;
+  const ClusterLaunch launch(1, cluster_blocks, shared_bytes, nullptr);
+  int count = 0;
+  const cudaError_t status = cudaOccupancyMaxActiveClusters(&count, kernel, &launch.config);
+  if (status == cudaErrorInvalidClusterSize || status == cudaErrorNotSupported) {
+    (void)cudaGetLastError();  // clusters of this size not schedulable here: not an error of the op
+    count = 0;
+  } else {
+    C10_CUDA_CHECK(status);
+  }
+  counts.emplace(key, count);
+  return count;
+}
+
 struct StreamLaunch {
   cudaStream_t stream;
   template <typename... Params, typename... Args>
@@ -101,7 +147,8 @@ struct StreamLaunch {
   template <typename... Params, typename... Args>
   void cluster(void (*kernel)(Params...), unsigned int clusters, int cluster_blocks, int64_t shared_bytes,
                const Args&... args) const {
-    ClusterLaunch launch(kernel, clusters, cluster_blocks, shared_bytes, stream);
+    cluster_kernel_setup(reinterpret_cast<const void*>(kernel));  // once per device
+    const ClusterLaunch launch(clusters, cluster_blocks, shared_bytes, stream);
     C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, args...));
   }
 };
