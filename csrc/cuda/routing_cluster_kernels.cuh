@@ -84,7 +84,7 @@ __device__ __forceinline__ void cluster_sum(const CapsuleLanes& lanes, acc_t (&x
 // capsule at an odd stride, capsule_stride, so that the lanes of a row, a capsule each, read
 // distinct banks), their logits (rows x J), each warp's sums over its rows (8 x J x D), the
 // block's sums of the last two iterations, which the cluster reads (2 x J x D, by iteration
-// parity), and the element's s and v (J x D each).
+// parity), the element's s (J x D) and v (J at capsule_stride: each lane reads its capsule's v).
 struct ClusterForwardLayout {
   int64_t rows, J, JD, capsule_stride;
   __host__ __device__ __forceinline__ ClusterForwardLayout(const RoutingDims& dims)
@@ -94,7 +94,7 @@ struct ClusterForwardLayout {
   __host__ __device__ __forceinline__ int64_t block_sums() const { return warp_sums() + kWarpsPerBlock * JD; }
   __host__ __device__ __forceinline__ int64_t s() const { return block_sums() + 2 * JD; }
   __host__ __device__ __forceinline__ int64_t v() const { return s() + JD; }
-  __host__ __device__ __forceinline__ int64_t size() const { return v() + JD; }
+  __host__ __device__ __forceinline__ int64_t size() const { return v() + J * capsule_stride; }
 };
 
 // Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J), as the
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     __syncthreads();
     for (int64_t r = 0; r < R; ++r) {
       acc_t v_prev[kD], s_sum[kD];
-      load_capsule(v_s + lanes.j * D, D, r > 0 && lanes.active, false, v_prev);  // v^{r-1}
+      load_capsule(v_s + lanes.j * stride, D, r > 0 && lanes.active, false, v_prev);  // v^{r-1}
 #pragma unroll
       for (int d = 0; d < kD; ++d) s_sum[d] = 0;
       for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, true,
@@ -137,10 +137,11 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
       cluster_sum<kClusterBlocks>(lanes, s_sum, D, JD, warp_sums_s, block_sums_s + (r % 2) * JD, bias, s_s);
       if (rank == 0)
         for (int64_t jd = tid; jd < JD; jd += blockDim.x) s_hist[(b * R + r) * JD + jd] = s_s[jd];
-      block_squash(s_s, J, dims.D, eps, v_s, warp, kWarpsPerBlock, lane, dims.D);
+      block_squash(s_s, J, dims.D, eps, v_s, warp, kWarpsPerBlock, lane, stride);
       __syncthreads();  // v^r complete before the next iteration reads it
       if (r == R - 1 && rank == 0)
-        for (int64_t jd = tid; jd < JD; jd += blockDim.x) v_out[b * JD + jd] = static_cast<scalar_t>(v_s[jd]);
+        for (int64_t jd = tid; jd < JD; jd += blockDim.x)
+          v_out[b * JD + jd] = static_cast<scalar_t>(v_s[jd / D * stride + jd % D]);
     }
     // No block refills its sums (next element) or exits while another still reads them.
     cluster_sync();
