@@ -111,10 +111,10 @@ struct ClusterLaunch {
   ClusterLaunch(const ClusterLaunch&) = delete;  // config points at cluster_dims
 };
 
-// How many clusters of cluster_blocks blocks with shared_bytes each of a set-up cluster kernel
-// the current device runs at once (0: it cannot schedule them), cached per device, kernel and
-// size.
+// How many clusters of cluster_blocks blocks with shared_bytes each of a cluster kernel the
+// current device runs at once (0: it cannot schedule them), cached per device, kernel and size.
 inline int resident_clusters(const void* kernel, int cluster_blocks, int64_t shared_bytes) {
+  cluster_kernel_setup(kernel);  // the attributes it sets decide the occupancy
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int, int64_t>, int> counts;
   const auto key = std::make_tuple(current_device(), kernel, cluster_blocks, shared_bytes);
