@@ -6,6 +6,7 @@
 """
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
     pl.set_defaults(run=plot)
 
     args = p.parse_args(argv)
+    args.invocation = "capsroute " + shlex.join(sys.argv[1:] if argv is None else argv)  # for the run records
     return args.run(args)
 
 

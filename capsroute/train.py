@@ -14,6 +14,7 @@ import argparse
 import csv
 import dataclasses
 import os
+import shlex
 import signal
 import sys
 import time
@@ -32,8 +33,9 @@ from .multimnist import pair_correct
 from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# A resumed run keeps its own arguments (model, data, optimizer, seed...) except these: taken from
-# the new command line always, or only when given there.
+# A resumed run keeps its own arguments (model, data, optimizer, seed..., and the command that
+# started it, the records' "command") except these: taken from the new command line always, or
+# only when given there.
 RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download", "evaluate"}
 RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
 METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
@@ -393,7 +395,7 @@ class Trainer:
                 "devices": self.ddp.world_size, "torch": torch.__version__, "commit": self.commit,
                 "backend": args.backend, "amp": args.amp, "batch_size": args.batch_size * self.ddp.world_size,
                 "model_config": parse_model_config(args.model_config),
-                "command": "capsroute train " + " ".join(sys.argv[1:])}
+                "command": self.args.invocation}
         if self.pairs:  # equal checksums: the same test pairs (README: MultiMNIST)
             info.update(train_pairs=self.train_size, test_pairs=self.test_size, test_checksum=self.test_checksum)
         return info
@@ -461,7 +463,9 @@ def resolve_run_dir(args: argparse.Namespace) -> dict | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="capsroute train", description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    args.invocation = "capsroute train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:

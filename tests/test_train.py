@@ -2,6 +2,7 @@
 learning, exact resume, Ctrl-C, torch.distributed with two gloo processes, figures."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -64,12 +65,15 @@ def test_resume_is_bit_identical(tmp_path):
 
 
 def test_resume_finishes_the_run(tmp_path):
-    common = ["--train-subset", "128", "--test-subset", "64", "--epochs", "2"]
-    assert train.main(train_args(tmp_path, *common, "--max-steps", "5")) == 0
+    """Started from the `capsroute` command, resumed through the module: the record's command is
+    the one that started the run, runnable as written."""
+    started = train_args(tmp_path, "--train-subset", "128", "--test-subset", "64", "--epochs", "2", "--max-steps", "5")
+    assert cli_main(["train", *started]) == 0
     assert not (tmp_path / "result.json").exists()
     assert train.main(["--resume", str(tmp_path), "--no-progress", "--no-plots"]) == 0
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["epochs"] == 2 and checkpoint(tmp_path)["step"] == 8
+    assert result["command"] == "capsroute train " + shlex.join(started)
 
 
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
