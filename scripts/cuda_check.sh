@@ -3,11 +3,13 @@
 # tests, the float64 correctness sweep at GPU sizes (scripts/gpu_sweep.py), compute-sanitizer over
 # scripts/sanitizer_workload.py, then the benchmark.
 # Logs and the benchmark JSON and figures go to $OUT if set (the device tool's output folder), else bench/results.
-#   bash scripts/cuda_check.sh [tests] [tests-scale] [sweep] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models] [train-capsnet[-fashion]] [train-matrixcapsnet[-fashion]]
-# The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST) need the data in
-# data/mnist or data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data"
-# to the GPU machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a
-# checkpoint (SIGINT is taken between steps); the next call resumes the run in runs/.
+#   bash scripts/cuda_check.sh [tests] [tests-scale] [sweep] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models]
+#                              [train-capsnet[-fashion|-multimnist]] [train-matrixcapsnet[-fashion]] [train-cnn-multimnist]
+# The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
+# for MultiMNIST pairs, PAIRS_PER_DIGIT x 60,000 an epoch, default 10) need the data in data/mnist or
+# data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data" to the GPU
+# machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a checkpoint
+# (SIGINT is taken between steps); the next call resumes the run in runs/.
 # Compile for the GPU's architecture alone (sm_90 on the H100/H200 machines): half the build time.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CAPSROUTE_FORCE_CUDA=1
@@ -60,16 +62,20 @@ for stage in $stages; do
       python -m capsroute.cli bench --device cuda --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --no-progress --plot --out "$out" || status=1 ;;
     bench-models)
       python -m capsroute.cli bench --device cuda --op capsnet matrixcapsnet --max-batch --no-progress --plot --out "$out" || status=1 ;;
-    train-capsnet|train-matrixcapsnet|train-capsnet-fashion|train-matrixcapsnet-fashion)
-      model=${stage#train-}; model=${model%-fashion}
-      dataset=mnist; [ "${stage%-fashion}" = "$stage" ] || dataset=fashion-mnist
+    train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)
+      spec=${stage#train-}; model=${spec%%-*}; dataset=mnist
+      case $spec in *-fashion) dataset=fashion-mnist ;; *-multimnist) dataset=multimnist ;; esac
+      data_dir=data/$dataset; [ "$dataset" != multimnist ] || data_dir=data/mnist
       run=runs/$model-$dataset
       if [ -f "$run/checkpoint.pt" ]; then args=(--resume "$run")
-      elif [ "$model" = capsnet ]; then args=(--model capsnet --dataset "$dataset" --data-dir "data/$dataset" --epochs 100
+      elif [ "$dataset" = multimnist ]; then  # CapsNet, or the CNN baseline (--model cnn), on the same pairs
+        args=(--model "$model" --dataset multimnist --data-dir "$data_dir" --pairs-per-digit "${PAIRS_PER_DIGIT:-10}"
+              --epochs 100 --batch-size 128 --out "$run")
+      elif [ "$model" = capsnet ]; then args=(--model capsnet --dataset "$dataset" --data-dir "$data_dir" --epochs 100
                                              --batch-size 128 --out "$run")
       # The recipe that public re-implementations report 99.3% with: A=B=C=D=32, 2 iterations, Adam 1e-2, batch 128.
       else args=(--model matrixcapsnet --model-config A=32 B=32 C=32 D=32 iters=2 --dataset "$dataset"
-                 --data-dir "data/$dataset" --epochs 40 --batch-size 128 --lr 1e-2 --out "$run"); fi
+                 --data-dir "$data_dir" --epochs 40 --batch-size 128 --lr 1e-2 --out "$run"); fi
       rc=0
       timeout -s INT "${TRAIN_SECONDS:-540}" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
