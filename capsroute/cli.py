@@ -23,6 +23,8 @@ def plot(args: argparse.Namespace) -> int:
                 raise SystemExit(f"{path}: not a capsroute train run (no metrics.json)")
             for png in plot_run(path):
                 print(f"wrote {png}")
+            if not (path / "checkpoint.pt").exists():
+                print(f"{path}: no checkpoint.pt, so only the curves (the other figures need the network)")
             continue
         report = json.loads(path.read_text())
         if report.get("kind") != "bench":

@@ -20,13 +20,21 @@ import numpy as np
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from ._runinfo import short_commit
 from .models import CapsNet, model_for_run
 from .multimnist import SIZE, MultiMNIST
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
+
+
+class _PlainLogFormatter(LogFormatter):
+    """LogFormatter's choice of the ticks to label (minor ones where the axis spans less than about
+    two decades), each written as a plain number (0.06, 20) rather than 6e-02 or 2 x 10^1."""
+
+    def __call__(self, x, pos=None):
+        return f"{x:g}" if super().__call__(x, pos) else ""
 
 
 def _new_figure(size) -> Figure:
@@ -49,6 +57,8 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path:
     error_ax.legend()
     for ax in (loss_ax, error_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
@@ -144,7 +154,9 @@ def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None
              pairs: MultiMNIST | None = None, curves: bool = True) -> list[Path]:
     """Draws the run's figures into run_dir; returns their paths. Without `model` the network is
     loaded from run_dir/checkpoint.pt and the test images (or MultiMNIST test pairs) from the
-    run's dataset. curves=False: not curves.png (a run scored mid-epoch has no epochs to draw)."""
+    run's dataset; without either (a run folder kept without its checkpoint, as bench/results
+    keeps them) only curves.png. curves=False: not curves.png (a run scored mid-epoch has no epochs
+    to draw)."""
     run_dir = Path(run_dir)
     written = []
     if curves:
@@ -154,6 +166,8 @@ def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None
                  f"commit {short_commit(run['commit'])}")
         written.append(plot_curves(metrics["epochs"], run_dir / "curves.png", title))
     if model is None:
+        if not (run_dir / "checkpoint.pt").exists():
+            return written
         model, args = _load_model(run_dir)
         if isinstance(model, CapsNet):
             from . import data, multimnist

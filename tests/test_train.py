@@ -151,3 +151,9 @@ def test_figures_from_a_run(tmp_path, capsys):
     for name in ("curves.png", "reconstructions.png", "perturbations.png"):
         assert f"wrote {tmp_path / name}" in printed
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A run kept without its checkpoint (as bench/results keeps them): the curves alone.
+    (tmp_path / "checkpoint.pt").unlink()
+    assert cli_main(["plot", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'curves.png'}" in printed and "reconstructions" not in printed
+    assert "no checkpoint.pt" in printed
