@@ -47,6 +47,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # The command line as typed, for the records' "command" (set by the entry points; None for a
+    # Trainer built in Python).
+    p.set_defaults(invocation=None)
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
     p.add_argument("--model-config", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="constructor arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
