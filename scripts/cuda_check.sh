@@ -65,6 +65,8 @@ for stage in $stages; do
     train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)
       spec=${stage#train-}; model=${spec%%-*}; dataset=mnist
       case $spec in *-fashion) dataset=fashion-mnist ;; *-multimnist) dataset=multimnist ;; esac
+      case $model-$dataset in capsnet-*|matrixcapsnet-mnist|matrixcapsnet-fashion-mnist|cnn-multimnist) ;;
+        *) echo "unknown stage $stage" >&2; exit 2 ;; esac
       data_dir=data/$dataset; [ "$dataset" != multimnist ] || data_dir=data/mnist
       run=runs/$model-$dataset
       if [ -f "$run/checkpoint.pt" ]; then args=(--resume "$run")
