@@ -8,12 +8,19 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 _CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root when capsroute runs from a checkout
+
+
+def command_line(program: str, argv: list[str] | None) -> str:
+    """The command as typed, for a record: program and argv (sys.argv[1:] when None), shell-quoted."""
+    return f"{program} {shlex.join(sys.argv[1:] if argv is None else argv)}"
 
 
 def _git(*args, cwd=None) -> str | None:

@@ -6,11 +6,11 @@
 """
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
 from capsroute import bench, train
+from capsroute._runinfo import command_line
 
 
 def plot(args: argparse.Namespace) -> int:
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     pl.set_defaults(run=plot)
 
     args = p.parse_args(argv)
-    args.invocation = "capsroute " + shlex.join(sys.argv[1:] if argv is None else argv)  # for the run records
+    args.invocation = command_line("capsroute", argv)  # for the run records
     return args.run(args)
 
 

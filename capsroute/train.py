@@ -14,7 +14,6 @@ import argparse
 import csv
 import dataclasses
 import os
-import shlex
 import signal
 import sys
 import time
@@ -26,16 +25,15 @@ import torch.distributed as dist
 from torch import nn
 
 from . import data, multimnist
-from ._runinfo import device_name, git_commit, replacing, resolve_device, write_json_atomic
+from ._runinfo import command_line, device_name, git_commit, replacing, resolve_device, write_json_atomic
 from .losses import spread_margin, training_loss
 from .models import MODELS, CapsNet, model_for_run, parse_model_config
 from .multimnist import pair_correct
 from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# A resumed run keeps its own arguments (model, data, optimizer, seed..., and the command that
-# started it, the records' "command") except these: taken from the new command line always, or
-# only when given there.
+# A resumed run keeps its own arguments (model, data, optimizer, seed..., the command that started
+# it) except these: taken from the new command line always, or only when given there.
 RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download", "evaluate"}
 RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
 METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
@@ -47,9 +45,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # The command line as typed, for the records' "command" (set by the entry points; None for a
-    # Trainer built in Python).
-    p.set_defaults(invocation=None)
+    p.set_defaults(invocation=None)  # the command as typed, for the records (None from Python)
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
     p.add_argument("--model-config", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="constructor arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
@@ -175,9 +171,7 @@ class Trainer:
         return images[:subset], labels[:subset]
 
     def autocast(self):
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return nullcontext() if self.amp_dtype is None else torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def loss(self, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ramp_steps = round(self.args.margin_ramp_epochs * self.steps_per_epoch)
@@ -467,7 +461,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="capsroute train", description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    args.invocation = "capsroute train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.invocation = command_line("capsroute train", argv)
     return run(args)
 
 
