@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,9 +47,6 @@ inline int64_t row_ranges_in_one_wave(int64_t B, int64_t I, int64_t min_rows, in
   return std::clamp<int64_t>(resident / std::max<int64_t>(B, 1), 1, max_ranges);
 }
 
-// The most blocks a cluster may have on every GPU that has clusters.
-constexpr int kPortableClusterBlocks = 8;
-
 // A cluster kernel on the current device, set up once per (device, kernel) and cached, so that
 // a launch makes no attribute calls: the PTX version of the code loaded for it, and the dynamic
 // shared memory a block may have (the opt-in maximum less the kernel's static shared memory).
@@ -62,16 +60,10 @@ struct ClusterKernelSetup {
   int64_t max_dynamic_shared_bytes;
 };
 
-inline int current_device() {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
-
 inline ClusterKernelSetup cluster_kernel_setup(const void* kernel) {
   static std::mutex mutex;
   static std::map<std::pair<int, const void*>, ClusterKernelSetup> setups;
-  const int device = current_device();
+  const int device = c10::cuda::current_device();
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = setups.find({device, kernel});
   if (found != setups.end()) return found->second;
@@ -117,7 +109,7 @@ inline int resident_clusters(const void* kernel, int cluster_blocks, int64_t sha
   cluster_kernel_setup(kernel);  // the attributes it sets decide the occupancy
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int, int64_t>, int> counts;
-  const auto key = std::make_tuple(current_device(), kernel, cluster_blocks, shared_bytes);
+  const auto key = std::make_tuple(int{c10::cuda::current_device()}, kernel, cluster_blocks, shared_bytes);
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = counts.find(key);
   if (found != counts.end()) return found->second;
