@@ -6,13 +6,14 @@ Environment:
   TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0+PTX": sm_80 and sm_90 code, and sm_90 PTX that
                            newer GPUs compile at load time); never guessed from a local GPU
   MAX_JOBS                 parallel compile jobs
-  CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": x86-64-v3 (AVX2, FMA) where
-                           torch runs its own AVX2 or AVX-512 kernels on the build machine, else
-                           the compiler's baseline; "x86-64" builds for any x86-64 CPU. With
-                           x86-64-v3, at::vec::Vectorized is its AVX2 implementation (the CPU
-                           kernels' inner loops), else its portable one. Only x86-64-v3 and the
-                           baseline have been checked: -march=native on an AVX-512 machine broke
-                           tensor metadata across the torch headers (wrong dtypes seen).
+  CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": the level of the kernels torch
+                           runs on the build machine, x86-64-v4 (AVX-512) where torch runs its
+                           AVX-512 ones, x86-64-v3 (AVX2, FMA) where its AVX2 ones, else the
+                           compiler's baseline; "x86-64" builds for any x86-64 CPU. With x86-64-v4
+                           or -v3, at::vec::Vectorized is its AVX-512 or AVX2 implementation (the
+                           CPU kernels' inner loops), else its portable one. Only these levels have
+                           been checked: -march=native on an AVX-512 machine broke tensor metadata
+                           across the torch headers (wrong dtypes seen).
 """
 import glob
 import os
@@ -55,7 +56,7 @@ def cpu_arch():
     arch = os.environ.get("CAPSROUTE_CPU_ARCH", "auto")
     if arch != "auto":
         return arch
-    return "x86-64-v3" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+    return {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}.get(torch.backends.cpu.get_cpu_capability())
 
 
 def extension():
@@ -68,9 +69,10 @@ def extension():
     defines.append(("CAPSROUTE_CPU_ARCH", f'"{arch or "baseline"}"'))
     if arch:
         cxx.append(f"-march={arch}")
-    if arch == "x86-64-v3":
-        # at::vec picks its implementation from these, as ATen's own AVX2 kernels are built.
-        cxx += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    # at::vec picks its implementation from these, as ATen's own AVX2 and AVX-512 kernels are built.
+    capability = {"x86-64-v3": "AVX2", "x86-64-v4": "AVX512"}.get(arch)
+    if capability:
+        cxx += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     if not with_cuda:
         return cpp_extension.CppExtension("capsroute._C", sources, define_macros=defines,
                                           extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])

@@ -7,7 +7,7 @@ import torch
 
 import capsroute
 from capsroute import reference
-from helpers import CUDA, DEVICES, assert_rel_close
+from helpers import CUDA, DEVICES, TOLERANCE, assert_rel_close
 from op_db import DENSE_CAPSULES, dense_inputs
 
 
@@ -92,6 +92,16 @@ def test_vote_groups_and_contraction_blocks_cpu(threads):
         torch.set_num_threads(saved)
     for name, a, e in results:
         assert_rel_close(a, e, 1e-10, name)
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 7, 16, 8), (3, 21, 5, 12, 19)])
+def test_float32_weight_transposes_cpu(shape):
+    """In float32 the CPU backend transposes weight_i and writes the weight gradient through
+    register transposes of a vector's width (8 floats with AVX2, 16 with AVX-512) x 8 input
+    values: whole blocks at J*D = 112 and Din = 8; at J*D = 60 and Din = 19 partial blocks on
+    both sides, and blocks that start at input value 8."""
+    for name, a, e in compare(*dense_inputs(shape, dtype=torch.float32), 3, False, False):
+        assert_rel_close(a, e, TOLERANCE[torch.float32], name)
 
 
 def test_matches_dynamic_routing_on_the_same_votes(device):

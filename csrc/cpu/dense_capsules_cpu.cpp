@@ -42,15 +42,16 @@ struct VoteOperands {
 };
 
 // weight_i (JD, Din) transposed into w_t (Din, JD), where the vote and input-gradient loops want
-// it: 8 x 8 blocks (in registers where at::vec has an AVX2 transpose) into a buffer that stays in
+// it: blocks of a vector's width x 8 (in registers, cpu::transpose) into a buffer that stays in
 // L1, instead of a transposed copy of the whole weight in memory.
 template <typename acc_t>
 void transpose_weight_rows(const acc_t* w_i, int64_t JD, int64_t Din, acc_t* w_t) {
+  constexpr int kRows = cpu::Vec<acc_t>::size();
   int64_t c0 = 0;
-  for (; c0 + 8 <= JD; c0 += 8) {
+  for (; c0 + kRows <= JD; c0 += kRows) {
     int64_t k0 = 0;
-    for (; k0 + 8 <= Din; k0 += 8) at::vec::transpose_mxn<acc_t, 8, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
-    if (k0 < Din) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD, 8, Din - k0);
+    for (; k0 + 8 <= Din; k0 += 8) cpu::transpose<acc_t, kRows, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
+    if (k0 < Din) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD, kRows, Din - k0);
   }
   if (c0 < JD) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din, Din, w_t + c0, JD, JD - c0, Din);
 }
@@ -135,8 +136,8 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
     }
     alignas(64) acc_t columns[kRows][W];
     for (int r = 0; r < kRows; ++r) sum[r].store(columns[r]);
-    if (n == W)  // a register transpose where at::vec has one (8 x 8 float), not kRows * W scalar stores
-      at::vec::transpose_mxn<acc_t, kRows, W>(columns[0], W, g_w_i + c0 * Din + k0, Din);
+    if (n == W)  // a register transpose where there is one (cpu::transpose), not kRows * W scalar stores
+      cpu::transpose<acc_t, kRows, W>(columns[0], W, g_w_i + c0 * Din + k0, Din);
     else
       at::vec::transpose_mxn<acc_t>(columns[0], W, g_w_i + c0 * Din + k0, Din, kRows, n);
   }
@@ -155,8 +156,10 @@ void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t u_stri
       for (int r = 0; r < kRows; ++r)
         sum[r] = at::vec::fmadd(cpu::Vec<acc_t>::loadu(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
     }
-    if constexpr (kRows == W) {  // the rows' horizontal sums together
-      cpu::lane_sums(sum).store(g_u_i + e * u_stride + k0);
+    if constexpr (kRows > 1 && kRows <= W) {  // the rows' horizontal sums together (lanes past kRows: 0)
+      cpu::Vec<acc_t> sums[W];
+      for (int r = 0; r < W; ++r) sums[r] = r < kRows ? sum[r] : cpu::Vec<acc_t>(acc_t(0));
+      cpu::lane_sums(sums).store(g_u_i + e * u_stride + k0, kRows);
     } else {
       for (int r = 0; r < kRows; ++r) g_u_i[e * u_stride + k0 + r] = cpu::reduce_sum(sum[r]);
     }

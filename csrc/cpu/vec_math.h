@@ -114,7 +114,80 @@ inline Vec<float> lane_sums(const Vec<float>* x) {
   const __m256 x0123 = _mm256_hadd_ps(x01, x23), x4567 = _mm256_hadd_ps(x45, x67);
   return _mm256_add_ps(_mm256_permute2f128_ps(x0123, x4567, 0x20), _mm256_permute2f128_ps(x0123, x4567, 0x31));
 }
+#elif defined(CPU_CAPABILITY_AVX512)
+// Sixteen horizontal sums as a transpose-and-add tree: 45 instructions instead of 16 x 8.
+template <>
+inline Vec<float> lane_sums(const Vec<float>* x) {
+  // Within each 128-bit lane: pairs (a, b) -> [a0+a2, b0+b2, a1+a3, b1+b3], then quads
+  // (x[4g..4g+3]) -> t[g] = [the four vectors' sums over this 128-bit lane].
+  __m512 pairs[8];
+  for (int p = 0; p < 8; ++p)
+    pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * p], x[2 * p + 1]), _mm512_unpackhi_ps(x[2 * p], x[2 * p + 1]));
+  __m512 t[4];
+  for (int g = 0; g < 4; ++g)
+    t[g] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * g], pairs[2 * g + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(pairs[2 * g], pairs[2 * g + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Across the four 128-bit lanes: 128-bit lane g of the result is t[g] summed over its lanes.
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+}
 #endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Two 8 x 8 float transposes side by side, one in each 256-bit half of r[0..8): AVX2's register
+// transpose (at::vec's for AVX2), whose in-lane steps serve both halves; its last step, across
+// 128-bit lanes, is a two-source permute per row here.
+inline void transpose_8x8_halves(__m512* r) {
+  __m512 t[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    r[k] = _mm512_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // r[m], m < 4: the 128-bit lanes (of rows 0-3 | 4-7 of each half) holding columns m and m + 4.
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i high = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < 4; ++m) {
+    t[m] = _mm512_permutex2var_ps(r[m], low, r[m + 4]);
+    t[m + 4] = _mm512_permutex2var_ps(r[m], high, r[m + 4]);
+  }
+  for (int m = 0; m < 8; ++m) r[m] = t[m];
+}
+#endif
+
+// dst (N, M) = src (M, N) transposed, rows ld_src and ld_dst apart: at::vec's transpose_mxn, with
+// register transposes for the float shapes of the vector width (at::vec's 8 x 8 with AVX2; 16 x 8
+// and 8 x 16 with AVX-512 here, where at::vec's 16 x 16 goes through memory).
+template <typename T, int M, int N>
+C10_ALWAYS_INLINE void transpose(const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && M == 16 && N == 8) {
+    __m512 r[8];  // r[k]: rows k and k + 8
+    for (int k = 0; k < 8; ++k)
+      r[k] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(src + k * ld_src)),
+                                _mm256_loadu_ps(src + (k + 8) * ld_src), 1);
+    transpose_8x8_halves(r);
+    for (int m = 0; m < 8; ++m) _mm512_storeu_ps(dst + m * ld_dst, r[m]);
+    return;
+  } else if constexpr (std::is_same_v<T, float> && M == 8 && N == 16) {
+    __m512 r[8];  // r[k]: row k, columns 0-7 | 8-15
+    for (int k = 0; k < 8; ++k) r[k] = _mm512_loadu_ps(src + k * ld_src);
+    transpose_8x8_halves(r);
+    for (int m = 0; m < 8; ++m) {
+      _mm256_storeu_ps(dst + m * ld_dst, _mm512_castps512_ps256(r[m]));
+      _mm256_storeu_ps(dst + (m + 8) * ld_dst, _mm512_extractf32x8_ps(r[m], 1));
+    }
+    return;
+  }
+#endif
+  at::vec::transpose_mxn<T, M, N>(src, ld_src, dst, ld_dst);
+}
 
 // Rows of a matrix: row i at data + i * row_stride (the votes of one element, a row per input capsule).
 template <typename vote_t>
