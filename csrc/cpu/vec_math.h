@@ -138,7 +138,7 @@ inline Vec<float> lane_sums(const Vec<float>* x) {
 // Two 8 x 8 float transposes side by side, one in each 256-bit half of r[0..8): AVX2's register
 // transpose (at::vec's for AVX2), whose in-lane steps serve both halves; its last step, across
 // 128-bit lanes, is a two-source permute per row here.
-inline void transpose_8x8_halves(__m512* r) {
+C10_ALWAYS_INLINE void transpose_8x8_halves(__m512* r) {
   __m512 t[8];
   for (int k = 0; k < 8; k += 2) {
     t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
