@@ -60,15 +60,32 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def cpu_model() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_id() -> str | None:
+    """"family F model M" on x86 Linux: a virtual machine's model name ("AMD EPYC") leaves out the
+    processor's generation, and the CPU kernels' speed depends on it."""
+    info = _cpuinfo()
+    if "cpu family" not in info or "model" not in info:
+        return None
+    return f"family {info['cpu family']} model {info['model']}"
 
 
 def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:

@@ -30,6 +30,14 @@ def test_names():
     assert _runinfo.cpu_model()
 
 
+def test_cpu_id(monkeypatch):
+    """The processor's family and model from the first processor of /proc/cpuinfo, or None."""
+    monkeypatch.setattr(_runinfo, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"})
+    assert _runinfo.cpu_id() == "family 26 model 2" and _runinfo.cpu_model() == "AMD EPYC"
+    monkeypatch.setattr(_runinfo, "_cpuinfo", lambda: {})
+    assert _runinfo.cpu_id() is None
+
+
 def test_resolve_device():
     assert _runinfo.resolve_device("cpu") == torch.device("cpu")
     assert _runinfo.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

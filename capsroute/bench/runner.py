@@ -12,7 +12,7 @@ import torch
 
 import capsroute
 
-from .._runinfo import cpu_model, device_name, dtype_name, git_commit
+from .._runinfo import cpu_id, cpu_model, device_name, dtype_name, git_commit
 from .cases import IMPLS, MODEL_OPS, Case
 from .floor import measure_bandwidth, measure_peak_tflops
 from .measure import failure_reason
@@ -46,7 +46,8 @@ def run_benchmarks(cases: list[Case], impls=IMPLS, *, device: torch.device, dtyp
         "kind": "bench", "device": device_name(device), "torch": torch.__version__, "commit": git_commit(),
         "date": datetime.date.today().isoformat(), "results": [],
         "complete": False, "dtype": dtype_name(dtype), "iters": iters,
-        "threads": torch.get_num_threads(), "cpu": cpu_model(), "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(), "cpu": cpu_model(), "cpu_id": cpu_id(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda": torch.version.cuda,
         "python": platform.python_version(), "capsroute": _build_info(), "cuda_kernels": capsroute.cuda_kernel_set(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("CAPSROUTE_")},
         "bandwidth_gbs": bandwidth, "peak_tflops": peak,
