@@ -61,15 +61,14 @@ def device_name(device: torch.device) -> str:
 
 
 def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    """The fields of /proc/cpuinfo, the first value of each ({} where there is none)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
     return fields
@@ -80,8 +79,8 @@ def cpu_model() -> str:
 
 
 def cpu_id() -> str | None:
-    """"family F model M" on x86 Linux: a virtual machine's model name ("AMD EPYC") leaves out the
-    processor's generation, and the CPU kernels' speed depends on it."""
+    """The x86 family and model ("family 26 model 2") on Linux, else None: a virtual machine's model
+    name ("AMD EPYC") leaves out the processor's generation, and the CPU kernels' speed depends on it."""
     info = _cpuinfo()
     if "cpu family" not in info or "model" not in info:
         return None

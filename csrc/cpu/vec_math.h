@@ -132,9 +132,7 @@ inline Vec<float> lane_sums(const Vec<float>* x) {
   const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
 }
-#endif
 
-#if defined(CPU_CAPABILITY_AVX512)
 // Two 8 x 8 float transposes side by side, one in each 256-bit half of r[0..8): AVX2's register
 // transpose (at::vec's for AVX2), whose in-lane steps serve both halves; its last step, across
 // 128-bit lanes, is a two-source permute per row here.
@@ -150,7 +148,8 @@ C10_ALWAYS_INLINE void transpose_8x8_halves(__m512* r) {
     r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
     r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
   }
-  // r[m], m < 4: the 128-bit lanes (of rows 0-3 | 4-7 of each half) holding columns m and m + 4.
+  // Now, for m < 4, r[m] holds rows 0-3 and r[m + 4] rows 4-7, of column m in 128-bit lanes 0
+  // and 2 (one per half) and of column m + 4 in lanes 1 and 3.
   const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
   const __m512i high = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int m = 0; m < 4; ++m) {
@@ -161,9 +160,10 @@ C10_ALWAYS_INLINE void transpose_8x8_halves(__m512* r) {
 }
 #endif
 
-// dst (N, M) = src (M, N) transposed, rows ld_src and ld_dst apart: at::vec's transpose_mxn, with
-// register transposes for the float shapes of the vector width (at::vec's 8 x 8 with AVX2; 16 x 8
-// and 8 x 16 with AVX-512 here, where at::vec's 16 x 16 goes through memory).
+// dst (N, M) = src (M, N) transposed, rows ld_src and ld_dst apart: at::vec's transpose_mxn, except
+// for the float blocks of AVX-512 (16 x 8 and 8 x 16) done here. at::vec has a fast 8 x 8 for AVX2,
+// but for AVX-512 one out-of-line 16 x 16 transpose with masked loads and stores whatever the block,
+// which made the weight transposes 38% of dense_capsules' time.
 template <typename T, int M, int N>
 C10_ALWAYS_INLINE void transpose(const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
 #if defined(CPU_CAPABILITY_AVX512)
