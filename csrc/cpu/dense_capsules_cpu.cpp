@@ -77,8 +77,8 @@ inline void vote_row(const acc_t* u, const acc_t* w, int64_t Din, int64_t JD, ac
     const int64_t n = std::min(W, JD - c0);
     cpu::Vec<acc_t> sum(acc_t(0));
     for (int64_t k = 0; k < Din; ++k)
-      sum = at::vec::fmadd(cpu::Vec<acc_t>(u[k]), cpu::Vec<acc_t>::loadu(w + k * JD + c0, n), sum);
-    sum.store(votes + c0, n);
+      sum = at::vec::fmadd(cpu::Vec<acc_t>(u[k]), cpu::load_part(w + k * JD + c0, n), sum);
+    cpu::store_part(sum, votes + c0, n);
   }
 }
 
@@ -130,7 +130,7 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
     cpu::Vec<acc_t> sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = cpu::Vec<acc_t>(acc_t(0));
     for (int64_t e = 0; e < B; ++e) {
-      const cpu::Vec<acc_t> g = cpu::Vec<acc_t>::loadu(G + e * JD + c0, n);
+      const cpu::Vec<acc_t> g = cpu::load_part(G + e * JD + c0, n);
       const acc_t* u = u_i + e * u_stride + k0;
       for (int r = 0; r < kRows; ++r) sum[r] = at::vec::fmadd(cpu::Vec<acc_t>(u[r]), g, sum[r]);
     }
@@ -152,9 +152,9 @@ void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t u_stri
     for (int r = 0; r < kRows; ++r) sum[r] = cpu::Vec<acc_t>(acc_t(0));
     for (int64_t c0 = 0; c0 < JD; c0 += W) {
       const int64_t n = std::min(W, JD - c0);
-      const cpu::Vec<acc_t> g = cpu::Vec<acc_t>::loadu(G + e * JD + c0, n);
+      const cpu::Vec<acc_t> g = cpu::load_part(G + e * JD + c0, n);
       for (int r = 0; r < kRows; ++r)
-        sum[r] = at::vec::fmadd(cpu::Vec<acc_t>::loadu(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
+        sum[r] = at::vec::fmadd(cpu::load_part(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
     }
     if constexpr (kRows > 1 && kRows <= W) {  // the rows' horizontal sums together (lanes past kRows: 0)
       cpu::Vec<acc_t> sums[W];

@@ -66,13 +66,13 @@ class EmElement {
         const acc_t* mu_j = mu + j * H;
         acc_t* var_j = var + j * H;
         for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-          const Vec<acc_t> mean = Vec<acc_t>::loadu(mu_j + h, m);
-          Vec<acc_t> sum = Vec<acc_t>::loadu(var_j + h, m);
+          const Vec<acc_t> mean = load_part(mu_j + h, m);
+          Vec<acc_t> sum = load_part(var_j + h, m);
           for (int64_t k = 0; k < n; ++k) {
             const Vec<acc_t> diff = load_acc<acc_t>(votes[i0 + k] + j * H + h, m) - mean;
             sum = at::vec::fmadd(Vec<acc_t>(r[k]) * diff, diff, sum);
           }
-          sum.store(var_j + h, m);
+          store_part(sum, var_j + h, m);
         });
       }
     }
@@ -113,8 +113,8 @@ class EmElement {
           const vote_t* v = votes[i0 + k] + j * H;
           Vec<acc_t> sum(acc_t(0));
           for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-            const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
-            sum = at::vec::fmadd(diff * diff, Vec<acc_t>::loadu(inv_2var_j + h, m), sum);
+            const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
+            sum = at::vec::fmadd(diff * diff, load_part(inv_2var_j + h, m), sum);
           });
           return sum;
         });
@@ -225,19 +225,19 @@ class EmBackward {
             acc_t* g_var_j = g_var.data() + j * H;
             // g_V -= g_L q, g_mu += g_L q, g_var += g_L iv (q diff - 1) / 2, with q = diff / var.
             for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-              const Vec<acc_t> mean = Vec<acc_t>::loadu(mu_j + h, m), iv = Vec<acc_t>::loadu(iv_j + h, m);
-              Vec<acc_t> sum_mu = Vec<acc_t>::loadu(g_mu_j + h, m), sum_var = Vec<acc_t>::loadu(g_var_j + h, m);
+              const Vec<acc_t> mean = load_part(mu_j + h, m), iv = load_part(iv_j + h, m);
+              Vec<acc_t> sum_mu = load_part(g_mu_j + h, m), sum_var = load_part(g_var_j + h, m);
               for (int64_t k = 0; k < n; ++k) {
                 const Vec<acc_t> diff = load_acc<acc_t>(votes[i0 + k] + j * H + h, m) - mean;
                 const Vec<acc_t> q = diff * iv;
                 const Vec<acc_t> gl(g_L[k]);
                 acc_t* gv = g_V + (i0 + k) * JH + j * H + h;
-                (Vec<acc_t>::loadu(gv, m) - gl * q).store(gv, m);
+                store_part(load_part(gv, m) - gl * q, gv, m);
                 sum_mu = at::vec::fmadd(gl, q, sum_mu);
                 sum_var = at::vec::fmadd(Vec<acc_t>(acc_t(0.5) * g_L[k]) * iv, q * diff - Vec<acc_t>(acc_t(1)), sum_var);
               }
-              sum_mu.store(g_mu_j + h, m);
-              sum_var.store(g_var_j + h, m);
+              store_part(sum_mu, g_mu_j + h, m);
+              store_part(sum_var, g_var_j + h, m);
             });
           }
         }
@@ -293,11 +293,11 @@ class EmBackward {
             const Vec<acc_t> rk(r[k]);
             Vec<acc_t> sum(acc_t(0));
             for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-              const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - Vec<acc_t>::loadu(mu_j + h, m);
-              const Vec<acc_t> var0 = Vec<acc_t>::loadu(var_j + h, m) - Vec<acc_t>(e);
-              const Vec<acc_t> gm = Vec<acc_t>::loadu(gm_j + h, m), gvar = Vec<acc_t>::loadu(gvar_j + h, m);
+              const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
+              const Vec<acc_t> var0 = load_part(var_j + h, m) - Vec<acc_t>(e);
+              const Vec<acc_t> gm = load_part(gm_j + h, m), gvar = load_part(gvar_j + h, m);
               sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
-              at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm), Vec<acc_t>::loadu(gv + h, m)).store(gv + h, m);
+              store_part(at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm), load_part(gv + h, m)), gv + h, m);
             });
             return sum;
           });

@@ -170,10 +170,10 @@ class RoutingBackward {
         const Vec<acc_t> c_ij(st.coupling[ij]), g_ij(st.g_logits[ij]);
         for (int64_t d0 = 0; d0 < D; d0 += W) {
           const int64_t n = std::min(W, D - d0), k = j * D + d0;
-          Vec<acc_t> sum = r == first_r_ ? Vec<acc_t>(acc_t(0)) : Vec<acc_t>::loadu(out + k, n);
-          sum = at::vec::fmadd(c_ij, Vec<acc_t>::loadu(st.gs_hist + r * JD + k, n), sum);
-          sum = at::vec::fmadd(g_ij, Vec<acc_t>::loadu(st.v_hist + r * JD + k, n), sum);
-          sum.store(out + k, n);
+          Vec<acc_t> sum = r == first_r_ ? Vec<acc_t>(acc_t(0)) : load_part(out + k, n);
+          sum = at::vec::fmadd(c_ij, load_part(st.gs_hist + r * JD + k, n), sum);
+          sum = at::vec::fmadd(g_ij, load_part(st.v_hist + r * JD + k, n), sum);
+          store_part(sum, out + k, n);
         }
       }
     }
