@@ -48,22 +48,25 @@ inline int64_t tiled_index(int64_t i, int64_t j, int64_t J) {
   return (i / kTileRows<acc_t> * J + j) * kTileRows<acc_t> + i % kTileRows<acc_t>;
 }
 
-// Vec<T>::loadu(p, n) and x.store(p, n) for n <= Vec<T>::size() values. Where n is half a vector
-// (D = 8 with AVX-512, D = 4 with AVX2) they are one plain half-width load or store: at::vec's
-// masked ones (and loads that follow masked stores) made such a D 2.4x slower than a whole vector.
+// Vec<T>::loadu(p, n) and x.store(p, n) for n <= Vec<T>::size() values. Where n fills a 128- or
+// 256-bit register (D = 8 or 4 floats with AVX-512, 4 with AVX2) they are one plain access of that
+// width: at::vec's masked ones (and loads that follow masked stores) made such a D 2.4-2.8x slower.
 template <typename T>
 C10_ALWAYS_INLINE Vec<T> load_part(const T* p, int64_t n) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
-    if (n == 8) return _mm512_zextps256_ps512(_mm256_loadu_ps(p));
+    if (bytes == 32) return _mm512_zextps256_ps512(_mm256_loadu_ps(p));
+    if (bytes == 16) return _mm512_zextps128_ps512(_mm_loadu_ps(p));
   } else if constexpr (std::is_same_v<T, double>) {
-    if (n == 4) return _mm512_zextpd256_pd512(_mm256_loadu_pd(p));
+    if (bytes == 32) return _mm512_zextpd256_pd512(_mm256_loadu_pd(p));
+    if (bytes == 16) return _mm512_zextpd128_pd512(_mm_loadu_pd(p));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
-    if (n == 4) return _mm256_zextps128_ps256(_mm_loadu_ps(p));
+    if (bytes == 16) return _mm256_zextps128_ps256(_mm_loadu_ps(p));
   } else if constexpr (std::is_same_v<T, double>) {
-    if (n == 2) return _mm256_zextpd128_pd256(_mm_loadu_pd(p));
+    if (bytes == 16) return _mm256_zextpd128_pd256(_mm_loadu_pd(p));
   }
 #endif
   return Vec<T>::loadu(p, n);
@@ -71,17 +74,20 @@ C10_ALWAYS_INLINE Vec<T> load_part(const T* p, int64_t n) {
 
 template <typename T>
 C10_ALWAYS_INLINE void store_part(const Vec<T>& x, T* p, int64_t n) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
-    if (n == 8) return _mm256_storeu_ps(p, _mm512_castps512_ps256(x));
+    if (bytes == 32) return _mm256_storeu_ps(p, _mm512_castps512_ps256(x));
+    if (bytes == 16) return _mm_storeu_ps(p, _mm512_castps512_ps128(x));
   } else if constexpr (std::is_same_v<T, double>) {
-    if (n == 4) return _mm256_storeu_pd(p, _mm512_castpd512_pd256(x));
+    if (bytes == 32) return _mm256_storeu_pd(p, _mm512_castpd512_pd256(x));
+    if (bytes == 16) return _mm_storeu_pd(p, _mm512_castpd512_pd128(x));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
-    if (n == 4) return _mm_storeu_ps(p, _mm256_castps256_ps128(x));
+    if (bytes == 16) return _mm_storeu_ps(p, _mm256_castps256_ps128(x));
   } else if constexpr (std::is_same_v<T, double>) {
-    if (n == 2) return _mm_storeu_pd(p, _mm256_castpd256_pd128(x));
+    if (bytes == 16) return _mm_storeu_pd(p, _mm256_castpd256_pd128(x));
   }
 #endif
   x.store(p, n);
