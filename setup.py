@@ -52,11 +52,15 @@ def version():
     return re.search(r'__version__ = "([^"]+)"', text).group(1)
 
 
+# torch's CPU capability -> the -march level of the same instructions.
+ARCH_OF_CAPABILITY = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+
+
 def cpu_arch():
     arch = os.environ.get("CAPSROUTE_CPU_ARCH", "auto")
     if arch != "auto":
         return arch
-    return {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}.get(torch.backends.cpu.get_cpu_capability())
+    return ARCH_OF_CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
 
 
 def extension():
@@ -70,7 +74,7 @@ def extension():
     if arch:
         cxx.append(f"-march={arch}")
     # at::vec picks its implementation from these, as ATen's own AVX2 and AVX-512 kernels are built.
-    capability = {"x86-64-v3": "AVX2", "x86-64-v4": "AVX512"}.get(arch)
+    capability = {level: cap for cap, level in ARCH_OF_CAPABILITY.items()}.get(arch)
     if capability:
         cxx += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     if capability == "AVX512":

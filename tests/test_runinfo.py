@@ -31,7 +31,7 @@ def test_names():
 
 
 def test_cpu_id(monkeypatch):
-    """The processor's family and model from the first processor of /proc/cpuinfo, or None."""
+    """The processor's family and model from /proc/cpuinfo's fields, or None without them."""
     monkeypatch.setattr(_runinfo, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"})
     assert _runinfo.cpu_id() == "family 26 model 2" and _runinfo.cpu_model() == "AMD EPYC"
     monkeypatch.setattr(_runinfo, "_cpuinfo", lambda: {})
