@@ -11,9 +11,11 @@ Environment:
                            AVX-512 ones, x86-64-v3 (AVX2, FMA) where its AVX2 ones, else the
                            compiler's baseline; "x86-64" builds for any x86-64 CPU. With x86-64-v4
                            or -v3, at::vec::Vectorized is its AVX-512 or AVX2 implementation (the
-                           CPU kernels' inner loops), else its portable one. Only these levels have
-                           been checked: -march=native on an AVX-512 machine broke tensor metadata
-                           across the torch headers (wrong dtypes seen).
+                           CPU kernels' inner loops), else its portable one. The level is also
+                           written to capsroute/_build_config.py: importing capsroute on a CPU
+                           without its instructions raises ImportError (capsroute/_cpu_arch.py).
+                           Only these levels have been checked: -march=native on an AVX-512
+                           machine broke tensor metadata across the torch headers (wrong dtypes).
 """
 import glob
 import os
@@ -63,6 +65,12 @@ def cpu_arch():
     return ARCH_OF_CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
 
 
+def write_build_config(arch):
+    """capsroute/_build_config.py: what the package must know before it loads _C (capsroute/_cpu_arch.py)."""
+    with open(os.path.join(ROOT, "capsroute", "_build_config.py"), "w") as f:
+        f.write(f'"""Written by setup.py: the -march of capsroute._C\'s C++ sources."""\nCPU_ARCH = "{arch or "baseline"}"\n')
+
+
 def extension():
     with_cuda = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
@@ -70,6 +78,7 @@ def extension():
     # at::parallel_for is inlined from ATen's OpenMP header: without -fopenmp it runs serially.
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
     arch = cpu_arch()
+    write_build_config(arch)
     defines.append(("CAPSROUTE_CPU_ARCH", f'"{arch or "baseline"}"'))
     if arch:
         cxx.append(f"-march={arch}")

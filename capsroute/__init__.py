@@ -3,7 +3,15 @@ __version__ = "0.1.0"
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # registers the capsroute:: operators
+try:
+    from ._build_config import CPU_ARCH  # written by setup.py at build time
+except ModuleNotFoundError as error:
+    raise ImportError("capsroute is not built here: run `pip install --no-build-isolation -e .` (README, Install)") from error
+from ._cpu_arch import check_cpu_arch
+
+check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal instruction
+
+from . import _C  # noqa: E402  (registers the capsroute:: operators)
 from .ops import dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, em_routing_pose, squash
 
 

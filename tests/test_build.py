@@ -1,6 +1,12 @@
+import subprocess
+import sys
+
+import pytest
 import torch
 
 import capsroute
+from capsroute._build_config import CPU_ARCH
+from capsroute._cpu_arch import FEATURES_OF_ARCH, check_cpu_arch
 from capsroute.ops import SCHEMA_OPS
 
 
@@ -23,3 +29,31 @@ def test_every_op_has_cpu_kernels_and_cuda_kernels_when_built_with_cuda():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", "CPU"), op
         has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", "CUDA")
         assert has_cuda == capsroute.build_info()["cuda"], op
+
+
+def test_the_build_config_and_the_extension_agree_on_the_cpu_arch():
+    assert capsroute.build_info()["cpu_arch"] == CPU_ARCH
+
+
+@pytest.mark.parametrize("arch", sorted(FEATURES_OF_ARCH))
+def test_check_cpu_arch_names_each_missing_instruction_set(arch):
+    features = FEATURES_OF_ARCH[arch]
+    check_cpu_arch(arch, dict.fromkeys(features, True))
+    for feature in features:
+        with pytest.raises(ImportError, match=f"-march={arch}, and this CPU lacks {feature}:"):
+            check_cpu_arch(arch, {**dict.fromkeys(features, True), feature: False})
+
+
+def test_check_cpu_arch_passes_levels_it_does_not_know():
+    for arch in ("baseline", "x86-64", "native"):
+        check_cpu_arch(arch, {})
+
+
+def test_import_refuses_a_cpu_without_the_build_instructions():
+    """The check runs on import, before _C loads: a CPU that reports no features at all."""
+    script = "import torch; torch.cpu.get_capabilities = lambda: {}; import capsroute"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    if CPU_ARCH in FEATURES_OF_ARCH:
+        assert run.returncode != 0 and f"compiled with -march={CPU_ARCH}, and this CPU lacks" in run.stderr
+    else:
+        assert run.returncode == 0, run.stderr
