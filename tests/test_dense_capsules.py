@@ -78,16 +78,21 @@ def test_cuda_kernel_set_comes_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_vote_groups_and_contraction_blocks_cpu(threads):
+@pytest.mark.parametrize("shape", [(7, 1300, 10, 16, 11), (40, 45, 16, 16, 3)])
+def test_vote_groups_and_contraction_blocks_cpu(threads, shape):
     """The CPU backend computes votes a group of elements at a time (a slab of at most 3 MB per
     thread, at least an element per thread, the group's input capsules split over the threads)
     and contracts the vote gradients input capsule by input capsule, 8 rows of weight_i at a time,
-    then one: at this shape (1.66 MB of float64 votes per element) groups of 1 element on one
-    thread, of 3, 3 and 1 elements on two; Din = 11 is a block of 8 rows and 3 single rows."""
+    then one, their rows built a block of input capsules at a time (at most 256 KB of rows per
+    thread, at most a tile of kTileRows capsules). At the first shape (1.66 MB of float64 votes
+    per element): groups of 1 element on one thread, of 3, 3 and 1 elements on two; Din = 11 is a
+    block of 8 rows and 3 single rows; blocks of a whole tile, starting inside one on two threads
+    (650 capsules each). At the second: blocks of 3 capsules (80 KB of rows each), less than a
+    tile, and a last block of 1 or 2."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = compare(*dense_inputs((7, 1300, 10, 16, 11)), 3, False, False)
+        results = compare(*dense_inputs(shape), 3, False, False)
     finally:
         torch.set_num_threads(saved)
     for name, a, e in results:

@@ -28,6 +28,9 @@ constexpr int64_t kVoteSlabBytes = 3 << 20;
 constexpr int64_t kVoteRowGrain = 16;
 // Input capsules per task of the backward's contractions.
 constexpr int64_t kContractionGrain = 16;
+// Bytes of vote-gradient rows per thread in the backward's contractions: a block of capsules'
+// rows for every element, in L2.
+constexpr int64_t kVoteGradBlockBytes = 256 << 10;
 
 // The operands of the vote transform in the accumulation type, in their own layouts: u (B, I, Din)
 // and weight (I, J*D, Din), so that the votes of element n and input capsule i are
@@ -243,23 +246,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
       grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
       // 2. Per input capsule i, the vote gradient rows of all elements (B x J*D values, in L1 or
       //    L2), contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
-      //    and grad_u, so the sum over elements runs in order whatever the thread count.
+      //    and grad_u, so the sum over elements runs in order whatever the thread count. The rows
+      //    are built a block of capsules at a time, element by element, so that an element's
+      //    coupling and g_logits (tiled by kTileRows capsules) are read once per block while in L1;
+      //    capsule by capsule over all elements, they fell out of L1 between capsules.
       const acc_t* u = ops.u.const_data_ptr<acc_t>();
       const acc_t* w = ops.weight.const_data_ptr<acc_t>();
       acc_t* g_u = grad_u.mutable_data_ptr<acc_t>();
       acc_t* g_w = grad_weight.mutable_data_ptr<acc_t>();
       const int64_t u_stride = dims.I * Din;
+      const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
+      const int64_t block = std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
       at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
         const Backward backward(dims, static_cast<acc_t>(eps), detach);
-        std::vector<acc_t> G(B * JD), w_t(Din * JD);
-        for (int64_t i = begin; i < end; ++i) {
-          transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
-          for (int64_t n = 0; n < B; ++n)
-            backward.vote_grad_row(State(states_p + n * State::numel(dims), dims), i, G.data() + n * JD);
-          for_each_row_block(Din, [&](auto rows, int64_t k0) {
-            weight_grad_rows<decltype(rows)::value>(G.data(), u + i * Din, B, u_stride, Din, JD, k0, g_w + i * JD * Din);
-            input_grad_rows<decltype(rows)::value>(G.data(), w_t.data(), B, u_stride, JD, k0, g_u + i * Din);
-          });
+        std::vector<acc_t> G(block * B * JD), w_t(Din * JD);
+        for (int64_t i0 = begin; i0 < end; i0 += block) {
+          const int64_t rows = std::min(block, end - i0);
+          for (int64_t n = 0; n < B; ++n) {
+            const State state(states_p + n * State::numel(dims), dims);
+            for (int64_t i = i0; i < i0 + rows; ++i) backward.vote_grad_row(state, i, G.data() + ((i - i0) * B + n) * JD);
+          }
+          for (int64_t i = i0; i < i0 + rows; ++i) {
+            const acc_t* G_i = G.data() + (i - i0) * B * JD;
+            transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
+            for_each_row_block(Din, [&](auto k_rows, int64_t k0) {
+              weight_grad_rows<decltype(k_rows)::value>(G_i, u + i * Din, B, u_stride, Din, JD, k0, g_w + i * JD * Din);
+              input_grad_rows<decltype(k_rows)::value>(G_i, w_t.data(), B, u_stride, JD, k0, g_u + i * Din);
+            });
+          }
         }
       });
     });
