@@ -65,12 +65,6 @@ def cpu_arch():
     return ARCH_OF_CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
 
 
-def write_build_config(arch):
-    """capsroute/_build_config.py: what the package must know before it loads _C (capsroute/_cpu_arch.py)."""
-    with open(os.path.join(ROOT, "capsroute", "_build_config.py"), "w") as f:
-        f.write(f'"""Written by setup.py: the -march of capsroute._C\'s C++ sources."""\nCPU_ARCH = "{arch or "baseline"}"\n')
-
-
 def extension():
     with_cuda = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
@@ -78,7 +72,6 @@ def extension():
     # at::parallel_for is inlined from ATen's OpenMP header: without -fopenmp it runs serially.
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
     arch = cpu_arch()
-    write_build_config(arch)
     defines.append(("CAPSROUTE_CPU_ARCH", f'"{arch or "baseline"}"'))
     if arch:
         cxx.append(f"-march={arch}")
@@ -104,10 +97,22 @@ def extension():
                                        extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])
 
 
+class BuildExtension(cpp_extension.BuildExtension):
+    """Also writes capsroute/_build_config.py next to the built _C, once it is built: what the package
+    must know before it loads _C (the -march level, checked against the CPU by capsroute/_cpu_arch.py)."""
+
+    def run(self):
+        super().run()
+        package_dir = os.path.dirname(self.get_ext_fullpath("capsroute._C"))
+        with open(os.path.join(package_dir, "_build_config.py"), "w") as f:
+            f.write('"""Written by setup.py when it built capsroute._C: the -march of its C++ sources."""\n'
+                    f"CPU_ARCH = {cpu_arch() or 'baseline'!r}\n")
+
+
 setup(
     name="capsroute",
     version=version(),
     packages=find_packages(include=["capsroute", "capsroute.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": BuildExtension},
 )

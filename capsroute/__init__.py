@@ -6,7 +6,8 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 try:
     from ._build_config import CPU_ARCH  # written by setup.py at build time
 except ModuleNotFoundError as error:
-    raise ImportError("capsroute is not built here: run `pip install --no-build-isolation -e .` (README, Install)") from error
+    raise ImportError("capsroute is not built here, or was built by an older setup.py: run "
+                      "`pip install --no-build-isolation -e .` (README, Install)") from error
 from ._cpu_arch import check_cpu_arch
 
 check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal instruction

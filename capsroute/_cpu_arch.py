@@ -14,13 +14,19 @@ FEATURES_OF_ARCH = {
 
 def check_cpu_arch(arch: str, capabilities=None) -> None:
     """Raises ImportError if this CPU (or `capabilities`, a mapping as torch.cpu.get_capabilities
-    returns) lacks an instruction set that `arch` needs. Does nothing where torch cannot tell."""
+    returns) lacks an instruction set that `arch` needs. Does nothing for other levels, or where
+    torch cannot tell (a torch without get_capabilities, or cpuinfo not initialised: no ISA keys)."""
+    features = FEATURES_OF_ARCH.get(arch, ())
+    if not features:
+        return
     if capabilities is None:
-        get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.9
+        get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # not in every torch version
         if get_capabilities is None:
             return
         capabilities = get_capabilities()
-    missing = [feature for feature in FEATURES_OF_ARCH.get(arch, ()) if not capabilities.get(feature, False)]
+    if not any(feature in capabilities for feature in features):
+        return
+    missing = [feature for feature in features if not capabilities.get(feature, False)]
     if missing:
         raise ImportError(
             f"capsroute._C was compiled with -march={arch}, and this CPU lacks {', '.join(missing)}: "

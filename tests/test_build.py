@@ -1,3 +1,4 @@
+import platform
 import subprocess
 import sys
 
@@ -44,14 +45,25 @@ def test_check_cpu_arch_names_each_missing_instruction_set(arch):
             check_cpu_arch(arch, {**dict.fromkeys(features, True), feature: False})
 
 
-def test_check_cpu_arch_passes_levels_it_does_not_know():
+def test_check_cpu_arch_passes_levels_it_does_not_know_and_cpus_torch_cannot_read():
     for arch in ("baseline", "x86-64", "native"):
         check_cpu_arch(arch, {})
+    for arch in FEATURES_OF_ARCH:  # cpuinfo not initialised: torch reports only the architecture
+        check_cpu_arch(arch, {"architecture": "x86_64"})
+
+
+@pytest.mark.skipif(not hasattr(torch.cpu, "get_capabilities") or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs torch.cpu.get_capabilities on an x86-64 CPU")
+def test_the_feature_names_are_torchs():
+    capabilities = torch.cpu.get_capabilities()
+    for arch, features in FEATURES_OF_ARCH.items():
+        assert set(features) <= set(capabilities), (arch, set(features) - set(capabilities))
 
 
 def test_import_refuses_a_cpu_without_the_build_instructions():
-    """The check runs on import, before _C loads: a CPU that reports no features at all."""
-    script = "import torch; torch.cpu.get_capabilities = lambda: {}; import capsroute"
+    """The check runs on import, before _C loads: a CPU that reports every checked feature absent."""
+    absent = sorted({feature for features in FEATURES_OF_ARCH.values() for feature in features})
+    script = f"import torch; torch.cpu.get_capabilities = lambda: dict.fromkeys({absent!r}, False); import capsroute"
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     if CPU_ARCH in FEATURES_OF_ARCH:
         assert run.returncode != 0 and f"compiled with -march={CPU_ARCH}, and this CPU lacks" in run.stderr

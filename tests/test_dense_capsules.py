@@ -88,7 +88,8 @@ def test_vote_groups_and_contraction_blocks_cpu(threads, shape):
     per element): groups of 1 element on one thread, of 3, 3 and 1 elements on two; Din = 11 is a
     block of 8 rows and 3 single rows; blocks of a whole tile, starting inside one on two threads
     (650 capsules each). At the second: blocks of 3 capsules (80 KB of rows each), less than a
-    tile, and a last block of 1 or 2."""
+    tile of AVX2 or AVX-512 doubles, and on two threads ranges of 23 and 22 capsules, whose last
+    blocks are 2 and 1 and the second of which starts inside a tile."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

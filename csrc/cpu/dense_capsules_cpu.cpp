@@ -2,8 +2,9 @@
 // a time into a slab, input capsule by input capsule so that weight_i (J*D x Din values, 5 KB at
 // MNIST's shape), transposed once per group, stays in L1 while the group's elements use it; each
 // element is then routed on its rows of the slab. The backward recomputes the slabs instead of
-// keeping votes from the forward, then, input capsule by input capsule, rebuilds each element's
-// vote gradient row from the routing state and contracts it with u_i and weight_i on the spot.
+// keeping votes from the forward, then rebuilds the elements' vote gradient rows from the routing
+// state a block of input capsules at a time and contracts them with u_i and weight_i, input
+// capsule by input capsule, while they are in L2.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -244,8 +245,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
       });
       grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
       grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
-      // 2. Per input capsule i, the vote gradient rows of all elements (B x J*D values, in L1 or
-      //    L2), contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
+      // 2. Per input capsule i, the vote gradient rows of all elements (B x J*D values, in L2),
+      //    contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
       //    and grad_u, so the sum over elements runs in order whatever the thread count. The rows
       //    are built a block of capsules at a time, element by element, so that an element's
       //    coupling and g_logits (tiled by kTileRows capsules) are read once per block while in L1;
