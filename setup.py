@@ -65,18 +65,21 @@ def cpu_arch():
     return ARCH_OF_CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
 
 
+CPU_ARCH = cpu_arch()  # None: the compiler's baseline
+CPU_ARCH_NAME = CPU_ARCH or "baseline"  # as build_info() and capsroute/_build_config.py name it
+
+
 def extension():
     with_cuda = want_cuda()
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     defines = [("CAPSROUTE_TORCH_VERSION", f'"{torch.__version__}"')]
     # at::parallel_for is inlined from ATen's OpenMP header: without -fopenmp it runs serially.
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
-    arch = cpu_arch()
-    defines.append(("CAPSROUTE_CPU_ARCH", f'"{arch or "baseline"}"'))
-    if arch:
-        cxx.append(f"-march={arch}")
+    defines.append(("CAPSROUTE_CPU_ARCH", f'"{CPU_ARCH_NAME}"'))
+    if CPU_ARCH:
+        cxx.append(f"-march={CPU_ARCH}")
     # at::vec picks its implementation from these, as ATen's own AVX2 and AVX-512 kernels are built.
-    capability = {level: cap for cap, level in ARCH_OF_CAPABILITY.items()}.get(arch)
+    capability = {level: cap for cap, level in ARCH_OF_CAPABILITY.items()}.get(CPU_ARCH)
     if capability:
         cxx += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     if capability == "AVX512":
@@ -106,7 +109,7 @@ class BuildExtension(cpp_extension.BuildExtension):
         package_dir = os.path.dirname(self.get_ext_fullpath("capsroute._C"))
         with open(os.path.join(package_dir, "_build_config.py"), "w") as f:
             f.write('"""Written by setup.py when it built capsroute._C: the -march of its C++ sources."""\n'
-                    f"CPU_ARCH = {cpu_arch() or 'baseline'!r}\n")
+                    f"CPU_ARCH = {CPU_ARCH_NAME!r}\n")
 
 
 setup(
