@@ -9,7 +9,9 @@ Environment:
   CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": the level of the kernels torch
                            runs on the build machine, x86-64-v4 (AVX-512) where torch runs its
                            AVX-512 ones, x86-64-v3 (AVX2, FMA) where its AVX2 ones, else the
-                           compiler's baseline; "x86-64" builds for any x86-64 CPU. With x86-64-v4
+                           compiler's baseline; a level lower (said on stderr) where the CPU lacks
+                           an instruction set of that level (a VM that hides BMI, say); "x86-64"
+                           builds for any x86-64 CPU. With x86-64-v4
                            or -v3, at::vec::Vectorized is its AVX-512 or AVX2 implementation (the
                            CPU kernels' inner loops), else its portable one. The level is also
                            written to capsroute/_build_config.py: importing capsroute on a CPU
@@ -18,8 +20,10 @@ Environment:
                            machine broke tensor metadata across the torch headers (wrong dtypes).
 """
 import glob
+import importlib.util
 import os
 import re
+import sys
 
 # nvcc is also on PATH as /usr/local/bin/nvcc on some machines, which makes torch guess
 # CUDA_HOME=/usr/local where libcudart is missing; prefer the real toolkit directory.
@@ -54,15 +58,29 @@ def version():
     return re.search(r'__version__ = "([^"]+)"', text).group(1)
 
 
-# torch's CPU capability -> the -march level of the same instructions.
-ARCH_OF_CAPABILITY = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+def load_cpu_arch_module():
+    """capsroute/_cpu_arch.py, loaded by its path: importing the package would load the unbuilt _C."""
+    spec = importlib.util.spec_from_file_location("capsroute_cpu_arch", os.path.join(ROOT, "capsroute", "_cpu_arch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_cpu_arch = load_cpu_arch_module()
+ARCH_OF_CAPABILITY = _cpu_arch.ARCH_OF_CAPABILITY
 
 
 def cpu_arch():
     arch = os.environ.get("CAPSROUTE_CPU_ARCH", "auto")
     if arch != "auto":
         return arch
-    return ARCH_OF_CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
+    capability = torch.backends.cpu.get_cpu_capability()
+    arch = _cpu_arch.auto_arch(capability)
+    if arch != ARCH_OF_CAPABILITY.get(capability):
+        missing = _cpu_arch.missing_features(ARCH_OF_CAPABILITY[capability])
+        print(f"capsroute: torch runs its {capability} kernels here, but this CPU lacks {', '.join(missing)}: "
+              f"building for {arch or 'the compiler baseline'}", file=sys.stderr)
+    return arch
 
 
 CPU_ARCH = cpu_arch()  # None: the compiler's baseline

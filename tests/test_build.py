@@ -1,14 +1,18 @@
+import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import capsroute
 from capsroute._build_config import CPU_ARCH
-from capsroute._cpu_arch import FEATURES_OF_ARCH, check_cpu_arch
+from capsroute._cpu_arch import FEATURES_OF_ARCH, auto_arch, check_cpu_arch
 from capsroute.ops import SCHEMA_OPS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_build_info():
@@ -69,3 +73,30 @@ def test_import_refuses_a_cpu_without_the_build_instructions():
         assert run.returncode != 0 and f"compiled with -march={CPU_ARCH}, and this CPU lacks" in run.stderr
     else:
         assert run.returncode == 0, run.stderr
+
+
+def test_auto_arch_is_torchs_level_or_the_next_one_down_the_cpu_can_run():
+    v3, v4 = (dict.fromkeys(FEATURES_OF_ARCH[arch], True) for arch in ("x86-64-v3", "x86-64-v4"))
+    assert auto_arch("AVX512", v4) == "x86-64-v4"
+    assert auto_arch("AVX2", v4) == "x86-64-v3"
+    assert auto_arch("AVX512", {**v4, "avx512_cd": False}) == "x86-64-v3"
+    for feature in FEATURES_OF_ARCH["x86-64-v3"]:  # a VM reporting AVX2 and hiding BMI, F16C, ...
+        assert auto_arch("AVX512", {**v4, feature: False}) is None
+        assert auto_arch("AVX2", {**v3, feature: False}) is None
+    assert auto_arch("DEFAULT", v4) is None
+    assert auto_arch("AVX512", {"architecture": "x86_64"}) == "x86-64-v4"  # cannot read: torch's level
+
+
+def test_setup_falls_back_a_level_on_a_cpu_that_hides_an_instruction_set():
+    """setup.py's CAPSROUTE_CPU_ARCH=auto on a CPU that reports everything but BMI: auto_arch's
+    level (the baseline where torch runs AVX2 or AVX-512 kernels), said on stderr."""
+    hidden = {**dict.fromkeys(FEATURES_OF_ARCH["x86-64-v4"], True), "bmi": False}
+    code = (f"import sys, torch; torch.cpu.get_capabilities = lambda: {hidden!r}; "
+            "sys.argv = ['setup.py', '--version']; import setup; print(setup.CPU_ARCH)")
+    env = {k: v for k, v in os.environ.items() if k != "CAPSROUTE_CPU_ARCH"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert run.stdout.split()[-1] == str(auto_arch(capability, hidden))
+    if capability in ("AVX2", "AVX512"):
+        assert f"torch runs its {capability} kernels here, but this CPU lacks bmi: building for the compiler baseline" in run.stderr
