@@ -9,8 +9,9 @@ Environment:
   CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": the level of the kernels torch
                            runs on the build machine, x86-64-v4 (AVX-512) where torch runs its
                            AVX-512 ones, x86-64-v3 (AVX2, FMA) where its AVX2 ones, else the
-                           compiler's baseline; a level lower (said on stderr) where the CPU lacks
-                           an instruction set of that level (a VM that hides BMI, say); "x86-64"
+                           compiler's baseline; the highest level below that the CPU has all the
+                           instruction sets of where it lacks one (a VM that hides BMI, say; said
+                           on stderr, seen with pip -v); "x86-64"
                            builds for any x86-64 CPU. With x86-64-v4
                            or -v3, at::vec::Vectorized is its AVX-512 or AVX2 implementation (the
                            CPU kernels' inner loops), else its portable one. The level is also
@@ -79,7 +80,7 @@ def cpu_arch():
     if arch != ARCH_OF_CAPABILITY.get(capability):
         missing = _cpu_arch.missing_features(ARCH_OF_CAPABILITY[capability])
         print(f"capsroute: torch runs its {capability} kernels here, but this CPU lacks {', '.join(missing)}: "
-              f"building for {arch or 'the compiler baseline'}", file=sys.stderr)
+              f"building for {arch or 'the compiler baseline'} (CAPSROUTE_CPU_ARCH sets the level)", file=sys.stderr)
     return arch
 
 

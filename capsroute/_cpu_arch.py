@@ -48,9 +48,9 @@ def check_cpu_arch(arch: str, capabilities=None) -> None:
 
 def auto_arch(capability: str, capabilities=None) -> str | None:
     """The level CAPSROUTE_CPU_ARCH=auto builds for, given torch's CPU capability ("AVX512",
-    "AVX2", ...): the level of torch's own kernels, or the next one down where this CPU (or
-    `capabilities`) lacks an instruction set of that level. A virtual machine can report AVX2 and
-    hide BMI or F16C, and import would refuse a build for that CPU. None: the compiler's baseline."""
+    "AVX2", ...): the highest level up to that of torch's own kernels whose instruction sets this
+    CPU (or `capabilities`) has all of. A virtual machine can report AVX2 and hide BMI or F16C, and
+    import would refuse a build for that CPU. None: the compiler's baseline."""
     levels = list(ARCH_OF_CAPABILITY.values())
     if capability not in ARCH_OF_CAPABILITY:
         return None
