@@ -119,24 +119,29 @@ class RoutingBackward {
         tile_(kTileRows<acc_t> * d.J) {}
 
   // u: the votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
+  // The couplings are recomputed in the same pass over the votes as the last iteration's step
+  // back, a tile at a time while its votes are in L1: one pass over the votes fewer than on their own.
   template <typename vote_t, typename grad_t>
   void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters, IJ = tiled_ij_;
     for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
-    recompute_coupling(u, st);
+    const bool steps_back = R > 1 && !detach_;  // else no pass over the votes for the couplings to join
+    if (!steps_back)
+      for (int64_t i0 = 0; i0 < I; i0 += W) recompute_tile_coupling(u, i0, std::min(W, I - i0), st);
     for (int64_t k = 0; k < JD; ++k) gv_[k] = static_cast<acc_t>(g_v[k]);
     std::fill(st.g_logits + (R - 1) * IJ, st.g_logits + R * IJ, acc_t(0));
     for (int64_t r = R - 1; r >= first_r_; --r) {
       acc_t* gs = st.gs_hist + r * JD;
       squash_vjp(s_hist + r * JD, gv_.data(), gs);
       for (int64_t k = 0; k < JD; ++k) g_bias[k] += gs[k];
-      if (r == 0 || detach_) break;  // b^0 = 0 is a constant; detach stops at the last s
+      if (!steps_back || r == 0) break;  // b^0 = 0 is a constant; detach stops at the last s
       // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij u_ij.
       std::fill(gv_next_.begin(), gv_next_.end(), acc_t(0));
       acc_t* gc = tile_.data();  // this tile's (J, W) <gs^r_j, u_ij>
       for (int64_t i0 = 0; i0 < I; i0 += W) {
         const int64_t n = std::min(W, I - i0);
+        if (r == R - 1) recompute_tile_coupling(u, i0, n, st);
         const acc_t* c = st.coupling + r * IJ + i0 * J;
         const acc_t* g_next = st.g_logits + r * IJ + i0 * J;
         acc_t* g_here = st.g_logits + (r - 1) * IJ + i0 * J;
@@ -180,19 +185,16 @@ class RoutingBackward {
   }
 
  private:
-  // c^r for every r in one pass over the votes, from b^{r+1} = b^r + <u, v^r>.
+  // c^r for every r of the tile of n input capsules at i0, from b^{r+1} = b^r + <u, v^r>; tile_
+  // holds the logits (and is free again afterwards).
   template <typename vote_t>
-  void recompute_coupling(VoteRows<vote_t> u, const BackwardState<acc_t>& st) {
-    constexpr int64_t W = kTileRows<acc_t>;
-    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters;
+  C10_ALWAYS_INLINE void recompute_tile_coupling(VoteRows<vote_t> u, int64_t i0, int64_t n, const BackwardState<acc_t>& st) {
+    const int64_t J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
     acc_t* logits = tile_.data();  // this tile's (J, W)
-    for (int64_t i0 = 0; i0 < I; i0 += W) {
-      const int64_t n = std::min(W, I - i0);
-      std::fill(tile_.begin(), tile_.end(), acc_t(0));
-      for (int64_t r = 0; r < R; ++r) {
-        if (r > 0) add_tile_agreement(u, i0, n, st.v_hist + (r - 1) * JD, J, D, logits);
-        if (r >= first_r_) softmax_lanes(logits, J, d_.leaky, st.coupling + r * tiled_ij_ + i0 * J);
-      }
+    std::fill(tile_.begin(), tile_.end(), acc_t(0));
+    for (int64_t r = 0; r < d_.iters; ++r) {
+      if (r > 0) add_tile_agreement(u, i0, n, st.v_hist + (r - 1) * JD, J, D, logits);
+      if (r >= first_r_) softmax_lanes(logits, J, d_.leaky, st.coupling + r * tiled_ij_ + i0 * J);
     }
   }
 
