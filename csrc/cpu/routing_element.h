@@ -119,8 +119,9 @@ class RoutingBackward {
         tile_(kTileRows<acc_t> * d.J) {}
 
   // u: the votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
-  // The couplings are recomputed in the same pass over the votes as the last iteration's step
-  // back, a tile at a time while its votes are in L1: one pass over the votes fewer than on their own.
+  // Where there is a step back, the couplings are recomputed in the same pass over the votes as
+  // the first one, a tile at a time while its votes are in L1: one pass over the votes fewer than
+  // a pass of their own (left only for iters = 1 or detach).
   template <typename vote_t, typename grad_t>
   void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
     constexpr int64_t W = kTileRows<acc_t>;
@@ -185,7 +186,7 @@ class RoutingBackward {
   }
 
  private:
-  // c^r for every r of the tile of n input capsules at i0, from b^{r+1} = b^r + <u, v^r>; tile_
+  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from b^{r+1} = b^r + <u, v^r>; tile_
   // holds the logits (and is free again afterwards).
   template <typename vote_t>
   C10_ALWAYS_INLINE void recompute_tile_coupling(VoteRows<vote_t> u, int64_t i0, int64_t n, const BackwardState<acc_t>& st) {
