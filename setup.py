@@ -9,12 +9,12 @@ Environment:
   CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": the level of the kernels torch
                            runs on the build machine, x86-64-v4 (AVX-512) where torch runs its
                            AVX-512 ones, x86-64-v3 (AVX2, FMA) where its AVX2 ones, else the
-                           compiler's baseline; the highest level below that the CPU has all the
-                           instruction sets of where it lacks one (a VM that hides BMI, say; said
-                           on stderr, seen with pip -v); "x86-64"
-                           builds for any x86-64 CPU. With x86-64-v4
-                           or -v3, at::vec::Vectorized is its AVX-512 or AVX2 implementation (the
-                           CPU kernels' inner loops), else its portable one. The level is also
+                           compiler's baseline; where the CPU lacks an instruction set of that
+                           level (a VM that hides BMI, say), the highest level below it that the
+                           CPU has in full, said on stderr (seen with pip -v). "x86-64" builds for
+                           any x86-64 CPU. With x86-64-v4 or -v3, at::vec::Vectorized is its
+                           AVX-512 or AVX2 implementation (the CPU kernels' inner loops), else its
+                           portable one. The level is also
                            written to capsroute/_build_config.py: importing capsroute on a CPU
                            without its instructions raises ImportError (capsroute/_cpu_arch.py).
                            Only these levels have been checked: -march=native on an AVX-512

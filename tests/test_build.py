@@ -100,5 +100,6 @@ def test_setup_falls_back_a_level_on_a_cpu_that_hides_an_instruction_set():
     capability = torch.backends.cpu.get_cpu_capability()
     assert run.stdout.split()[-1] == str(auto_arch(capability, hidden))
     if capability in ("AVX2", "AVX512"):
-        assert f"torch runs its {capability} kernels here, but this CPU lacks bmi: building for the compiler baseline" in run.stderr
+        said = f"torch runs its {capability} kernels here, but this CPU lacks bmi: building for the compiler baseline"
+        assert said in run.stderr
         assert "CAPSROUTE_CPU_ARCH" in run.stderr

@@ -186,8 +186,8 @@ class RoutingBackward {
   }
 
  private:
-  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from b^{r+1} = b^r + <u, v^r>; tile_
-  // holds the logits (and is free again afterwards).
+  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from b^{r+1} = b^r + <u, v^r>;
+  // tile_ holds the logits (and is free again afterwards).
   template <typename vote_t>
   C10_ALWAYS_INLINE void recompute_tile_coupling(VoteRows<vote_t> u, int64_t i0, int64_t n, const BackwardState<acc_t>& st) {
     const int64_t J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
