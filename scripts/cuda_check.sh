@@ -2,23 +2,52 @@
 # What a machine with a GPU should run, stage by stage (default: tests sweep sanitize bench): the CUDA
 # tests, the float64 correctness sweep at GPU sizes (scripts/gpu_sweep.py), compute-sanitizer over
 # scripts/sanitizer_workload.py, then the benchmark.
-# Logs and the benchmark JSON and figures go to $OUT if set (the device tool's output folder), else bench/results.
 #   bash scripts/cuda_check.sh [tests] [tests-scale] [sweep] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models]
 #                              [train-capsnet[-fashion|-multimnist]] [train-matrixcapsnet[-fashion]] [train-cnn-multimnist]
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
 # for MultiMNIST pairs, PAIRS_PER_DIGIT x 60,000 an epoch, default 10) need the data in data/mnist or
 # data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data" to the GPU
-# machine). Each call trains for at most TRAIN_SECONDS (default 540), then stops with a checkpoint
-# (SIGINT is taken between steps); the next call resumes the run in runs/.
-# Compile for the GPU's architecture alone (sm_90 on the H100/H200 machines): half the build time.
+# machine). A run trains until CALL_SECONDS (default 570) after the script started, less a minute
+# (at most TRAIN_SECONDS, if set), then stops with a checkpoint (SIGINT is taken between steps); the
+# next call resumes the run in runs/.
+#
+# Without OUT, logs, JSON and figures go to bench/results. With OUT (the device tool's output folder,
+# which brings back at most 8 files, from a machine that starts bare on every call):
+# - everything the stages write is packed after each stage into $OUT/cuda-check.tar.gz, so a call
+#   cut off by its time limit still brings back the stages it finished;
+# - a fresh build is packed into $OUT/capsroute-build.tar.gz: put it in build-cache/ (git-ignored)
+#   and carry "build-cache", and the next call unpacks it and skips the build (3 or more minutes)
+#   when the sources, build settings and torch are unchanged;
+# - a run with a checkpoint under 15 MiB (MatrixCapsNet's, not CapsNet's) comes back as
+#   $OUT/run-MODEL-DATASET.tar.gz: unpack it here and carry "runs/MODEL-DATASET" to resume it.
+started=$SECONDS
+cd "$(dirname "$0")/.."
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CAPSROUTE_FORCE_CUDA=1
-source "$(dirname "$0")/env.sh"
+build_cache=build-cache/capsroute-build.tar.gz
+[ ! -f "$build_cache" ] || tar -xzf "$build_cache"  # env.sh rebuilds if its stamp no longer matches
+cached_stamp=$(cat build/.capsroute-stamp 2>/dev/null || true)
+source scripts/env.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a reused build is not pip-installed in the fresh .venv
 # Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
 python -c "import torch, capsroute; assert torch.cuda.is_available() and capsroute.build_info()['cuda'], \
   'no GPU visible to torch, or capsroute built without CUDA'; print(torch.cuda.get_device_name(), torch.__version__)"
-out=${OUT:-bench/results}
-mkdir -p "$out"
+if [ -n "${OUT:-}" ]; then
+  out=$(mktemp -d)/cuda-check
+  mkdir -p "$out"
+  if [ "$(cat build/.capsroute-stamp)" != "$cached_stamp" ]; then  # built by this call
+    cp build/build.log "$out/"  # ptxas' registers and spills per kernel, for the record
+    strip --strip-debug capsroute/_C*.so 2>/dev/null || true  # 60% of the file; under the 16 MiB a file may bring back
+    tar -czf "$OUT/capsroute-build.tar.gz" capsroute/_C*.so capsroute/_build_config.py build/.capsroute-stamp
+  fi
+else
+  out=bench/results
+  mkdir -p "$out"
+fi
+pack() {  # what the stages wrote so far, as one file in $OUT
+  [ -z "${OUT:-}" ] || { tar -czf "$OUT/.cuda-check.tar.gz" -C "$(dirname "$out")" cuda-check \
+                           && mv "$OUT/.cuda-check.tar.gz" "$OUT/cuda-check.tar.gz"; }
+}
 stages=${*:-tests sweep sanitize bench}
 status=0
 for stage in $stages; do
@@ -78,9 +107,18 @@ for stage in $stages; do
       # The recipe that public re-implementations report 99.3% with: A=B=C=D=32, 2 iterations, Adam 1e-2, batch 128.
       else args=(--model matrixcapsnet --model-config A=32 B=32 C=32 D=32 iters=2 --dataset "$dataset"
                  --data-dir "$data_dir" --epochs 40 --batch-size 128 --lr 1e-2 --out "$run"); fi
+      # What is left of this call, less a minute to save the checkpoint and pack.
+      seconds=$(( ${CALL_SECONDS:-570} - (SECONDS - started) - 60 ))
+      [ -z "${TRAIN_SECONDS:-}" ] || [ "$TRAIN_SECONDS" -ge "$seconds" ] || seconds=$TRAIN_SECONDS
       rc=0
-      timeout -s INT "${TRAIN_SECONDS:-540}" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
+      if [ "$seconds" -lt 60 ]; then echo "$stage: no time left in this call (CALL_SECONDS)" >&2; rc=1
+      else timeout -s INT "$seconds" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
+      fi
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
+      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ]; then
+        if [ "$(stat -c %s "$run/checkpoint.pt")" -lt $((15 << 20)) ]; then tar -czf "$OUT/run-$model-$dataset.tar.gz" "$run"
+        else echo "$run/checkpoint.pt is too large to bring back: this run cannot resume in another call" >&2; fi
+      fi
       mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true
       if [ "$model" = matrixcapsnet ] && [ -f "$run/result.json" ]; then  # a finished run must reach the GPU target
         target=0.994; [ "$dataset" = mnist ] || target=0.90
@@ -89,5 +127,6 @@ print(f'$model $dataset: test accuracy {a:.4f}, target $target'); sys.exit(a < $
       fi ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
+  pack
 done
 exit $status
