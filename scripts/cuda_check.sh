@@ -25,8 +25,10 @@ cd "$(dirname "$0")/.."
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CAPSROUTE_FORCE_CUDA=1
 build_cache=build-cache/capsroute-build.tar.gz
-[ ! -f "$build_cache" ] || tar -xzf "$build_cache"  # env.sh rebuilds if its stamp no longer matches
-cached_stamp=$(cat build/.capsroute-stamp 2>/dev/null || true)
+cached_stamp=
+if [ -f "$build_cache" ]; then  # env.sh rebuilds if its stamp no longer matches
+  tar -xzf "$build_cache" && cached_stamp=$(cat build/.capsroute-stamp)
+fi
 source scripts/env.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a reused build is not pip-installed in the fresh .venv
 # Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
@@ -35,7 +37,7 @@ python -c "import torch, capsroute; assert torch.cuda.is_available() and capsrou
 if [ -n "${OUT:-}" ]; then
   out=$(mktemp -d)/cuda-check
   mkdir -p "$out"
-  if [ "$(cat build/.capsroute-stamp)" != "$cached_stamp" ]; then  # built by this call
+  if [ "$(cat build/.capsroute-stamp)" != "$cached_stamp" ]; then  # not the build that came in
     cp build/build.log "$out/"  # ptxas' registers and spills per kernel, for the record
     strip --strip-debug capsroute/_C*.so 2>/dev/null || true  # 60% of the file; under the 16 MiB a file may bring back
     tar -czf "$OUT/capsroute-build.tar.gz" capsroute/_C*.so capsroute/_build_config.py build/.capsroute-stamp
