@@ -13,8 +13,8 @@
 #
 # Without OUT, logs, JSON and figures go to bench/results. With OUT (the device tool's output folder,
 # which brings back at most 8 files, from a machine that starts bare on every call):
-# - everything the stages write is packed after each stage into $OUT/cuda-check.tar.gz, so a call
-#   cut off by its time limit still brings back the stages it finished;
+# - everything the stages write is packed into $OUT/cuda-check.tar.gz every 30 s and at the end, so
+#   a call cut off by its time limit still brings back what its stages wrote until then;
 # - a fresh build is packed into $OUT/capsroute-build.tar.gz: put it in build-cache/ (git-ignored)
 #   and carry "build-cache", and the next call unpacks it and skips the build (2 min 15 s on 2 cores)
 #   when the sources, build settings and torch are unchanged;
@@ -46,10 +46,16 @@ else
   out=bench/results
   mkdir -p "$out"
 fi
-pack() {  # what the stages wrote so far, as one file in $OUT
-  [ -z "${OUT:-}" ] || { tar -czf "$OUT/.cuda-check.tar.gz" -C "$(dirname "$out")" cuda-check \
-                           && mv "$OUT/.cuda-check.tar.gz" "$OUT/cuda-check.tar.gz"; }
+pack() {  # what the stages wrote so far, as one file in $OUT (tar's status 1: a log grew while read)
+  tar -czf "$OUT/.cuda-check-$1.tar.gz" -C "$(dirname "$out")" cuda-check || [ $? = 1 ]
+  mv -f "$OUT/.cuda-check-$1.tar.gz" "$OUT/cuda-check.tar.gz"
 }
+if [ -n "${OUT:-}" ]; then
+  ( while sleep 30; do pack periodic; done ) &
+  packer=$!
+  # The last pack under its own name: a periodic tar still running cannot overwrite it.
+  trap 'kill $packer; wait $packer 2>/dev/null || true; pack final' EXIT
+fi
 stages=${*:-tests sweep sanitize bench}
 status=0
 for stage in $stages; do
@@ -129,6 +135,5 @@ print(f'$model $dataset: test accuracy {a:.4f}, target $target'); sys.exit(a < $
       fi ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
-  pack
 done
 exit $status
