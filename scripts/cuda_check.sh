@@ -7,37 +7,40 @@
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
 # for MultiMNIST pairs, PAIRS_PER_DIGIT x 60,000 an epoch, default 10) need the data in data/mnist or
 # data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data" to the GPU
-# machine). A run trains until CALL_SECONDS (default 570) after the script started, less a minute
-# (at most TRAIN_SECONDS, if set), then stops with a checkpoint (SIGINT is taken between steps); the
-# next call resumes the run in runs/.
+# machine). A run trains until CALL_SECONDS after the script started, less a minute (at most
+# TRAIN_SECONDS, if set), then stops with a checkpoint (SIGINT is taken between steps); the next call
+# resumes the run in runs/. CALL_SECONDS (default 570) must be what the call may run: through the
+# device tool, its timeout_s or the device time left, whichever is less, less 30 s.
 #
 # Without OUT, logs, JSON and figures go to bench/results. With OUT (the device tool's output folder,
 # which brings back at most 8 files, from a machine that starts bare on every call):
 # - everything the stages write is packed into $OUT/cuda-check.tar.gz every 30 s and at the end, so
 #   a call cut off by its time limit still brings back what its stages wrote until then;
-# - a fresh build is packed into $OUT/capsroute-build.tar.gz: put it in build-cache/ (git-ignored)
-#   and carry "build-cache", and the next call unpacks it and skips the build (2 min 15 s on 2 cores)
-#   when the sources, build settings and torch are unchanged;
-# - a run with a checkpoint under 15 MiB (MatrixCapsNet's, not CapsNet's) comes back as
-#   $OUT/run-MODEL-DATASET.tar.gz: unpack it here and carry "runs/MODEL-DATASET" to resume it.
+# - a build made by this call is packed into $OUT/capsroute-build.tar.gz: put it in build-cache/
+#   (git-ignored) and carry "build-cache", and the next call unpacks it and skips the build (2 min
+#   15 s on 2 cores) when the sources, build settings and torch are unchanged;
+# - a run whose checkpoint is under 15 MiB (MatrixCapsNet's, not CapsNet's) is packed with the rest,
+#   as $OUT/run-MODEL-DATASET.tar.gz: unpack it here and carry "runs/MODEL-DATASET" to resume it.
 started=$SECONDS
 cd "$(dirname "$0")/.."
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CAPSROUTE_FORCE_CUDA=1
+# The C++ kernels for AVX2, not for whatever this machine's CPU has: a build carried from one call to
+# the next may land on a machine kind with another CPU.
+export CAPSROUTE_CPU_ARCH=${CAPSROUTE_CPU_ARCH:-x86-64-v3}
+export PYTHONUNBUFFERED=1  # logs complete up to the moment a call is cut off
 build_cache=build-cache/capsroute-build.tar.gz
-cached_stamp=
-if [ -f "$build_cache" ]; then  # env.sh rebuilds if its stamp no longer matches
-  tar -xzf "$build_cache" && cached_stamp=$(cat build/.capsroute-stamp)
-fi
+[ ! -f "$build_cache" ] || tar -xzf "$build_cache"  # env.sh rebuilds if its stamp no longer matches
 source scripts/env.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a reused build is not pip-installed in the fresh .venv
 # Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
 python -c "import torch, capsroute; assert torch.cuda.is_available() and capsroute.build_info()['cuda'], \
   'no GPU visible to torch, or capsroute built without CUDA'; print(torch.cuda.get_device_name(), torch.__version__)"
+seconds_left() { echo $(( ${CALL_SECONDS:-570} - (SECONDS - started) )); }
 if [ -n "${OUT:-}" ]; then
   out=$(mktemp -d)/cuda-check
   mkdir -p "$out"
-  if [ "$(cat build/.capsroute-stamp)" != "$cached_stamp" ]; then  # not the build that came in
+  if [ -f build/build.log ]; then  # built by this call (a carried build has no log)
     cp build/build.log "$out/"  # ptxas' registers and spills per kernel, for the record
     strip --strip-debug capsroute/_C*.so 2>/dev/null || true  # 60% of the file; under the 16 MiB a file may bring back
     tar -czf "$OUT/capsroute-build.tar.gz" capsroute/_C*.so capsroute/_build_config.py build/.capsroute-stamp
@@ -46,15 +49,25 @@ else
   out=bench/results
   mkdir -p "$out"
 fi
-pack() {  # what the stages wrote so far, as one file in $OUT (tar's status 1: a log grew while read)
+# Packs what the stages wrote so far into $OUT, each file under a temporary name first ($1: the
+# packer's name) so that what comes back is whole. tar's status 1: a file grew while it was read.
+pack() {
   tar -czf "$OUT/.cuda-check-$1.tar.gz" -C "$(dirname "$out")" cuda-check || [ $? = 1 ]
   mv -f "$OUT/.cuda-check-$1.tar.gz" "$OUT/cuda-check.tar.gz"
+  local run
+  for run in runs/*/; do  # checkpoints are replaced atomically: a tar reads a whole one
+    [ -f "${run}checkpoint.pt" ] && [ "$(stat -c %s "${run}checkpoint.pt")" -lt $((15 << 20)) ] || continue
+    tar -czf "$OUT/.run-$1.tar.gz" "${run%/}" || [ $? = 1 ]
+    mv -f "$OUT/.run-$1.tar.gz" "$OUT/run-$(basename "$run").tar.gz"
+  done
 }
 if [ -n "${OUT:-}" ]; then
-  ( while sleep 30; do pack periodic; done ) &
+  # SIGTERM waits for a tar or mv in progress (bash runs the trap between commands); the loop's
+  # output goes nowhere, so that a sleep it leaves behind holds no pipe of the caller's open.
+  ( trap 'kill $! 2>/dev/null; exit 0' TERM
+    while :; do sleep 30 & wait $!; pack periodic || true; done ) > /dev/null 2>&1 &
   packer=$!
-  # The last pack under its own name: a periodic tar still running cannot overwrite it.
-  trap 'kill $packer; wait $packer 2>/dev/null || true; pack final' EXIT
+  trap 'kill $packer 2>/dev/null || true; wait $packer 2>/dev/null || true; pack final || true; rm -f "$OUT"/.*.tar.gz' EXIT
 fi
 stages=${*:-tests sweep sanitize bench}
 status=0
@@ -65,7 +78,8 @@ for stage in $stages; do
       CAPSROUTE_CUDA_KERNELS=v2 python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" --ignore=tests/test_scale.py 2>&1 \
         | tee "$out/cuda-tests-kernels-v2.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
-      timeout -s INT 540 python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
+      timeout -k 30 -s INT $(( $(seconds_left) - 30 )) python -m pytest tests/test_scale.py -q -m cuda 2>&1 \
+        | tee "$out/cuda-tests-scale.log" || status=1 ;;
     sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
       python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1
       # The v2 kernel set (dense_capsules, dynamic_routing's vote gradient, EM's row ranges) through the same cases.
@@ -116,16 +130,15 @@ for stage in $stages; do
       else args=(--model matrixcapsnet --model-config A=32 B=32 C=32 D=32 iters=2 --dataset "$dataset"
                  --data-dir "$data_dir" --epochs 40 --batch-size 128 --lr 1e-2 --out "$run"); fi
       # What is left of this call, less a minute to save the checkpoint and pack.
-      seconds=$(( ${CALL_SECONDS:-570} - (SECONDS - started) - 60 ))
+      seconds=$(( $(seconds_left) - 60 ))
       [ -z "${TRAIN_SECONDS:-}" ] || [ "$TRAIN_SECONDS" -ge "$seconds" ] || seconds=$TRAIN_SECONDS
       rc=0
       if [ "$seconds" -lt 60 ]; then echo "$stage: no time left in this call (CALL_SECONDS)" >&2; rc=1
-      else timeout -s INT "$seconds" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
+      else timeout -k 30 -s INT "$seconds" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
       fi
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
-      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ]; then
-        if [ "$(stat -c %s "$run/checkpoint.pt")" -lt $((15 << 20)) ]; then tar -czf "$OUT/run-$model-$dataset.tar.gz" "$run"
-        else echo "$run/checkpoint.pt is too large to bring back: this run cannot resume in another call" >&2; fi
+      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ] && [ "$(stat -c %s "$run/checkpoint.pt")" -ge $((15 << 20)) ]; then
+        echo "$run/checkpoint.pt is too large to bring back: this run cannot resume in another call" >&2
       fi
       mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true
       if [ "$model" = matrixcapsnet ] && [ -f "$run/result.json" ]; then  # a finished run must reach the GPU target
