@@ -10,8 +10,9 @@ if [ ! -x .venv/bin/python ]; then
   if "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m venv --system-site-packages .venv
     # Where $PYTHON is itself a venv's (the GPU machines' python3 is), the new venv sees its base
-    # interpreter's packages, not that venv's torch: list $PYTHON's site-packages in a .pth.
-    "$PYTHON" -c "import site; print('\n'.join(site.getsitepackages()))" \
+    # interpreter's packages, not that venv's torch: a .pth adds $PYTHON's site-packages (and the
+    # .pth files in them) after the new venv's own.
+    "$PYTHON" -c "import site; print('import site; ' + '; '.join(f'site.addsitedir({d!r})' for d in site.getsitepackages()))" \
       > "$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/base-python.pth"
   else
     "$PYTHON" -m venv .venv
