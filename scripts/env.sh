@@ -7,13 +7,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  if "$PYTHON" -c "import torch" 2>/dev/null; then
+  if "$PYTHON" -c "import sys, torch; sys.exit(sys.prefix == sys.base_prefix)" 2>/dev/null; then
+    # $PYTHON is a venv's and has torch (the GPU machines' python3 is): use that venv. One made from
+    # it would see its base interpreter's packages, not its torch.
+    ln -s "$("$PYTHON" -c "import sys; print(sys.prefix)")" .venv
+  elif "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m venv --system-site-packages .venv
-    # Where $PYTHON is itself a venv's (the GPU machines' python3 is), the new venv sees its base
-    # interpreter's packages, not that venv's torch: a .pth adds $PYTHON's site-packages (and the
-    # .pth files in them) after the new venv's own.
-    "$PYTHON" -c "import site; print('import site; ' + '; '.join(f'site.addsitedir({d!r})' for d in site.getsitepackages()))" \
-      > "$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/base-python.pth"
   else
     "$PYTHON" -m venv .venv
   fi
