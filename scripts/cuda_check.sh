@@ -31,11 +31,10 @@ export CAPSROUTE_CPU_ARCH=${CAPSROUTE_CPU_ARCH:-x86-64-v3}
 export PYTHONUNBUFFERED=1  # logs complete up to the moment a call is cut off
 build_cache=build-cache/capsroute-build.tar.gz
 [ ! -f "$build_cache" ] || tar -xzf "$build_cache"  # env.sh rebuilds if its stamp no longer matches
+# A failed build's whole log comes back (the output's tail seldom holds the compiler's error).
+[ -z "${OUT:-}" ] || trap 'cp build/build.log "$OUT/" 2>/dev/null || true' EXIT
 source scripts/env.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a reused build is not pip-installed in the fresh .venv
-# Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
-python -c "import torch, capsroute; assert torch.cuda.is_available() and capsroute.build_info()['cuda'], \
-  'no GPU visible to torch, or capsroute built without CUDA'; print(torch.cuda.get_device_name(), torch.__version__)"
 seconds_left() { echo $(( ${CALL_SECONDS:-570} - (SECONDS - started) )); }
 if [ -n "${OUT:-}" ]; then
   out=$(mktemp -d)/cuda-check
@@ -55,9 +54,9 @@ pack() {
   tar -czf "$OUT/.cuda-check-$1.tar.gz" -C "$(dirname "$out")" cuda-check || [ $? = 1 ]
   mv -f "$OUT/.cuda-check-$1.tar.gz" "$OUT/cuda-check.tar.gz"
   local run
-  for run in runs/*/; do  # checkpoints are replaced atomically: a tar reads a whole one
+  for run in runs/*/; do  # checkpoint.pt is replaced by a rename: a tar reads a whole one
     [ -f "${run}checkpoint.pt" ] && [ "$(stat -c %s "${run}checkpoint.pt")" -lt $((15 << 20)) ] || continue
-    tar -czf "$OUT/.run-$1.tar.gz" "${run%/}" || [ $? = 1 ]
+    tar --exclude='*.tmp' -czf "$OUT/.run-$1.tar.gz" "${run%/}" || [ $? = 1 ]
     mv -f "$OUT/.run-$1.tar.gz" "$OUT/run-$(basename "$run").tar.gz"
   done
 }
@@ -69,6 +68,9 @@ if [ -n "${OUT:-}" ]; then
   packer=$!
   trap 'kill $packer 2>/dev/null || true; wait $packer 2>/dev/null || true; pack final || true; rm -f "$OUT"/.*.tar.gz' EXIT
 fi
+# Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
+python -c "import torch, capsroute; assert torch.cuda.is_available() and capsroute.build_info()['cuda'], \
+  'no GPU visible to torch, or capsroute built without CUDA'; print(torch.cuda.get_device_name(), torch.__version__)"
 stages=${*:-tests sweep sanitize bench}
 status=0
 for stage in $stages; do
@@ -78,8 +80,10 @@ for stage in $stages; do
       CAPSROUTE_CUDA_KERNELS=v2 python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" --ignore=tests/test_scale.py 2>&1 \
         | tee "$out/cuda-tests-kernels-v2.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
-      timeout -k 30 -s INT $(( $(seconds_left) - 30 )) python -m pytest tests/test_scale.py -q -m cuda 2>&1 \
-        | tee "$out/cuda-tests-scale.log" || status=1 ;;
+      seconds=$(( $(seconds_left) - 30 ))
+      if [ "$seconds" -lt 60 ]; then echo "$stage: no time left in this call (CALL_SECONDS)" >&2; status=1
+      else timeout -k 30 -s INT "$seconds" python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1
+      fi ;;
     sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
       python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1
       # The v2 kernel set (dense_capsules, dynamic_routing's vote gradient, EM's row ranges) through the same cases.
@@ -88,7 +92,9 @@ for stage in $stages; do
     sanitize)
       # All four tools by default; SANITIZER_TOOLS picks some (each is a full pass of the workload).
       for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
-        compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitizer_workload.py 2>&1 \
+        # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,
+        # so an overrun or an uninitialised read inside a block would pass memcheck and initcheck.
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitizer_workload.py 2>&1 \
           | tee "$out/sanitizer-$tool.log" | tail -5 || status=1
       done ;;
     bench)
