@@ -46,7 +46,8 @@ if [ "$(cat build/.capsroute-stamp 2>/dev/null)" != "$stamp" ] || ! python -c "i
   # The compiler's output (ptxas' per-kernel report included) goes to build/build.log.
   mkdir -p build
   pip install -v --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
-    || { tail -n 80 build/build.log >&2; echo "build failed: the whole log is build/build.log" >&2; exit 1; }
+    || { tail -n 40 build/build.log >&2; grep -m 20 -E "error|FAILED" build/build.log >&2
+         echo "build failed: the first errors above, the whole log in build/build.log" >&2; exit 1; }
   echo "$stamp" > build/.capsroute-stamp
 fi
 python -c "import capsroute, json; print('capsroute', json.dumps(capsroute.build_info()))"
