@@ -35,7 +35,15 @@ build_cache=build-cache/capsroute-build.tar.gz
 [ -z "${OUT:-}" ] || trap 'cp build/build.log "$OUT/" 2>/dev/null || true' EXIT
 source scripts/env.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a reused build is not pip-installed in the fresh .venv
-seconds_left() { echo $(( ${CALL_SECONDS:-570} - (SECONDS - started) )); }
+# The seconds a stage may run: what is left of the call less $1, at most $2 if given; fails, saying so,
+# when that is under a minute.
+stage_seconds() {
+  local seconds=$(( ${CALL_SECONDS:-570} - (SECONDS - started) - $1 ))
+  [ -z "${2:-}" ] || [ "$2" -ge "$seconds" ] || seconds=$2
+  [ "$seconds" -ge 60 ] || { echo "$stage: no time left in this call (CALL_SECONDS)" >&2; return 1; }
+  echo "$seconds"
+}
+run_bytes=$((15 << 20))  # the largest run (checkpoint) brought back, under the 16 MiB a file may be
 if [ -n "${OUT:-}" ]; then
   out=$(mktemp -d)/cuda-check
   mkdir -p "$out"
@@ -55,7 +63,7 @@ pack() {
   mv -f "$OUT/.cuda-check-$1.tar.gz" "$OUT/cuda-check.tar.gz"
   local run
   for run in runs/*/; do  # checkpoint.pt is replaced by a rename: a tar reads a whole one
-    [ -f "${run}checkpoint.pt" ] && [ "$(stat -c %s "${run}checkpoint.pt")" -lt $((15 << 20)) ] || continue
+    [ -f "${run}checkpoint.pt" ] && [ "$(stat -c %s "${run}checkpoint.pt")" -lt "$run_bytes" ] || continue
     tar --exclude='*.tmp' -czf "$OUT/.run-$1.tar.gz" "${run%/}" || [ $? = 1 ]
     mv -f "$OUT/.run-$1.tar.gz" "$OUT/run-$(basename "$run").tar.gz"
   done
@@ -80,10 +88,9 @@ for stage in $stages; do
       CAPSROUTE_CUDA_KERNELS=v2 python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" --ignore=tests/test_scale.py 2>&1 \
         | tee "$out/cuda-tests-kernels-v2.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
-      seconds=$(( $(seconds_left) - 30 ))
-      if [ "$seconds" -lt 60 ]; then echo "$stage: no time left in this call (CALL_SECONDS)" >&2; status=1
-      else timeout -k 30 -s INT "$seconds" python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1
-      fi ;;
+      if seconds=$(stage_seconds 30); then
+        timeout -k 30 -s INT "$seconds" python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1
+      else status=1; fi ;;
     sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
       python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1
       # The v2 kernel set (dense_capsules, dynamic_routing's vote gradient, EM's row ranges) through the same cases.
@@ -135,15 +142,12 @@ for stage in $stages; do
       # The recipe that public re-implementations report 99.3% with: A=B=C=D=32, 2 iterations, Adam 1e-2, batch 128.
       else args=(--model matrixcapsnet --model-config A=32 B=32 C=32 D=32 iters=2 --dataset "$dataset"
                  --data-dir "$data_dir" --epochs 40 --batch-size 128 --lr 1e-2 --out "$run"); fi
-      # What is left of this call, less a minute to save the checkpoint and pack.
-      seconds=$(( $(seconds_left) - 60 ))
-      [ -z "${TRAIN_SECONDS:-}" ] || [ "$TRAIN_SECONDS" -ge "$seconds" ] || seconds=$TRAIN_SECONDS
-      rc=0
-      if [ "$seconds" -lt 60 ]; then echo "$stage: no time left in this call (CALL_SECONDS)" >&2; rc=1
-      else timeout -k 30 -s INT "$seconds" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
-      fi
+      rc=0  # a minute of the call left to save the checkpoint and pack
+      if seconds=$(stage_seconds 60 "${TRAIN_SECONDS:-}"); then
+        timeout -k 30 -s INT "$seconds" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
+      else rc=1; fi
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
-      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ] && [ "$(stat -c %s "$run/checkpoint.pt")" -ge $((15 << 20)) ]; then
+      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ] && [ "$(stat -c %s "$run/checkpoint.pt")" -ge "$run_bytes" ]; then
         echo "$run/checkpoint.pt is too large to bring back: this run cannot resume in another call" >&2
       fi
       mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true
