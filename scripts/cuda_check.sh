@@ -44,6 +44,22 @@ stage_seconds() {
   echo "$seconds"
 }
 run_bytes=$((15 << 20))  # the largest run (checkpoint) brought back, under the 16 MiB a file may be
+# Whether run folder $1 has a checkpoint small enough to bring back.
+checkpoint_travels() {
+  [ -f "$1/checkpoint.pt" ] && [ "$(stat -c %s "$1/checkpoint.pt")" -lt "$run_bytes" ]
+}
+# Packs what the stages wrote so far into $OUT, each file under a temporary name first ($1: the
+# packer's name) so that what comes back is whole. tar's status 1: a file grew while it was read.
+pack() {
+  tar -czf "$OUT/.cuda-check-$1.tar.gz" -C "$(dirname "$out")" cuda-check || [ $? = 1 ]
+  mv -f "$OUT/.cuda-check-$1.tar.gz" "$OUT/cuda-check.tar.gz"
+  local run
+  for run in runs/*/; do  # checkpoint.pt is replaced by a rename: a tar reads a whole one
+    checkpoint_travels "${run%/}" || continue
+    tar --exclude='*.tmp' -czf "$OUT/.run-$1.tar.gz" "${run%/}" || [ $? = 1 ]
+    mv -f "$OUT/.run-$1.tar.gz" "$OUT/run-$(basename "$run").tar.gz"
+  done
+}
 if [ -n "${OUT:-}" ]; then
   out=$(mktemp -d)/cuda-check
   mkdir -p "$out"
@@ -52,29 +68,15 @@ if [ -n "${OUT:-}" ]; then
     strip --strip-debug capsroute/_C*.so 2>/dev/null || true  # 60% of the file; under the 16 MiB a file may bring back
     tar -czf "$OUT/capsroute-build.tar.gz" capsroute/_C*.so capsroute/_build_config.py build/.capsroute-stamp
   fi
-else
-  out=bench/results
-  mkdir -p "$out"
-fi
-# Packs what the stages wrote so far into $OUT, each file under a temporary name first ($1: the
-# packer's name) so that what comes back is whole. tar's status 1: a file grew while it was read.
-pack() {
-  tar -czf "$OUT/.cuda-check-$1.tar.gz" -C "$(dirname "$out")" cuda-check || [ $? = 1 ]
-  mv -f "$OUT/.cuda-check-$1.tar.gz" "$OUT/cuda-check.tar.gz"
-  local run
-  for run in runs/*/; do  # checkpoint.pt is replaced by a rename: a tar reads a whole one
-    [ -f "${run}checkpoint.pt" ] && [ "$(stat -c %s "${run}checkpoint.pt")" -lt "$run_bytes" ] || continue
-    tar --exclude='*.tmp' -czf "$OUT/.run-$1.tar.gz" "${run%/}" || [ $? = 1 ]
-    mv -f "$OUT/.run-$1.tar.gz" "$OUT/run-$(basename "$run").tar.gz"
-  done
-}
-if [ -n "${OUT:-}" ]; then
   # SIGTERM waits for a tar or mv in progress (bash runs the trap between commands); the loop's
   # output goes nowhere, so that a sleep it leaves behind holds no pipe of the caller's open.
   ( trap 'kill $! 2>/dev/null; exit 0' TERM
     while :; do sleep 30 & wait $!; pack periodic || true; done ) > /dev/null 2>&1 &
   packer=$!
   trap 'kill $packer 2>/dev/null || true; wait $packer 2>/dev/null || true; pack final || true; rm -f "$OUT"/.*.tar.gz' EXIT
+else
+  out=bench/results
+  mkdir -p "$out"
 fi
 # Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
 python -c "import torch, capsroute; assert torch.cuda.is_available() and capsroute.build_info()['cuda'], \
@@ -147,7 +149,7 @@ for stage in $stages; do
         timeout -k 30 -s INT "$seconds" python -m capsroute.train "${args[@]}" --no-progress 2>&1 | tee -a "$out/$model-$dataset-train.log" || rc=$?
       else rc=1; fi
       [ "$rc" = 0 ] || [ "$rc" = 124 ] || status=1   # 124: paused by the time limit, resumable
-      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ] && [ "$(stat -c %s "$run/checkpoint.pt")" -ge "$run_bytes" ]; then
+      if [ -n "${OUT:-}" ] && [ -f "$run/checkpoint.pt" ] && ! checkpoint_travels "$run"; then
         echo "$run/checkpoint.pt is too large to bring back: this run cannot resume in another call" >&2
       fi
       mkdir -p "$out/$model-$dataset" && cp "$run"/*.json "$run"/*.csv "$run"/*.png "$out/$model-$dataset/" 2>/dev/null || true
