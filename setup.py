@@ -1,24 +1,7 @@
 """Builds capsroute._C: the C++ CPU backend always, the CUDA kernels when a toolkit is found.
 
-Environment:
-  CAPSROUTE_FORCE_CUDA=1   compile the CUDA sources (fail if no toolkit)
-  CAPSROUTE_FORCE_CPU=1    skip them even if a toolkit is there
-  TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0;9.0+PTX": sm_80 and sm_90 code, and sm_90 PTX that
-                           newer GPUs compile at load time); never guessed from a local GPU
-  MAX_JOBS                 parallel compile jobs
-  CAPSROUTE_CPU_ARCH       -march for the C++ sources. Default "auto": the level of the kernels torch
-                           runs on the build machine, x86-64-v4 (AVX-512) where torch runs its
-                           AVX-512 ones, x86-64-v3 (AVX2, FMA) where its AVX2 ones, else the
-                           compiler's baseline; where the CPU lacks an instruction set of that
-                           level (a VM that hides BMI, say), the highest level below it that the
-                           CPU has in full, said on stderr (seen with pip -v). "x86-64" builds for
-                           any x86-64 CPU. With x86-64-v4 or -v3, at::vec::Vectorized is its
-                           AVX-512 or AVX2 implementation (the CPU kernels' inner loops), else its
-                           portable one. The level is also
-                           written to capsroute/_build_config.py: importing capsroute on a CPU
-                           without its instructions raises ImportError (capsroute/_cpu_arch.py).
-                           Only these levels have been checked: -march=native on an AVX-512
-                           machine broke tensor metadata across the torch headers (wrong dtypes).
+Environment: CAPSROUTE_FORCE_CUDA, CAPSROUTE_FORCE_CPU, TORCH_CUDA_ARCH_LIST, MAX_JOBS,
+CAPSROUTE_CPU_ARCH and CUDA_HOME; what each does is in docs/install.md.
 """
 import glob
 import importlib.util
