@@ -25,7 +25,9 @@ missing=$(python - <<'PY'
 import importlib.util
 wanted = {"numpy": "numpy", "pybind11": "pybind11", "ninja": "ninja", "setuptools": "setuptools", "wheel": "wheel",
           "pytest": "pytest", "hypothesis": "hypothesis", "pytest_benchmark": "pytest-benchmark", "tqdm": "tqdm",
-          "matplotlib": "matplotlib"}
+          "matplotlib": "matplotlib",
+          # scripts/lint.sh's formatters, pinned: their output changes between versions
+          "ruff": "ruff==0.17.6", "clang_format": "clang-format==23.1.5"}
 print(" ".join(pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None))
 PY
 )
