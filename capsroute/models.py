@@ -24,11 +24,29 @@ class CapsNetOutput(NamedTuple):
 
 
 class CapsNet(nn.Module):
-    """Sabour et al. 2017: conv 256@9x9 (ReLU), 32 types of 8D primary capsules (9x9, stride 2),
-    10 class capsules of 16D by 3 iterations of dynamic routing, and a 512-1024-pixels decoder that
-    sees only the label's capsule when labels are given (training) and the longest capsule otherwise.
-    With labels (N, k) (MultiMNIST: k = 2) it draws k reconstructions (N, k, pixels), one from each
-    label's capsule."""
+    """CapsNet (Sabour et al. 2017): conv 256@9x9 (ReLU), 32 types of 8D primary capsules (9x9,
+    stride 2), 10 class capsules of 16D by 3 iterations of dynamic routing (DenseCapsules), and a
+    512-1024-pixels decoder that sees only the label's capsule when labels are given (training) and
+    the longest capsule otherwise.
+
+        lengths_j = |v_j|;  reconstruction = decoder(v masked to the shown class)
+
+    Args:
+        classes: class capsules.
+        in_channels, image_size: the input images (square).
+        conv_channels: channels of the first convolution.
+        primary_types, primary_dim: primary capsule types and their size.
+        class_dim: values per class capsule.
+        iters: routing iterations.
+        decoder: hidden widths of the decoder.
+        backend: "fused" or "reference" (see capsroute.nn).
+
+    forward(images, labels=None):
+        images (N, in_channels, image_size, image_size); labels None, (N,) or (N, k) class
+        indices (MultiMNIST: k = 2). Returns CapsNetOutput: lengths (N, classes), capsules
+        (N, classes, class_dim), reconstructions (N, pixels), or (N, k, pixels) for labels (N, k),
+        one from each label's capsule.
+    """
 
     def __init__(self, classes: int = 10, in_channels: int = 1, image_size: int = 28, *, conv_channels: int = 256,
                  primary_types: int = 32, primary_dim: int = 8, class_dim: int = 16, iters: int = 3,
@@ -73,14 +91,27 @@ class MatrixCapsNetOutput(NamedTuple):
 
 
 class MatrixCapsNet(nn.Module):
-    """Hinton et al. 2018: conv A@5x5 stride 2 (ReLU), B primary matrix capsule types, ConvCaps1
-    (C types, 3x3, stride 2), ConvCaps2 (D types, 3x3, stride 1) and class capsules with coordinate
-    addition, each capsule layer routed by `iters` iterations of EM routing. The default is the
-    paper's small network, A=64, B=8, C=D=16, with 2 iterations as the public re-implementations
-    have it: with 3, the assignments are near one-hot by the last E-step and the network learns
-    far more slowly (docs/matrixcapsnet.md). The routing options (final_lambda, normalize_cost,
-    min_var, weight_std, pose_norm) are those of ConvCapsules and ClassCapsules, for every EM layer;
-    conv_norm puts batch norm after the first convolution."""
+    """Matrix capsules with EM routing (Hinton et al. 2018): conv A@5x5 stride 2 (ReLU), B primary
+    matrix capsule types, ConvCaps1 (C types, 3x3, stride 2), ConvCaps2 (D types, 3x3, stride 1)
+    and class capsules with coordinate addition, each capsule layer routed by `iters` iterations
+    of EM routing. The default is the paper's small network, A=64, B=8, C=D=16, with 2 iterations
+    as the public re-implementations have it: with 3, the assignments are near one-hot by the last
+    E-step and the network learns far more slowly (docs/matrixcapsnet.md).
+
+    Args:
+        classes: class capsules.
+        in_channels: channels of the input images.
+        A, B, C, D: the layer widths above.
+        iters: EM iterations in every capsule layer.
+        final_lambda, normalize_cost, min_var, weight_std, pose_norm: the routing options of
+            ConvCapsules and ClassCapsules, for every EM layer.
+        conv_norm: batch norm after the first convolution.
+        backend: "fused" or "reference" (see capsroute.nn).
+
+    forward(images, labels=None):
+        images (N, in_channels, H, W); labels are accepted and unused. Returns
+        MatrixCapsNetOutput: activations (N, classes), poses (N, classes, 16).
+    """
 
     def __init__(self, classes: int = 10, in_channels: int = 1, *, A: int = 64, B: int = 8, C: int = 16, D: int = 16,
                  iters: int = 2, final_lambda: float = 0.01, normalize_cost: bool = False, min_var: float = 1e-6,
@@ -112,12 +143,24 @@ class CNNOutput(NamedTuple):
 
 
 class CNN(nn.Module):
-    """The plain convolutional baseline: conv 64@5x5, max-pool 2, conv 128@5x5, max-pool 2,
-    conv 128@3x3 (all ReLU, "same" padding), a hidden layer of `hidden` units and one logit per
-    class, trained with a sigmoid per class (several digits may be present). At 36x36 and the
-    default width it has 11.0M parameters, about CapsNet's 11.4M, at a sixth of CapsNet's
-    multiply-adds. `backend` is accepted so that every model takes the trainer's arguments; a
-    CNN has no routing to run."""
+    """The plain convolutional baseline of the MultiMNIST experiment: conv 64@5x5, max-pool 2,
+    conv 128@5x5, max-pool 2, conv 128@3x3 (all ReLU, "same" padding), a hidden layer of `hidden`
+    units and one logit per class, trained with a sigmoid per class (several digits may be
+    present). At 36x36 and the default width it has 11.0M parameters, about CapsNet's 11.4M, at a
+    sixth of CapsNet's multiply-adds.
+
+    Args:
+        classes: logits out.
+        in_channels, image_size: the input images (square).
+        channels: widths of the three convolutions.
+        hidden: units of the hidden layer.
+        backend: accepted so that every model takes the trainer's arguments; a CNN has no
+            routing to run.
+
+    forward(images, labels=None):
+        images (N, in_channels, image_size, image_size); labels are accepted and unused.
+        Returns CNNOutput: logits (N, classes).
+    """
 
     def __init__(self, classes: int = 10, in_channels: int = 1, image_size: int = 28, *,
                  channels: tuple[int, int, int] = (64, 128, 128), hidden: int = 1024, backend: str = "fused"):

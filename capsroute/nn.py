@@ -46,8 +46,22 @@ class _CapsuleLayer(nn.Module):
 
 
 class PrimaryCapsules(_CapsuleLayer):
-    """A convolution whose channels are grouped into `types` capsules of `dim` at every position,
-    then squashed: (N, C, H, W) -> (N, types * H' * W', dim)."""
+    """Primary capsules (Sabour et al. 2017): a convolution whose channels are grouped into `types`
+    capsules of `dim` values at every position, each squashed.
+
+        u_k = squash(conv(x)_k)   for each of the types * H' * W' capsules k
+
+    Args:
+        in_channels: channels C of the input feature map.
+        types: capsule types per position.
+        dim: values per capsule.
+        kernel_size, stride: of the convolution (no padding).
+        backend: "fused" (capsroute ops) or "reference" (plain PyTorch).
+
+    Shapes:
+        x (N, C, H, W) -> u (N, types * H' * W', dim), H' = (H - kernel_size) // stride + 1 (W'
+        likewise), ordered type-major: capsule (t, y, x) at index t * H' * W' + y * W' + x.
+    """
 
     def __init__(self, in_channels: int, types: int = 32, dim: int = 8, kernel_size: int = 9, stride: int = 2,
                  backend: str = "fused"):
@@ -63,9 +77,30 @@ class PrimaryCapsules(_CapsuleLayer):
 
 
 class DenseCapsules(_CapsuleLayer):
-    """Every input capsule votes for every output capsule through its own matrix (weight
-    (I, J, D, Din)); the votes are routed by agreement (Sabour et al. 2017).
-    (N, I, Din) -> (N, J, D). The fused backend never stores the votes."""
+    """Fully connected capsules routed by agreement (Sabour et al. 2017): every input capsule
+    votes for every output capsule through its own matrix, and `iters` iterations of dynamic
+    routing decide how much each vote counts (capsroute.dense_capsules).
+
+        u_hat_ij = W_ij u_i;  b = 0;  repeat iters times:  c_i = softmax_j(b_i),
+        v_j = squash(sum_i c_ij u_hat_ij + bias_j),  b_ij += <u_hat_ij, v_j>
+
+    Args:
+        in_capsules: I, the input capsules.
+        in_dim: Din, values per input capsule.
+        out_capsules: J, the output capsules.
+        out_dim: D, values per output capsule.
+        iters: routing iterations (>= 1).
+        bias: learn a bias (J, D) added before the squash.
+        leaky: add an orphan output with logit 0 to the softmax, so votes that agree with no
+            output capsule can go nowhere.
+        detach: treat the couplings c as constants in the backward pass (the gradient flows
+            only through the last weighted sum).
+        backend: "fused" (capsroute ops; the votes are never stored) or "reference".
+
+    Parameters: weight (I, J, D, Din), initialised N(0, 0.01^2); bias (J, D), zeros, or None.
+
+    Shapes: u (N, I, Din) -> v (N, J, D).
+    """
 
     def __init__(self, in_capsules: int, in_dim: int, out_capsules: int, out_dim: int, iters: int = 3, *,
                  bias: bool = True, leaky: bool = False, detach: bool = False, backend: str = "fused"):
@@ -84,9 +119,18 @@ class DenseCapsules(_CapsuleLayer):
 
 
 class PrimaryMatrixCapsules(nn.Module):
-    """Matrix capsules from a feature map (Hinton et al. 2018): a 1x1 convolution gives each of `types`
-    capsules a 4x4 pose and a sigmoid activation. (N, C, H, W) -> poses (N, H, W, types, 16),
-    activations (N, H, W, types)."""
+    """Primary matrix capsules (Hinton et al. 2018): at every position, 1x1 convolutions give each
+    of `types` capsules a 4x4 pose and an activation.
+
+        M_t = conv_pose(x)_t (16 values),  a_t = sigmoid(conv_activation(x)_t)
+
+    Args:
+        in_channels: channels C of the input feature map.
+        types: capsule types per position.
+
+    Shapes:
+        x (N, C, H, W) -> pose (N, H, W, types, 16) (row-major 4x4), activation (N, H, W, types).
+    """
 
     def __init__(self, in_channels: int, types: int):
         super().__init__()
@@ -145,11 +189,31 @@ class _EmCapsules(_CapsuleLayer):
 
 
 class ConvCapsules(_EmCapsules):
-    """A convolutional matrix-capsule layer: every k x k window of input capsules (k*k*in_types
-    of them) is routed on its own with EM routing to `out_types` capsules at that output position.
-    The transformation matrices depend on the position inside the window and the types, not on
-    the window. The fused backend computes votes = pose @ W inside the kernel (em_routing_pose).
-    `routing`: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules)."""
+    """Convolutional matrix capsules (Hinton et al. 2018): every k x k window of input capsules
+    (k * k * in_types of them) is routed on its own by EM routing to `out_types` capsules at that
+    output position (capsroute.em_routing_pose).
+
+        V_ij = M_i W_ij (4x4 products);  pose_j, a_j = em_routing(V, a_in, beta_u, beta_a)
+
+    The transformation matrices W depend on the position inside the window and the types, not on
+    the window; the fused backend computes the votes inside the kernel and never stores them.
+
+    Args:
+        in_types, out_types: capsule types in and out.
+        kernel_size, stride: of the window (no padding).
+        iters: EM iterations (>= 1).
+        final_lambda: the inverse temperature's scale: iteration t uses
+            final_lambda * (1 - 0.95^(t + 1)).
+        backend: "fused" or "reference".
+        **routing: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules).
+
+    Parameters: weight (k * k * in_types, out_types, 4, 4), N(0, weight_std^2); beta_u and
+    beta_a (out_types,), zeros.
+
+    Shapes:
+        pose (N, H, W, in_types, 16), activation (N, H, W, in_types) -> pose (N, H', W', out_types,
+        16), activation (N, H', W', out_types), H' = (H - kernel_size) // stride + 1 (W' likewise).
+    """
 
     def __init__(self, in_types: int, out_types: int, kernel_size: int = 3, stride: int = 1, iters: int = 3, *,
                  final_lambda: float = 0.01, backend: str = "fused", **routing):
@@ -174,11 +238,34 @@ class ConvCapsules(_EmCapsules):
 
 
 class ClassCapsules(_EmCapsules):
-    """The last matrix-capsule layer: every input capsule at every position votes for each class
-    with a matrix shared across positions; with coordinate addition the scaled (row, column) of
-    the position's centre is added to the first two entries of the vote's last column, so the
-    class poses know where their parts were. All H*W*in_types votes are routed together.
-    `routing`: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules)."""
+    """Class capsules (Hinton et al. 2018), the last matrix-capsule layer: every input capsule at
+    every position votes for each class with a matrix shared across positions, and all
+    H * W * in_types votes are routed together by EM routing (capsroute.em_routing).
+
+        V_ij = M_i W_type(i),j (+ the position's scaled (row, column) in entries (0, 3), (1, 3));
+        pose_j, a_j = em_routing(V, a_in, beta_u, beta_a)
+
+    With coordinate addition the centre of input capsule i's position, (row + 0.5) / H and
+    (column + 0.5) / W, is added to the first two entries of the vote's last column, so the class
+    poses know where their parts were.
+
+    Args:
+        in_types: capsule types per input position.
+        classes: output capsules, one per class.
+        iters: EM iterations (>= 1).
+        coordinate_addition: add the positions to the votes as above.
+        final_lambda: the inverse temperature's scale: iteration t uses
+            final_lambda * (1 - 0.95^(t + 1)).
+        backend: "fused" or "reference".
+        **routing: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules).
+
+    Parameters: weight (in_types, classes, 4, 4), N(0, weight_std^2); beta_u and beta_a
+    (classes,), zeros.
+
+    Shapes:
+        pose (N, H, W, in_types, 16), activation (N, H, W, in_types) -> pose (N, classes, 16),
+        activation (N, classes).
+    """
 
     def __init__(self, in_types: int, classes: int, iters: int = 3, *, coordinate_addition: bool = True,
                  final_lambda: float = 0.01, backend: str = "fused", **routing):
