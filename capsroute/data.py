@@ -5,7 +5,9 @@
   find_dataset_files(name, root)           the four IDX files under root, in any of the usual layouts
   download(name, root)                     fetch them into root/<name>/, checksum-verified, atomically
   verify_files(name, files)                check found files against the published checksums
+  published_as(files)                      the dataset whose published files these are, if any
   load_dataset(name, root, split)          -> images uint8 (N, 1, 28, 28), labels int64 (N,)
+  load_checked(name, root)                 both splits, refused when the files are another dataset's
   shift_augment(images, max_shift=2)       the CapsNet paper's random shift of up to 2 pixels
   batch_indices(n, batch_size, ...)        shuffled, resumable, rank-sharded minibatch indices
   batches(images, labels, batch_size, ...) those minibatches of images and labels
@@ -102,6 +104,8 @@ class DatasetInfo:
     raw_md5:    uncompressed file name -> MD5 (for copies kept uncompressed, as torchvision does).
     mirrors:    base URLs, tried in order; a file's URL is mirror + file name.
     torchvision_dir: the folder torchvision uses, as in root/<torchvision_dir>/raw/.
+    zero_fraction: the fraction of the published training images' pixels that are 0, which tells
+                the datasets apart by content where the files are not the published ones (a subset).
     """
     files: dict[str, tuple[str, str]]
     sha256: dict[str, str]
@@ -109,6 +113,7 @@ class DatasetInfo:
     raw_md5: dict[str, str]
     mirrors: tuple[str, ...]
     torchvision_dir: str
+    zero_fraction: float | None = None
 
     def filenames(self) -> list[str]:
         """The four gzipped file names, train images and labels first."""
@@ -145,6 +150,7 @@ DATASETS: dict[str, DatasetInfo] = {
         mirrors=("https://ossci-datasets.s3.amazonaws.com/mnist/",
                  "https://storage.googleapis.com/cvdf-datasets/mnist/"),
         torchvision_dir="MNIST",
+        zero_fraction=0.809,
     ),
     "fashion-mnist": DatasetInfo(
         files=_MNIST_FILES,
@@ -168,6 +174,7 @@ DATASETS: dict[str, DatasetInfo] = {
         },
         mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
         torchvision_dir="FashionMNIST",
+        zero_fraction=0.502,
     ),
 }
 
@@ -193,12 +200,14 @@ def _find_in(directory: Path, gz_name: str) -> Path | None:
     return None
 
 
-def find_dataset_files(name: str, root: str | os.PathLike) -> dict[str, tuple[Path, Path]]:
+def find_dataset_files(name: str, root: str | os.PathLike,
+                       download: bool = False) -> dict[str, tuple[Path, Path]]:
     """Locates a dataset's four IDX files under root: split -> (images path, labels path).
 
     Looks, in this order, in root/<name>/, torchvision's root/<MNIST or FashionMNIST>/raw/ and
     root/ itself, and takes the first folder that holds all four files, each either gzipped
-    (preferred) or uncompressed. Raises FileNotFoundError saying where it looked and how to
+    (preferred) or uncompressed. When none does: with download=True downloads them into
+    root/<name>/, else raises FileNotFoundError saying, in one line, where it looked and how to
     get the data.
     """
     info = _info(name)
@@ -210,14 +219,16 @@ def find_dataset_files(name: str, root: str | os.PathLike) -> dict[str, tuple[Pa
             return {split: (found[images], found[labels]) for split, (images, labels) in info.files.items()}
         if directory.is_dir():
             missing = ", ".join(f for f, p in found.items() if p is None)
-            looked.append(f"  {directory}: missing {missing}")
+            looked.append(f"{directory}: missing {missing}")
         else:
-            looked.append(f"  {directory}: no such folder")
+            looked.append(f"{directory}: no such folder")
+    if download:
+        _download(name, root)
+        return find_dataset_files(name, root)
     raise FileNotFoundError(
-        f"could not find the {name} IDX files ({', '.join(info.filenames())}; gzipped or not).\n"
-        f"Looked in:\n" + "\n".join(looked) + "\n"
-        f"Pass --data-dir pointing at a folder with the four IDX .gz files (e.g. ../shared/data/{name}), "
-        f"or use --download to fetch them (checksum-verified) into {root / name}.")
+        f"could not find the {name} IDX files ({', '.join(info.filenames())}; gzipped or not); "
+        f"looked in {'; '.join(looked)}. Pass --data-dir FOLDER with the four files, "
+        f"or --download to fetch them (checksum-verified) into {root / name}")
 
 
 class ChecksumError(ValueError):
@@ -249,6 +260,56 @@ def verify_files(name: str, files: dict[str, tuple[Path, Path]]) -> None:
             if actual != expected:
                 raise ChecksumError(f"{path}: {algorithm.upper()} mismatch: expected {expected}, got {actual} "
                                     f"(not the {name} file of that name, or a damaged copy)")
+
+
+def published_as(files: dict[str, tuple[Path, Path]]) -> str | None:
+    """The registered dataset whose published checksums all these files match, or None (a
+    subset, another copy or other data)."""
+    for name in DATASETS:
+        try:
+            verify_files(name, files)
+        except ChecksumError:
+            continue
+        return name
+    return None
+
+
+class WrongDatasetError(ValueError):
+    """The files asked for as one dataset are another's."""
+
+
+def looks_like(images: torch.Tensor) -> str | None:
+    """The registered dataset whose images these look like (uint8): the one whose share of 0
+    pixels is nearest theirs (MNIST's digits leave 81% of the pixels 0, Fashion-MNIST's clothes 50%)."""
+    known = {name: info.zero_fraction for name, info in DATASETS.items() if info.zero_fraction is not None}
+    zeros = (images == 0).float().mean().item() if len(images) else None
+    return None if zeros is None else min(known, key=lambda name: abs(known[name] - zeros), default=None)
+
+
+def load_checked(name: str, root: str | os.PathLike, download: bool = False):
+    """Both splits of a dataset, {split: (images, labels)} as `load_dataset` gives them, and a
+    warning (None when the files are the published ones).
+
+    The files are verified against the dataset's published checksums (`verify_files`). Raises
+    WrongDatasetError when they are another dataset's published files, or when they are not
+    published files and look like another dataset's (`looks_like`), and ValueError (naming the
+    file) when one is corrupt or truncated.
+    """
+    files = find_dataset_files(name, root, download)
+    folder = files["train"][0].parent
+    published = published_as(files)
+    if published not in (name, None):
+        raise WrongDatasetError(f"the files in {folder} are the published {published} files, not "
+                                f"{name}'s: pass --dataset {published}, or a --data-dir with {name}'s")
+    splits = {split: load_dataset(name, root, split) for split in SPLITS}
+    if published == name:
+        return splits, None
+    resembled = looks_like(splits["train"][0])
+    if resembled not in (name, None):
+        raise WrongDatasetError(f"the images in {folder} look like {resembled}'s, not {name}'s: pass "
+                                f"--dataset {resembled}, or a --data-dir with {name}'s")
+    return splits, (f"{folder} does not hold the published {name} files (a subset, or another copy): "
+                    f"their checksums are not checked")
 
 
 # The URL opener `download` uses; tests replace it to serve bytes without a network.
@@ -323,7 +384,7 @@ def download(name: str, root: str | os.PathLike, progress: bool = True) -> Path:
     return dest
 
 
-_download = download  # load_dataset's `download` argument shadows the function
+_download = download  # the `download` arguments of find_dataset_files and load_dataset shadow it
 
 
 def load_dataset(name: str, root: str | os.PathLike, split: str, download: bool = False,
@@ -337,13 +398,7 @@ def load_dataset(name: str, root: str | os.PathLike, split: str, download: bool 
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} (known: {', '.join(SPLITS)})")
-    try:
-        files = find_dataset_files(name, root)
-    except FileNotFoundError:
-        if not download:
-            raise
-        _download(name, root)
-        files = find_dataset_files(name, root)
+    files = find_dataset_files(name, root, download)
     if verify:
         verify_files(name, {split: files[split]})
     images_path, labels_path = files[split]
