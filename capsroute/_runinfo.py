@@ -19,8 +19,18 @@ _CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root when c
 
 
 def command_line(program: str, argv: list[str] | None) -> str:
-    """The command as typed, for a record: program and argv (sys.argv[1:] when None), shell-quoted."""
-    return f"{program} {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    """The command as typed, for a record: program and argv (sys.argv[1:] when None), shell-quoted.
+    Under torchrun, the torchrun line that started this process (its parent) where the system
+    shows it (Linux), else one that starts the same processes."""
+    command = f"{program} {shlex.join(sys.argv[1:] if argv is None else argv)}"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return command
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return shlex.join(f.read().decode().rstrip("\0").split("\0"))
+    except OSError:
+        nodes, per_node = os.environ.get("GROUP_WORLD_SIZE", "1"), os.environ.get("LOCAL_WORLD_SIZE", "1")
+        return f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m {command.replace(' ', '.', 1)}"
 
 
 def _git(*args, cwd=None) -> str | None:

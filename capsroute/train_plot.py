@@ -22,9 +22,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, MaxNLocator
 
+from . import data
+from ._command import CommandError
 from ._runinfo import short_commit
 from .models import CapsNet, model_for_run
 from .multimnist import SIZE, MultiMNIST
+from .tasks import source_dataset, task_class
+from .train_args import load_checkpoint
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
 
@@ -143,47 +147,57 @@ def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -
 
 
 def _load_model(run_dir: Path):
-    state = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    state = load_checkpoint(run_dir / "checkpoint.pt")
     args = state["args"]
     model = model_for_run(args)
     model.load_state_dict(state["model"])
     return model, args
 
 
+def _figure_inputs(args: dict) -> dict:
+    """The test images (or MultiMNIST test pairs) of a run's dataset, as its task draws them."""
+    dataset, data_dir = args["dataset"], Path(args["data_dir"])
+    try:
+        test = data.load_dataset(source_dataset(dataset), data_dir, "test")
+    except (OSError, ValueError) as e:  # moved, missing or damaged since the run
+        raise CommandError(f"the run's test data: {e}") from e
+    return task_class(dataset).figure_inputs_of(*test)
+
+
 def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None,
-             pairs: MultiMNIST | None = None, curves: bool = True) -> list[Path]:
-    """Draws the run's figures into run_dir; returns their paths. Without `model` the network is
-    loaded from run_dir/checkpoint.pt and the test images (or MultiMNIST test pairs) from the
-    run's dataset; without either (a run folder kept without its checkpoint, as bench/results
-    keeps them) only curves.png. curves=False: not curves.png (a run scored mid-epoch has no epochs
-    to draw)."""
+             pairs: MultiMNIST | None = None, curves: bool = True, out: str | Path | None = None) -> list[Path]:
+    """Draws the run's figures into `out` (default: run_dir); returns their paths. Without `model`
+    the network is loaded from run_dir/checkpoint.pt and the test images (or MultiMNIST test pairs)
+    from the run's dataset; without either (a run folder kept without its checkpoint, as
+    bench/results keeps them) only curves.png. curves=False: not curves.png (a run scored
+    mid-epoch has no epochs to draw)."""
     run_dir = Path(run_dir)
+    out = run_dir if out is None else Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     if curves:
-        metrics = json.loads((run_dir / "metrics.json").read_text())
+        try:
+            metrics = json.loads((run_dir / "metrics.json").read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CommandError(f"{run_dir / 'metrics.json'}: damaged ({e})") from e
         run = metrics["run"]
         title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
                  f"commit {short_commit(run['commit'])}")
-        written.append(plot_curves(metrics["epochs"], run_dir / "curves.png", title))
+        written.append(plot_curves(metrics["epochs"], out / "curves.png", title))
     if model is None:
         if not (run_dir / "checkpoint.pt").exists():
             return written
         model, args = _load_model(run_dir)
         if isinstance(model, CapsNet):
-            from . import data, multimnist
-
-            if args["dataset"] == "multimnist":
-                pairs = multimnist.test_pairs(*data.load_dataset("mnist", Path(args["data_dir"]), "test"))
-            else:
-                images, _ = data.load_dataset(args["dataset"], Path(args["data_dir"]), "test")
-                images = images[:64]
+            inputs = _figure_inputs(args)
+            images, pairs = inputs.get("images"), inputs.get("pairs")
     if isinstance(model, CapsNet):
         model = copy.deepcopy(model).float().cpu()
         if pairs is not None:
-            written.append(plot_pairs(model, pairs, run_dir / "pairs.png"))
+            written.append(plot_pairs(model, pairs, out / "pairs.png"))
             images = pairs.float_pairs(np.arange(1))[0]
         else:
             images = images.float().div(255) if images.dtype == torch.uint8 else images.float()
-            written.append(plot_reconstructions(model, images, run_dir / "reconstructions.png"))
-        written.append(plot_perturbations(model, images[0], run_dir / "perturbations.png"))
+            written.append(plot_reconstructions(model, images, out / "reconstructions.png"))
+        written.append(plot_perturbations(model, images[0], out / "perturbations.png"))
     return written

@@ -26,7 +26,7 @@ def train_args(out: Path, *extra: str) -> list[str]:
 
 
 def checkpoint(run: Path) -> dict:
-    return torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    return torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
 
 
 def test_capsnet_learns(tmp_path):

@@ -1,0 +1,132 @@
+"""What `capsroute train` learns, as one object the trainer asks for its samples and specifics:
+
+  ImageTask   MNIST or Fashion-MNIST: an image, its label; the image is its reconstruction target
+  PairTask    MultiMNIST: two overlapping digits, both labels, each digit alone as its target
+
+Both give the training batches (images, labels, reconstruction targets), the test batches, the
+network's labels at test time, the test metrics of their own, the figures' inputs and their fields
+of the run record. `load_task(args)` reads and checks the data and builds the task of --dataset.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch import Tensor
+
+from . import data, multimnist
+from .models import CapsNet
+
+
+class ImageTask:
+    """One image per sample: the first --train-subset / --test-subset images of the dataset."""
+    samples = "images"
+    source = None  # the dataset of --dataset itself
+
+    def __init__(self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]):
+        self.train_images, self.train_labels = (t[:args.train_subset] for t in train)
+        self.test_images, self.test_labels = (t[:args.test_subset] for t in test)
+        self.train_size, self.test_size = len(self.train_labels), len(self.test_labels)
+
+    def training_batches(self, batch_size: int, augment, **shard):
+        """This epoch's batches of this rank (data.batches' shard arguments), augmented when taken."""
+        for images, labels in data.batches(self.train_images, self.train_labels, batch_size, **shard):
+            images = augment(images)
+            yield images, labels, images
+
+    def test_batch(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        images = self.test_images[index].float().div_(255)
+        return images, self.test_labels[index], images
+
+    def test_labels_for(self, labels: Tensor) -> Tensor | None:
+        """What the network is given at test time: nothing (it reconstructs its longest capsule)."""
+        return None
+
+    def squared_error(self, model, out, targets: Tensor) -> Tensor | float:
+        """The reconstructions' summed squared error that the test scores (0: none scored)."""
+        return 0.0
+
+    def reconstruction_metrics(self, model, squared_error: float, seen: int) -> dict:
+        return {}
+
+    def figure_inputs(self) -> dict:
+        return self.figure_inputs_of(self.test_images, self.test_labels)
+
+    @staticmethod
+    def figure_inputs_of(test_images: Tensor, test_labels: Tensor) -> dict:
+        """train_plot.plot_run's inputs from a test split."""
+        return {"images": test_images[:64]}
+
+    def run_info(self) -> dict:
+        return {}
+
+
+class PairTask:
+    """MultiMNIST pairs of MNIST digits (capsroute.multimnist): --pairs-per-digit training pairs per
+    training digit and the fixed test pairs, the first --test-subset of them."""
+    samples = "pairs"
+    source = "mnist"
+
+    def __init__(self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]):
+        train_images, train_labels = (t[:args.train_subset] for t in train)
+        self.train_pairs = multimnist.MultiMNIST(train_images, train_labels, args.pairs_per_digit, seed=args.seed)
+        # The test pairs take their second digits from the whole test split.
+        self.test_pairs = multimnist.test_pairs(*test)
+        self.train_size = len(self.train_pairs)
+        self.test_size = min(len(self.test_pairs), args.test_subset or len(self.test_pairs))
+        self.test_checksum = multimnist.checksum(self.test_pairs, count=self.test_size)
+        if len(self.test_pairs) == self.test_size == 10_000 and self.test_checksum != multimnist.MNIST_TEST_CHECKSUM:
+            print(f"warning: these 10,000 test pairs are not the standard ones (checksum {self.test_checksum}, "
+                  f"expected {multimnist.MNIST_TEST_CHECKSUM}): are {args.data_dir}'s files MNIST's?",
+                  file=sys.stderr)
+
+    def training_batches(self, batch_size: int, augment, **shard):
+        """This epoch's batches of this rank; the pairs come shifted (`augment` is for images)."""
+        yield from self.train_pairs.batches(batch_size, **shard)
+
+    def test_batch(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.test_pairs.float_pairs(index)
+
+    def test_labels_for(self, labels: Tensor) -> Tensor:
+        """The labels: each digit is reconstructed from its label's capsule, as in training."""
+        return labels
+
+    def squared_error(self, model, out, targets: Tensor) -> Tensor | float:
+        if not isinstance(model, CapsNet):
+            return 0.0
+        return (out.reconstructions.float() - targets.flatten(2)).square().sum()
+
+    def reconstruction_metrics(self, model, squared_error: float, seen: int) -> dict:
+        """test_recon_error (CapsNet): the mean squared pixel error of each digit's reconstruction from
+        its own label's capsule against the digit alone."""
+        if not isinstance(model, CapsNet):
+            return {}
+        return {"test_recon_error": squared_error / max(2 * seen * multimnist.SIZE ** 2, 1)}
+
+    def figure_inputs(self) -> dict:
+        return {"pairs": self.test_pairs}
+
+    @staticmethod
+    def figure_inputs_of(test_images: Tensor, test_labels: Tensor) -> dict:
+        return {"pairs": multimnist.test_pairs(test_images, test_labels)}
+
+    def run_info(self) -> dict:
+        """Equal checksums: the same test pairs (README: MultiMNIST)."""
+        return {"train_pairs": self.train_size, "test_pairs": self.test_size, "test_checksum": self.test_checksum}
+
+
+def task_class(dataset: str) -> type[ImageTask] | type[PairTask]:
+    return PairTask if dataset == "multimnist" else ImageTask
+
+
+def source_dataset(dataset: str) -> str:
+    """The dataset whose IDX files a --dataset reads."""
+    return task_class(dataset).source or dataset
+
+
+def load_task(args: argparse.Namespace) -> tuple[ImageTask | PairTask, str | None]:
+    """The task of --dataset on the files in --data-dir, checked (data.load_checked), and a warning
+    where they are not the published files (None where they are)."""
+    splits, warning = data.load_checked(source_dataset(args.dataset), args.data_dir)
+    return task_class(args.dataset)(args, splits["train"], splits["test"]), warning
+
