@@ -1,0 +1,127 @@
+"""Derivatives beyond first-order reverse mode, for every spec in tests/op_db.py: double backward
+(create_graph=True) and forward mode are exact (docs/ops.md, "Derivatives"), through the reference's
+autograd, while a plain backward still runs the fused backward operator. Compared with the float64
+reference and with finite differences (gradgradcheck)."""
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.profiler import profile
+
+from helpers import assert_rel_close, randn
+from op_db import OP_DB
+
+per_op = pytest.mark.parametrize("spec", OP_DB, ids=lambda spec: spec.name)
+TOL = 1e-9  # float64 against float64: only rounding differs
+
+
+def differentiable(spec, impl, sample):
+    """impl as a function of the sample's tensors (None stays None) returning its differentiable outputs."""
+    given = [i for i, t in enumerate(sample.tensors) if t is not None]
+
+    def fn(*tensors):
+        full = list(sample.tensors)
+        for i, t in zip(given, tensors):
+            full[i] = t
+        return spec.outputs(impl, replace(sample, tensors=tuple(full)))[:spec.grad_outputs]
+    return fn
+
+
+def small_samples(spec, device):
+    return [spec.draw(shape, device, torch.float64, **options) for shape, options in spec.gradcheck]
+
+
+def primals(sample):
+    return tuple(t.detach() for t in sample.inputs())
+
+
+@per_op
+def test_gradgradcheck(spec, device):
+    for sample in small_samples(spec, device):
+        # fast_mode: finite differences of random projections (the full Jacobians of the
+        # gradients take a minute per op); test_double_backward_matches_reference checks all entries.
+        assert torch.autograd.gradgradcheck(differentiable(spec, spec.fn, sample), sample.inputs(), fast_mode=True)
+
+
+def second_order(fn, inputs, cotangents, weights):
+    """d/dx <grad_x <fn(x), cotangents>, weights>: a gradient penalty's gradient."""
+    grads = torch.autograd.grad(fn(*inputs), inputs, cotangents, create_graph=True)
+    penalty = sum((g * w).sum() for g, w in zip(grads, weights))
+    return torch.autograd.grad(penalty, inputs)
+
+
+@per_op
+def test_double_backward_matches_reference(spec, device):
+    for sample in small_samples(spec, device):
+        outs = differentiable(spec, spec.ref, sample)(*sample.inputs())
+        cotangents = [randn(*o.shape, device=device) for o in outs]
+        weights = [randn(*t.shape, device=device) for t in sample.inputs()]
+        ours = second_order(differentiable(spec, spec.fn, sample), sample.inputs(), cotangents, weights)
+        ref = second_order(differentiable(spec, spec.ref, sample), sample.inputs(), cotangents, weights)
+        for name, a, e in zip(spec.input_names, ours, ref):
+            assert e.abs().max() > 0, f"{name}: the reference's second derivative is zero: a vacuous check"
+            assert_rel_close(a, e, TOL, f"second-order grad_{name}")
+
+
+@per_op
+def test_jvp_matches_reference(spec, device):
+    for sample in small_samples(spec, device):
+        tangents = tuple(randn(*t.shape, device=device) for t in primals(sample))
+        _, ours = torch.func.jvp(differentiable(spec, spec.fn, sample), primals(sample), tangents)
+        _, ref = torch.func.jvp(differentiable(spec, spec.ref, sample), primals(sample), tangents)
+        for name, a, e in zip(spec.output_names, ours, ref):
+            assert e.abs().max() > 0, f"{name}: zero reference tangent"
+            assert_rel_close(a, e, TOL, f"jvp {name}")
+
+
+@per_op
+def test_forward_ad_dual_tensors(spec, device):
+    sample = small_samples(spec, device)[0]
+    tangents = [randn(*t.shape, device=device) for t in primals(sample)]
+    results = []
+    for impl in (spec.fn, spec.ref):
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(p, t) for p, t in zip(primals(sample), tangents)]
+            outs = differentiable(spec, impl, sample)(*duals)
+            results.append([fwAD.unpack_dual(o).tangent for o in outs])
+    for name, a, e in zip(spec.output_names, *results):
+        assert a is not None, f"{name}: no tangent"
+        assert_rel_close(a, e, TOL, f"forward-mode {name}")
+
+
+@per_op
+def test_func_transforms_match_reference(spec, device):
+    """torch.func.grad, vmap(grad) (per-sample gradients) and jacrev."""
+    sample = small_samples(spec, device)[0]
+    x = primals(sample)
+
+    def scalar(impl):
+        return lambda *ts: sum(o.pow(2).sum() for o in differentiable(spec, impl, sample)(*ts))
+
+    argnums = tuple(range(len(x)))
+    for a, e in zip(torch.func.grad(scalar(spec.fn), argnums)(*x), torch.func.grad(scalar(spec.ref), argnums)(*x)):
+        assert_rel_close(a, e, TOL, "torch.func.grad")
+
+    def per_sample(impl):
+        # One batch element at a time: the batch-independent tensors (weights, betas) are shared.
+        fn = differentiable(spec, impl, sample)
+
+        def loss(first, *rest):
+            return sum(o.pow(2).sum() for o in fn(first.unsqueeze(0), *rest))
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(0, *(None,) * (len(x) - 1)))(*x)
+    if spec.name != "squash":  # squash has no batch dimension of its own
+        assert_rel_close(per_sample(spec.fn), per_sample(spec.ref), TOL, "vmap(grad)")
+
+    for a, e in zip(torch.func.jacrev(differentiable(spec, spec.fn, sample))(*x),
+                    torch.func.jacrev(differentiable(spec, spec.ref, sample))(*x)):
+        assert_rel_close(a, e, TOL, "jacrev")
+
+
+@per_op
+def test_first_order_backward_runs_the_fused_operator(spec):
+    sample = small_samples(spec, "cpu")[0]
+    outs = differentiable(spec, spec.fn, sample)(*sample.inputs())
+    with profile() as prof:
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    assert f"capsroute::_{spec.name}_backward" in {event.name for event in prof.events()}
