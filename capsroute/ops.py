@@ -54,8 +54,15 @@ def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     return _ops.squash(s.movedim(dim, -1), eps).movedim(-1, dim)
 
 
+def _with_args(text: str):
+    """Fills the {args} of the decorated function's docstring: the arguments several ops share."""
+    def decorate(fn):
+        fn.__doc__ = fn.__doc__.format(args=text.strip("\n"))
+        return fn
+    return decorate
+
+
 _ROUTING_ARGS = """
-    Args:
         iters: routing iterations (>= 1); the agreement updates the logits iters - 1 times.
         bias: optional (J, D), added to every s_j before the squash.
         leaky: append a zero logit as an extra output before each softmax and drop its share,
@@ -66,6 +73,7 @@ _ROUTING_ARGS = """
 """
 
 
+@_with_args(_ROUTING_ARGS)
 def dynamic_routing(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
                     detach: bool = False, eps: float = 1e-8) -> Tensor:
     """Routing by agreement (Sabour et al. 2017) over the votes u_ij of input i for output j:
@@ -75,7 +83,8 @@ def dynamic_routing(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None
 
     Args:
         votes: (B, I, J, D), float32, float64, float16 or bfloat16.
-    """ + _ROUTING_ARGS + """
+{args}
+
     Returns:
         v: (B, J, D), the output capsules, differentiable w.r.t. votes and bias (exactly,
         through every iteration).
@@ -97,6 +106,7 @@ def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | No
     return v, c
 
 
+@_with_args(_ROUTING_ARGS)
 def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
                    detach: bool = False, eps: float = 1e-8) -> Tensor:
     """A fully connected capsule layer: dynamic_routing over the votes u_ij = weight_ij @ u_i,
@@ -105,7 +115,8 @@ def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | 
     Args:
         u: (B, I, Din), the input capsules.
         weight: (I, J, D, Din), a transform per input and output capsule.
-    """ + _ROUTING_ARGS + """
+{args}
+
     Returns:
         v: (B, J, D), differentiable w.r.t. u, weight and bias.
     """
@@ -129,6 +140,7 @@ _EM_ARGS = """
 """
 
 
+@_with_args(_EM_ARGS)
 def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
                final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """EM routing of matrix capsules (Hinton et al. 2018): each output j is a Gaussian over the
@@ -140,13 +152,16 @@ def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iter
 
     Args:
         votes: (B, I, J, H), float32, float64, float16 or bfloat16 (computed in float32 under
-            autocast).""" + _EM_ARGS
+            autocast).
+{args}
+    """
     if _transformed(votes, a_in, beta_u, beta_a):
         return reference.em_routing(votes, a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps)
     pose, a_out, _ = _ops.em_routing(votes, a_in, beta_u, beta_a, iters, final_lambda, eps)
     return pose, a_out
 
 
+@_with_args(_EM_ARGS)
 def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
                     final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """em_routing over the votes V_ij = pose_i @ weight_ij (4x4 matrix products, H = 16),
@@ -154,7 +169,9 @@ def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, 
 
     Args:
         pose: (B, I, 4, 4) or (B, I, 16), the input poses.
-        weight: (I, J, 4, 4), a transform per input and output capsule.""" + _EM_ARGS
+        weight: (I, J, 4, 4), a transform per input and output capsule.
+{args}
+    """
     if pose.dim() == 3 and pose.shape[-1] == 16:
         pose = pose.unflatten(-1, (4, 4))
     if _transformed(pose, weight, a_in, beta_u, beta_a):

@@ -3,6 +3,7 @@ block or a markdown link of the docs resolves, every link's #anchor is a heading
 and the front page and the kernel docs keep their length limits. Reads text only: no build."""
 
 import functools
+import inspect
 import re
 from pathlib import Path
 
@@ -122,3 +123,13 @@ def test_checks_catch_stale_names(tmp_path):
         "[d](other.md#nowhere) [e](https://example.org/x)"
     )
     assert broken_links(doc) == ["gone.md", "other.md#nowhere"]
+
+
+@pytest.mark.parametrize("name", ["squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose"])
+def test_op_docstrings_explain_every_argument(name):
+    """help(capsroute.<op>) is enough to call it: every parameter is described."""
+    import capsroute
+
+    fn = getattr(capsroute, name)
+    missing = [p for p in inspect.signature(fn).parameters if p not in (fn.__doc__ or "")]
+    assert not missing, f"capsroute.{name}'s docstring does not describe {missing}"
