@@ -58,7 +58,7 @@ class CapsNet(nn.Module):
                                        backend=backend)
         grid = (image_size - 8 - 9) // 2 + 1
         if grid < 1:
-            raise ValueError(f"image_size must be at least 25 for two 9x9 convolutions, got {image_size}")
+            raise ValueError(f"image_size must be at least 17 for two 9x9 convolutions (the second of stride 2), got {image_size}")
         self.classes = DenseCapsules(primary_types * grid * grid, primary_dim, classes, class_dim, iters,
                                      backend=backend)
         widths = (classes * class_dim, *decoder)
