@@ -231,3 +231,9 @@ def test_spread_loss_formula_and_schedule():
     assert losses.spread_margin(0, 100) == pytest.approx(0.2)
     assert losses.spread_margin(50, 100) == pytest.approx(0.55)
     assert losses.spread_margin(500, 100) == pytest.approx(0.9)
+
+
+def test_capsnet_smallest_image():
+    CapsNet(image_size=17)  # a 1x1 primary capsule grid
+    with pytest.raises(ValueError, match="at least 17"):
+        CapsNet(image_size=16)
