@@ -125,7 +125,7 @@ _MNIST_FILES = {
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
 
-# Checksums copied from ../shared/data/<name>/SHA256SUMS, MD5SUMS and README.md (uncompressed MD5s).
+# Checksums of the original files: SHA256 and MD5, and the MD5 of each uncompressed file (as torchvision).
 DATASETS: dict[str, DatasetInfo] = {
     "mnist": DatasetInfo(
         files=_MNIST_FILES,
