@@ -67,7 +67,9 @@ def main(argv=None) -> int:
     pl.add_argument("--debug", action="store_true", help="show the traceback of an error")
     pl.set_defaults(run=plot)
 
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # said by the command's parser, which names the command
+        {"bench": b, "train": t, "plot": pl}[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.invocation = command_line("capsroute", argv)  # for the run records
     args.argv = argv[argv.index(args.command) + 1:]  # the command's own options (train --resume checks them)
     with refusing(f"capsroute {args.command}", args.debug):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -90,6 +91,8 @@ def _key_value(item: str) -> str:
         parse_model_config([item])
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    except (MemoryError, RecursionError):  # what Python's parser raises on thousands of nested operators
+        raise argparse.ArgumentTypeError(f"{item[:40]!r}...: too deeply nested to be a value") from None
     return item
 
 
@@ -190,7 +193,9 @@ def checkpoint_args(args: argparse.Namespace) -> dict:
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint written by this capsroute version; refuses, naming the file, anything else."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on an unusual file: the line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load fails in many ways on a damaged or foreign file
         raise CommandError(f"{path}: not a checkpoint capsroute {__version__} can load safely (truncated, "
                            f"damaged, foreign or from an older capsroute); --debug shows why") from e
