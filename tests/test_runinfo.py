@@ -78,3 +78,15 @@ def test_bad_model_config_is_a_usage_error(capsys):
         train.main(["--model-config", "conv_channels=32", "decoder"])
     assert e.value.code == 2
     assert "argument --model-config: expected KEY=VALUE, got 'decoder'" in capsys.readouterr().err
+
+
+def test_command_line_under_torchrun(monkeypatch):
+    """Under torchrun the record names the torchrun line (the parent's, where /proc shows it), else one
+    that starts the same processes."""
+    assert _runinfo.command_line("capsroute train", ["--epochs", "1"]) == "capsroute train --epochs 1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(_runinfo.os, "getppid", lambda: 2**31 - 1)  # no such process
+    assert _runinfo.command_line("capsroute train", ["--epochs", "1"]) == \
+        "torchrun --nnodes 1 --nproc-per-node 2 -m capsroute.train --epochs 1"
