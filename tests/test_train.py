@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import capsroute
 from capsroute import train
 from capsroute.cli import main as cli_main
 
@@ -66,14 +67,17 @@ def test_resume_is_bit_identical(tmp_path):
 
 def test_resume_finishes_the_run(tmp_path):
     """Started from the `capsroute` command, resumed through the module: the record's command is
-    the one that started the run, runnable as written."""
+    the one that started the run, runnable as written, and the resume commands follow it."""
     started = train_args(tmp_path, "--train-subset", "128", "--test-subset", "64", "--epochs", "2", "--max-steps", "5")
     assert cli_main(["train", *started]) == 0
     assert not (tmp_path / "result.json").exists()
-    assert train.main(["--resume", str(tmp_path), "--no-progress", "--no-plots"]) == 0
+    resumed = ["--resume", str(tmp_path), "--no-progress", "--no-plots"]
+    assert train.main(resumed) == 0
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["epochs"] == 2 and checkpoint(tmp_path)["step"] == 8
     assert result["command"] == "capsroute train " + shlex.join(started)
+    assert result["resume_commands"] == ["capsroute train " + shlex.join(resumed)]
+    assert result["capsroute"] == capsroute.__version__
 
 
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
@@ -115,6 +119,8 @@ def test_two_gloo_processes(tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["devices"] == 2 and result["batch_size"] == 64 and result["epochs"] == 2
+    # the torchrun line that started the run (the world size is "devices")
+    assert result["command"] == shlex.join(cmd) and result["resume_commands"] == []
     assert checkpoint(tmp_path)["step"] == 2 * 4  # 256 images / (2 ranks x 32) per epoch
     history = json.loads((tmp_path / "metrics.json").read_text())["epochs"]
     assert history[-1]["train_loss"] < history[0]["train_loss"]
@@ -151,6 +157,10 @@ def test_figures_from_a_run(tmp_path, capsys):
     for name in ("curves.png", "reconstructions.png", "perturbations.png"):
         assert f"wrote {tmp_path / name}" in printed
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    elsewhere = tmp_path / "figures"
+    assert cli_main(["plot", str(tmp_path), "--out", str(elsewhere)]) == 0
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["curves.png", "perturbations.png", "reconstructions.png"]
+    capsys.readouterr()
     # A run kept without its checkpoint (as bench/results keeps them): the curves alone.
     (tmp_path / "checkpoint.pt").unlink()
     assert cli_main(["plot", str(tmp_path)]) == 0
