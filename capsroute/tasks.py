@@ -15,6 +15,7 @@ import sys
 from torch import Tensor
 
 from . import data, multimnist
+from ._command import CommandError
 from .models import CapsNet
 
 
@@ -126,7 +127,16 @@ def source_dataset(dataset: str) -> str:
 
 def load_task(args: argparse.Namespace) -> tuple[ImageTask | PairTask, str | None]:
     """The task of --dataset on the files in --data-dir, checked (data.load_checked), and a warning
-    where they are not the published files (None where they are)."""
-    splits, warning = data.load_checked(source_dataset(args.dataset), args.data_dir)
-    return task_class(args.dataset)(args, splits["train"], splits["test"]), warning
+    where they are not the published files (None where they are). Raises CommandError for missing,
+    damaged or wrong files and for too few digits to pair."""
+    try:
+        splits, warning = data.load_checked(source_dataset(args.dataset), args.data_dir)
+    except (FileNotFoundError, data.WrongDatasetError) as e:
+        raise CommandError(str(e)) from e
+    except ValueError as e:  # a damaged file: the message names it
+        raise CommandError(f"{e}; delete the file and fetch a good copy (--download)") from e
+    try:
+        return task_class(args.dataset)(args, splits["train"], splits["test"]), warning
+    except ValueError as e:  # MultiMNIST pairs digits of two classes at least
+        raise CommandError(f"--dataset {args.dataset} --train-subset {args.train_subset}: {e}") from e
 

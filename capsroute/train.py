@@ -81,12 +81,7 @@ class Trainer:
         self.args, self.ddp, self.device = args, ddp, device
         self.commit = git_commit()  # of the code this process imported, whatever HEAD is by the end
         torch.manual_seed(args.seed)
-        try:
-            self.task, warning = load_task(args)
-        except (FileNotFoundError, data.WrongDatasetError) as e:
-            raise CommandError(str(e)) from e
-        except ValueError as e:  # a corrupt or truncated file: the message names it
-            raise CommandError(f"{e}; delete the file and fetch a good copy (--download)") from e
+        self.task, warning = load_task(args)
         if warning is not None and ddp.main:
             print(f"warning: {warning}", file=sys.stderr)
         self.train_size, self.test_size = self.task.train_size, self.task.test_size

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import capsroute
-from capsroute import cli
+from capsroute import cli, data
 from capsroute._command import CommandError
 from capsroute.train_args import CHECKPOINT_KEYS, model_options
 
@@ -157,6 +157,21 @@ def test_not_the_published_files_is_a_warning(capsys, tmp_path):
     err = capsys.readouterr().err.splitlines()
     assert err == [f"warning: {DATA} does not hold the published mnist files (a subset, or another copy): "
                    f"their checksums are not checked"]
+
+
+def test_too_few_digits_to_pair(capsys, tmp_path):
+    line = refusal(capsys, ["train", "--dataset", "multimnist", "--data-dir", str(DATA), "--train-subset", "1",
+                            "--out", str(tmp_path / "run")])
+    assert "--dataset multimnist --train-subset 1: MultiMNIST: the digits must span at least two classes" in line
+
+
+def test_failed_download(capsys, tmp_path, monkeypatch):
+    def offline(url, timeout):
+        raise OSError("offline")
+
+    monkeypatch.setattr(data, "_urlopen", offline)
+    line = refusal(capsys, ["train", "--download", "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")])
+    assert "--download: could not download mnist file train-images-idx3-ubyte.gz" in line and "offline" in line
 
 
 def test_fp16_on_a_cpu_is_a_warning(capsys, empty):
