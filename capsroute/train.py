@@ -394,7 +394,10 @@ def _train(args: argparse.Namespace, ddp: Distributed, state: dict | None) -> in
     if state is not None:
         trainer.load_state(state)
     elif ddp.main:
-        args.out.mkdir(parents=True, exist_ok=True)
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CommandError(f"--out {args.out}: cannot make the folder ({e.strerror})") from e
     if args.evaluate:
         trainer.evaluate_checkpoint()
         return 0

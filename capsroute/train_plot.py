@@ -173,7 +173,10 @@ def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None
     mid-epoch has no epochs to draw)."""
     run_dir = Path(run_dir)
     out = run_dir if out is None else Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CommandError(f"--out {out}: cannot make the folder ({e.strerror})") from e
     written = []
     if curves:
         try:

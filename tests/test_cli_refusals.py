@@ -113,6 +113,15 @@ def test_out_is_a_file(capsys, tmp_path):
     assert f"--out {tmp_path / 'taken'}: a file, not a folder" in line
 
 
+def test_out_cannot_be_made(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    *warnings, line = stderr_of_refusal(capsys, ["train", "--data-dir", str(DATA), "--out",
+                                                 str(tmp_path / "file" / "run"), "--train-subset", "8",
+                                                 "--test-subset", "8", *SMALL_CAPSNET])
+    assert [w.split(":")[0] for w in warnings] == ["warning"]  # mnist-small is a subset
+    assert f"--out {tmp_path / 'file' / 'run'}: cannot make the folder" in line
+
+
 def copy_of_the_data(tmp_path: Path) -> Path:
     folder = tmp_path / "mnist"
     shutil.copytree(DATA, folder)
