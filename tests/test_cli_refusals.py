@@ -307,7 +307,8 @@ def test_plot_refusals(capsys, tmp_path):
 # ---------------------------------------------------------------------------- the numeric options, fuzzed
 
 NUMERIC_OPTIONS = ["--batch-size", "--epochs", "--lr", "--train-subset", "--test-subset", "--max-steps",
-                   "--lr-decay", "--decay-steps", "--weight-decay", "--shift", "--seed", "--margin-ramp-epochs"]
+                   "--lr-decay", "--decay-steps", "--weight-decay", "--shift", "--seed", "--margin-ramp-epochs",
+                   "--pairs-per-digit"]
 VALUES = st.one_of(st.integers(-10**30, 10**30).map(str), st.floats().map(repr), st.floats().map(str),
                    st.text(max_size=12), st.sampled_from(["1e400", "-0", "0x10", "1_0", " 7 ", "(1,)", "True"]))
 MODEL_KEYS = sorted({(model, key) for model in ("capsnet", "matrixcapsnet", "cnn") for key in model_options(model)})
