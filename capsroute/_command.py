@@ -7,6 +7,7 @@ option or file, what to do>", and a non-zero exit, without a traceback (`--debug
   whole_number(low, high)        argparse types that check a value's range as they parse it
   real_number(low, ...)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,25 +49,31 @@ def refusing(prog: str, debug: bool = False):
 
 
 def _bounds(low, high, low_open: bool = False) -> str:
-    lower = f"{'>' if low_open else '>='} {low}"
-    return lower if high is None else f"in {low}..{high}" if not low_open else f"{lower} and <= {high}"
+    if high is None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"> {low} and <= {high}" if low_open else f"in {low}..{high}"
 
 
 def whole_number(low: int, high: int | None = None):
     """An argparse type: an int in low..high (high None: no upper bound)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
         if value is None or value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be a whole number {_bounds(low, high)}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number {_bounds(low, high)}, got {text!r}"
+            )
         return value
+
     return parse
 
 
 def real_number(low: float, high: float | None = None, low_open: bool = False):
     """An argparse type: a finite float >= low (> low when low_open) and <= high."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -74,7 +81,9 @@ def real_number(low: float, high: float | None = None, low_open: bool = False):
             value = math.nan
         below = value <= low if low_open else value < low
         if not math.isfinite(value) or below or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be a number {_bounds(low, high, low_open)}, "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"must be a number {_bounds(low, high, low_open)}, got {text!r}"
+            )
         return value
+
     return parse

@@ -7,6 +7,7 @@ Both give the training batches (images, labels, reconstruction targets), the tes
 network's labels at test time, the test metrics of their own, the figures' inputs and their fields
 of the run record. `load_task(args)` reads and checks the data and builds the task of --dataset.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,23 @@ from .models import CapsNet
 
 class ImageTask:
     """One image per sample: the first --train-subset / --test-subset images of the dataset."""
+
     samples = "images"
     source = None  # the dataset of --dataset itself
 
-    def __init__(self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]):
-        self.train_images, self.train_labels = (t[:args.train_subset] for t in train)
-        self.test_images, self.test_labels = (t[:args.test_subset] for t in test)
+    def __init__(
+        self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]
+    ):
+        self.train_images, self.train_labels = (t[: args.train_subset] for t in train)
+        self.test_images, self.test_labels = (t[: args.test_subset] for t in test)
         self.train_size, self.test_size = len(self.train_labels), len(self.test_labels)
 
     def training_batches(self, batch_size: int, augment, **shard):
-        """This epoch's batches of this rank (data.batches' shard arguments), augmented when taken."""
-        for images, labels in data.batches(self.train_images, self.train_labels, batch_size, **shard):
+        """This epoch's batches of this rank (data.batches' shard arguments), augmented when
+        taken."""
+        for images, labels in data.batches(
+            self.train_images, self.train_labels, batch_size, **shard
+        ):
             images = augment(images)
             yield images, labels, images
 
@@ -65,21 +72,31 @@ class ImageTask:
 class PairTask:
     """MultiMNIST pairs of MNIST digits (capsroute.multimnist): --pairs-per-digit training pairs per
     training digit and the fixed test pairs, the first --test-subset of them."""
+
     samples = "pairs"
     source = "mnist"
 
-    def __init__(self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]):
-        train_images, train_labels = (t[:args.train_subset] for t in train)
-        self.train_pairs = multimnist.MultiMNIST(train_images, train_labels, args.pairs_per_digit, seed=args.seed)
+    def __init__(
+        self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]
+    ):
+        train_images, train_labels = (t[: args.train_subset] for t in train)
+        self.train_pairs = multimnist.MultiMNIST(
+            train_images, train_labels, args.pairs_per_digit, seed=args.seed
+        )
         # The test pairs take their second digits from the whole test split.
         self.test_pairs = multimnist.test_pairs(*test)
         self.train_size = len(self.train_pairs)
         self.test_size = min(len(self.test_pairs), args.test_subset or len(self.test_pairs))
         self.test_checksum = multimnist.checksum(self.test_pairs, count=self.test_size)
-        if len(self.test_pairs) == self.test_size == 10_000 and self.test_checksum != multimnist.MNIST_TEST_CHECKSUM:
-            print(f"warning: these 10,000 test pairs are not the standard ones (checksum {self.test_checksum}, "
-                  f"expected {multimnist.MNIST_TEST_CHECKSUM}): are {args.data_dir}'s files MNIST's?",
-                  file=sys.stderr)
+        if (
+            len(self.test_pairs) == self.test_size == 10_000
+            and self.test_checksum != multimnist.MNIST_TEST_CHECKSUM
+        ):
+            print(
+                f"warning: these 10,000 test pairs are not the standard ones (checksum {self.test_checksum}, "
+                f"expected {multimnist.MNIST_TEST_CHECKSUM}): are {args.data_dir}'s files MNIST's?",
+                file=sys.stderr,
+            )
 
     def training_batches(self, batch_size: int, augment, **shard):
         """This epoch's batches of this rank; the pairs come shifted (`augment` is for images)."""
@@ -98,11 +115,11 @@ class PairTask:
         return (out.reconstructions.float() - targets.flatten(2)).square().sum()
 
     def reconstruction_metrics(self, model, squared_error: float, seen: int) -> dict:
-        """test_recon_error (CapsNet): the mean squared pixel error of each digit's reconstruction from
-        its own label's capsule against the digit alone."""
+        """test_recon_error (CapsNet): the mean squared pixel error of each digit's reconstruction
+        from its own label's capsule against the digit alone."""
         if not isinstance(model, CapsNet):
             return {}
-        return {"test_recon_error": squared_error / max(2 * seen * multimnist.SIZE ** 2, 1)}
+        return {"test_recon_error": squared_error / max(2 * seen * multimnist.SIZE**2, 1)}
 
     def figure_inputs(self) -> dict:
         return {"pairs": self.test_pairs}
@@ -113,7 +130,11 @@ class PairTask:
 
     def run_info(self) -> dict:
         """Equal checksums: the same test pairs (README: MultiMNIST)."""
-        return {"train_pairs": self.train_size, "test_pairs": self.test_size, "test_checksum": self.test_checksum}
+        return {
+            "train_pairs": self.train_size,
+            "test_pairs": self.test_size,
+            "test_checksum": self.test_checksum,
+        }
 
 
 def task_class(dataset: str) -> type[ImageTask] | type[PairTask]:
@@ -138,5 +159,6 @@ def load_task(args: argparse.Namespace) -> tuple[ImageTask | PairTask, str | Non
     try:
         return task_class(args.dataset)(args, splits["train"], splits["test"]), warning
     except ValueError as e:  # MultiMNIST pairs digits of two classes at least
-        raise CommandError(f"--dataset {args.dataset} --train-subset {args.train_subset}: {e}") from e
-
+        raise CommandError(
+            f"--dataset {args.dataset} --train-subset {args.train_subset}: {e}"
+        ) from e

@@ -29,13 +29,26 @@ from torch import nn
 
 from . import __version__, data
 from ._command import ArgumentParser, CommandError, refusing
-from ._runinfo import command_line, device_name, git_commit, replacing, resolve_device, write_json_atomic
+from ._runinfo import (
+    command_line,
+    device_name,
+    git_commit,
+    replacing,
+    resolve_device,
+    write_json_atomic,
+)
 from .losses import spread_margin, training_loss
 from .models import model_for_run, parse_model_config
 from .multimnist import pair_correct
 from .tasks import load_task, source_dataset
-from .train_args import (AMP_DTYPES, HelpFormatter, add_arguments, check_arguments, checkpoint_args,
-                         resolve_run_dir)
+from .train_args import (
+    AMP_DTYPES,
+    HelpFormatter,
+    add_arguments,
+    check_arguments,
+    checkpoint_args,
+    resolve_run_dir,
+)
 
 METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
                  "epoch_seconds", "images_per_sec"]

@@ -7,6 +7,7 @@ data is read), and the checkpoint that `--resume` continues and `capsroute plot`
   load_checkpoint(path)      a checkpoint, loaded without running code (weights_only=True)
   checkpoint_args(args)      the options as a checkpoint stores them (plain types)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,20 @@ MAX_SEED = 2**31 - 1
 # other option given there with a value other than the run's is refused.
 RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download", "evaluate", "debug"}
 RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
-CHECKPOINT_KEYS = {"capsroute", "args", "model", "optimizer", "scheduler", "scaler", "epoch", "step_in_epoch",
-                   "step", "epoch_sums", "history", "torch_rng"}
+CHECKPOINT_KEYS = {
+    "capsroute",
+    "args",
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "step_in_epoch",
+    "step",
+    "epoch_sums",
+    "history",
+    "torch_rng",
+}
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -45,54 +58,127 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(invocation=None, argv=None, resume_commands=[])
     count, size = whole_number(1), whole_number(1)
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
-    p.add_argument("--model-config", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
-                   help="keyword arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)")
-    p.add_argument("--dataset", choices=sorted([*data.DATASETS, "multimnist"]), default="mnist",
-                   help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.multimnist)")
-    p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
-                   help="folder with the IDX .gz files ($CAPSROUTE_DATA when set; MNIST's for multimnist)")
-    p.add_argument("--pairs-per-digit", type=whole_number(1, multimnist.MAX_PAIRS_PER_DIGIT), default=1,
-                   help=f"multimnist: training pairs per training digit, 1..{multimnist.MAX_PAIRS_PER_DIGIT} "
-                        "(an epoch of 60,000 pairs per unit; the test set is fixed: one pair per test digit)")
-    p.add_argument("--download", action="store_true", help="download missing files (checksums verified)")
+    p.add_argument(
+        "--model-config",
+        nargs="*",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=sorted([*data.DATASETS, "multimnist"]),
+        default="mnist",
+        help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.multimnist)",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
+        help="folder with the IDX .gz files ($CAPSROUTE_DATA when set; MNIST's for multimnist)",
+    )
+    p.add_argument(
+        "--pairs-per-digit",
+        type=whole_number(1, multimnist.MAX_PAIRS_PER_DIGIT),
+        default=1,
+        help=f"multimnist: training pairs per training digit, 1..{multimnist.MAX_PAIRS_PER_DIGIT} "
+        "(an epoch of 60,000 pairs per unit; the test set is fixed: one pair per test digit)",
+    )
+    p.add_argument(
+        "--download", action="store_true", help="download missing files (checksums verified)"
+    )
     p.add_argument("--epochs", type=count, default=10, help="passes over the training images")
     p.add_argument("--batch-size", type=size, default=128, help="per process")
-    p.add_argument("--lr", type=real_number(0, low_open=True), default=1e-3, help="Adam learning rate")
-    p.add_argument("--lr-decay", type=real_number(0, 1, low_open=True), default=0.96,
-                   help="multiplied into the learning rate every --decay-steps")
+    p.add_argument(
+        "--lr", type=real_number(0, low_open=True), default=1e-3, help="Adam learning rate"
+    )
+    p.add_argument(
+        "--lr-decay",
+        type=real_number(0, 1, low_open=True),
+        default=0.96,
+        help="multiplied into the learning rate every --decay-steps",
+    )
     p.add_argument("--decay-steps", type=count, default=2000, help="steps per --lr-decay factor")
     p.add_argument("--weight-decay", type=real_number(0), default=0.0, help="Adam's L2 penalty")
-    p.add_argument("--shift", type=whole_number(0, multimnist.DIGIT_SIZE - 1), default=2,
-                   help="random shift augmentation in pixels (0: none); multimnist shifts each digit by up to 4")
-    p.add_argument("--margin-ramp-epochs", type=real_number(0), default=5.0,
-                   help="MatrixCapsNet: epochs over which the spread-loss margin grows from 0.2 to 0.9")
-    p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision (autocast)")
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="fused",
-                   help="fused capsroute kernels, or the plain PyTorch reference")
+    p.add_argument(
+        "--shift",
+        type=whole_number(0, multimnist.DIGIT_SIZE - 1),
+        default=2,
+        help="random shift augmentation in pixels (0: none); multimnist shifts each digit by up to 4",
+    )
+    p.add_argument(
+        "--margin-ramp-epochs",
+        type=real_number(0),
+        default=5.0,
+        help="MatrixCapsNet: epochs over which the spread-loss margin grows from 0.2 to 0.9",
+    )
+    p.add_argument(
+        "--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision (autocast)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="fused",
+        help="fused capsroute kernels, or the plain PyTorch reference",
+    )
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--seed", type=whole_number(0, MAX_SEED), default=0,
-                   help="initial weights, data order and augmentation")
-    p.add_argument("--train-subset", type=count, default=None, help="use the first N training images")
-    p.add_argument("--test-subset", type=count, default=None, help="use the first N test images (multimnist: pairs)")
-    p.add_argument("--max-steps", type=count, default=None, help="stop (with a checkpoint) after this many steps")
-    p.add_argument("--out", type=Path, default=None, help="run folder (default: runs/<model>-<dataset>)")
-    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR", help="continue the run in this folder")
-    p.add_argument("--evaluate", action="store_true",
-                   help="with --resume: score the checkpoint's network as it stands (even mid-epoch) on the test set "
-                        "into RUN_DIR/evaluation.json and draw its figures, without training")
+    p.add_argument(
+        "--seed",
+        type=whole_number(0, MAX_SEED),
+        default=0,
+        help="initial weights, data order and augmentation",
+    )
+    p.add_argument(
+        "--train-subset", type=count, default=None, help="use the first N training images"
+    )
+    p.add_argument(
+        "--test-subset",
+        type=count,
+        default=None,
+        help="use the first N test images (multimnist: pairs)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=count,
+        default=None,
+        help="stop (with a checkpoint) after this many steps",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="run folder (default: runs/<model>-<dataset>)"
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in this folder",
+    )
+    p.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="with --resume: score the checkpoint's network as it stands (even mid-epoch) on the test set "
+        "into RUN_DIR/evaluation.json and draw its figures, without training",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def _key_value(item: str) -> str:
-    """An item of --model-config, checked here and kept as text (the checkpoint stores the arguments as given)."""
+    """An item of --model-config, checked here and kept as text (the checkpoint stores the
+    arguments as given)."""
     try:
         parse_model_config([item])
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    except (MemoryError, RecursionError):  # what Python's parser raises on thousands of nested operators
-        raise argparse.ArgumentTypeError(f"{item[:40]!r}...: too deeply nested to be a value") from None
+    except (
+        MemoryError,
+        RecursionError,
+    ):  # what Python's parser raises on thousands of nested operators
+        raise argparse.ArgumentTypeError(
+            f"{item[:40]!r}...: too deeply nested to be a value"
+        ) from None
     return item
 
 
@@ -129,13 +215,15 @@ def given_options(args: argparse.Namespace) -> set[str]:
 
 def model_options(model: str) -> dict[str, inspect.Parameter]:
     """The keyword-only parameters of a model (--model-config's keys): its sizes and routing
-    settings; the classes, channels and image size come from the dataset, the backend from --backend."""
+    settings; the classes, channels and image size come from the dataset, the backend from
+    --backend."""
     parameters = inspect.signature(MODELS[model]).parameters.values()
     return {p.name: p for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "backend"}
 
 
 def _value_error(parameter: inspect.Parameter, value) -> str | None:
-    """What is wrong with value for parameter (None: nothing): the type of its default, numbers > 0."""
+    """What is wrong with value for parameter (None: nothing): it must have the type of the
+    default, and numbers must be > 0."""
     default = parameter.default
     if isinstance(default, bool):
         return None if isinstance(value, bool) else "must be True or False"
@@ -143,12 +231,17 @@ def _value_error(parameter: inspect.Parameter, value) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         return None if ok else "must be a whole number >= 1"
     if isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and 0 < value < float("inf")
+        )
         return None if ok else "must be a number > 0"
     if isinstance(default, tuple):  # tuple[int, ...] of any length, tuple[int, int, int] of three
         length = None if "..." in str(parameter.annotation) else len(default)
-        ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
-                                              for v in value)
+        ok = isinstance(value, tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+        )
         if ok and length in (None, len(value)):
             return None
         count = "whole numbers" if length is None else f"{length} whole numbers"
@@ -162,8 +255,10 @@ def check_model_config(model: str, items: list[str]) -> dict:
     for item in items:
         [(key, value)] = parse_model_config([item]).items()
         if key not in options:
-            raise CommandError(f"--model-config {item}: {model} has no option {key!r} "
-                               f"(its options: {', '.join(options)})")
+            raise CommandError(
+                f"--model-config {item}: {model} has no option {key!r} "
+                f"(its options: {', '.join(options)})"
+            )
         problem = _value_error(options[key], value)
         if problem is not None:
             raise CommandError(f"--model-config {item}: {model}'s {key} {problem}")
@@ -174,7 +269,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     """The checks that need several options (the single values are checked as they are parsed)."""
     check_model_config(args.model, args.model_config)
     if args.dataset == "multimnist" and args.model not in PAIR_MODELS:
-        raise CommandError(f"--dataset multimnist trains {' or '.join(PAIR_MODELS)}, not {args.model}")
+        raise CommandError(
+            f"--dataset multimnist trains {' or '.join(PAIR_MODELS)}, not {args.model}"
+        )
     if args.evaluate and args.resume is None:
         raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
     if args.out.exists() and not args.out.is_dir():
@@ -193,19 +290,25 @@ def checkpoint_args(args: argparse.Namespace) -> dict:
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint written by this capsroute version; refuses, naming the file, anything else."""
     try:
-        with warnings.catch_warnings():  # torch's notes on an unusual file: the line below says it all
+        with (
+            warnings.catch_warnings()
+        ):  # torch's notes on an unusual file: the line below says it all
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load fails in many ways on a damaged or foreign file
-        raise CommandError(f"{path}: not a checkpoint capsroute {__version__} can load safely (truncated, "
-                           f"damaged, foreign or from an older capsroute); --debug shows why") from e
+        raise CommandError(
+            f"{path}: not a checkpoint capsroute {__version__} can load safely (truncated, "
+            f"damaged, foreign or from an older capsroute); --debug shows why"
+        ) from e
     if not isinstance(state, dict) or not CHECKPOINT_KEYS - {"capsroute"} <= state.keys():
         raise CommandError(f"{path}: not a capsroute train checkpoint (it lacks the run's state)")
     version = state.get("capsroute")
     if version != __version__:
         written = f"capsroute {version}" if version else "an older capsroute (no version recorded)"
-        raise CommandError(f"{path}: written by {written}, this is capsroute {__version__}: continue the run "
-                           f"with that version, or start a new one")
+        raise CommandError(
+            f"{path}: written by {written}, this is capsroute {__version__}: continue the run "
+            f"with that version, or start a new one"
+        )
     return state
 
 
@@ -219,29 +322,44 @@ def _option(key: str) -> str:
 
 def resolve_run_dir(args: argparse.Namespace) -> dict | None:
     """Sets args.out; with --resume, loads the checkpoint and restores the run's options, applies
-    those --resume may change and refuses other changes; returns the checkpoint (None without --resume)."""
+    those --resume may change and refuses other changes; returns the checkpoint (None without
+    --resume)."""
     if args.resume is None:
         args.out = args.out or Path("runs") / f"{args.model}-{args.dataset}"
         args.resume_commands = []
         return None
     path = args.resume / "checkpoint.pt" if args.resume.is_dir() else args.resume
     if not path.is_file():
-        raise CommandError(f"--resume {args.resume}: no checkpoint at {path}; pass a run folder of capsroute train")
+        raise CommandError(
+            f"--resume {args.resume}: no checkpoint at {path}; pass a run folder of capsroute train"
+        )
     state = load_checkpoint(path)
     given, this_command = given_options(args), args.invocation
     if "out" in given and args.out.resolve() != path.parent.resolve():
-        raise CommandError(f"--out {args.out}: a resumed run stays in its folder {path.parent}; leave --out out")
+        raise CommandError(
+            f"--out {args.out}: a resumed run stays in its folder {path.parent}; leave --out out"
+        )
     saved = state["args"]
     for key, value in saved.items():
-        if key in ("out", "resume", "resume_commands") or key in RESUME_FROM_COMMAND_LINE or not hasattr(args, key):
+        if (
+            key in ("out", "resume", "resume_commands")
+            or key in RESUME_FROM_COMMAND_LINE
+            or not hasattr(args, key)
+        ):
             continue
         if key in given and key in RESUME_OVERRIDES:
             continue
         new = _plain(getattr(args, key))
-        same = parse_model_config(new) == parse_model_config(value) if key == "model_config" else new == value
+        same = (
+            parse_model_config(new) == parse_model_config(value)
+            if key == "model_config"
+            else new == value
+        )
         if key in given and not same:
-            raise CommandError(f"{_option(key)} {_shown(new)}: the run in {path.parent} has {_shown(value)}, "
-                               f"which --resume keeps; leave {_option(key)} out, or start a new run elsewhere")
+            raise CommandError(
+                f"{_option(key)} {_shown(new)}: the run in {path.parent} has {_shown(value)}, "
+                f"which --resume keeps; leave {_option(key)} out, or start a new run elsewhere"
+            )
         setattr(args, key, value)
     args.data_dir = Path(args.data_dir)
     args.out = args.resume = path.parent

@@ -1,7 +1,8 @@
-"""Every refusal of `capsroute train` and `capsroute plot` is one line on stderr and a non-zero exit,
-without a traceback, and comes before any data is read where it needs none. Run in-process through
-capsroute.cli.main: a refusal raises SystemExit with the line (the interpreter prints it, status 1)
-or, for argparse's usage errors, prints it and exits with status 2."""
+"""Every refusal of `capsroute train` and `capsroute plot` is one line on stderr and a non-zero
+exit, without a traceback, and comes before any data is read where it needs none. Run in-process
+through capsroute.cli.main: a refusal raises SystemExit with the line (the interpreter prints it,
+status 1) or, for argparse's usage errors, prints it and exits with status 2."""
+
 import gzip
 import pickle
 import shutil
@@ -11,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import capsroute
 from capsroute import cli, data
@@ -54,8 +54,29 @@ def empty(tmp_path_factory) -> Path:
 def run_dir(tmp_path_factory) -> Path:
     """A run of one step of a tiny CapsNet on the committed MNIST subset, to resume."""
     out = tmp_path_factory.mktemp("run")
-    assert cli.main(["train", "--data-dir", str(DATA), "--out", str(out), "--batch-size", "8", "--train-subset", "16",
-                     "--test-subset", "8", "--max-steps", "1", "--no-progress", "--no-plots", *SMALL_CAPSNET]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--data-dir",
+                str(DATA),
+                "--out",
+                str(out),
+                "--batch-size",
+                "8",
+                "--train-subset",
+                "16",
+                "--test-subset",
+                "8",
+                "--max-steps",
+                "1",
+                "--no-progress",
+                "--no-plots",
+                *SMALL_CAPSNET,
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -77,19 +98,36 @@ BEFORE_DATA = [
     (["--model", "resnet"], "--model: invalid choice: 'resnet'"),
     (["--no-such-option"], "unrecognized arguments: --no-such-option"),
     (["--model-config", "decoder"], "--model-config: expected KEY=VALUE, got 'decoder'"),
-    (["--model-config", "conv_channels=abc"], "--model-config conv_channels=abc: capsnet's conv_channels must be "
-                                              "a whole number >= 1"),
+    (
+        ["--model-config", "conv_channels=abc"],
+        "--model-config conv_channels=abc: capsnet's conv_channels must be a whole number >= 1",
+    ),
     (["--model-config", "foo=bar"], "--model-config foo=bar: capsnet has no option 'foo'"),
     (["--model-config", "iters=0"], "capsnet's iters must be a whole number >= 1"),
     (["--model-config", "iters=True"], "capsnet's iters must be a whole number >= 1"),
     (["--model-config", "decoder=64"], "capsnet's decoder must be a tuple of whole numbers >= 1"),
     (["--model-config", "backend=reference"], "capsnet has no option 'backend'"),
     (["--model-config", "image_size=36"], "capsnet has no option 'image_size'"),
-    (["--model", "cnn", "--model-config", "channels=(8,8)"], "cnn's channels must be a tuple of 3 whole numbers"),
-    (["--model", "matrixcapsnet", "--model-config", "A=1.5"], "matrixcapsnet's A must be a whole number >= 1"),
-    (["--model", "matrixcapsnet", "--model-config", "final_lambda=-1"], "final_lambda must be a number > 0"),
-    (["--model", "matrixcapsnet", "--model-config", "pose_norm=yes"], "pose_norm must be True or False"),
-    (["--dataset", "multimnist", "--model", "matrixcapsnet"], "--dataset multimnist trains capsnet or cnn"),
+    (
+        ["--model", "cnn", "--model-config", "channels=(8,8)"],
+        "cnn's channels must be a tuple of 3 whole numbers",
+    ),
+    (
+        ["--model", "matrixcapsnet", "--model-config", "A=1.5"],
+        "matrixcapsnet's A must be a whole number >= 1",
+    ),
+    (
+        ["--model", "matrixcapsnet", "--model-config", "final_lambda=-1"],
+        "final_lambda must be a number > 0",
+    ),
+    (
+        ["--model", "matrixcapsnet", "--model-config", "pose_norm=yes"],
+        "pose_norm must be True or False",
+    ),
+    (
+        ["--dataset", "multimnist", "--model", "matrixcapsnet"],
+        "--dataset multimnist trains capsnet or cnn",
+    ),
     (["--evaluate"], "--evaluate needs --resume RUN_DIR"),
 ]
 
@@ -97,14 +135,20 @@ BEFORE_DATA = [
 @pytest.mark.parametrize("options, words", BEFORE_DATA, ids=[" ".join(o) for o, _ in BEFORE_DATA])
 def test_refused_before_any_data(capsys, empty, options, words):
     """--data-dir is an empty folder: a refusal about the data would say "could not find"."""
-    line = refusal(capsys, ["train", "--data-dir", str(empty), "--out", str(empty / "run"), *options])
+    line = refusal(
+        capsys, ["train", "--data-dir", str(empty), "--out", str(empty / "run"), *options]
+    )
     assert line.startswith("capsroute train: error: ") and words in line, line
     assert not (empty / "run").exists()
 
 
 def test_missing_data(capsys, empty):
     line = refusal(capsys, ["train", "--data-dir", str(empty), "--out", str(empty / "run")])
-    assert "could not find the mnist IDX files" in line and "--download" in line and "shared" not in line
+    assert (
+        "could not find the mnist IDX files" in line
+        and "--download" in line
+        and "shared" not in line
+    )
 
 
 def test_out_is_a_file(capsys, tmp_path):
@@ -115,9 +159,21 @@ def test_out_is_a_file(capsys, tmp_path):
 
 def test_out_cannot_be_made(capsys, tmp_path):
     (tmp_path / "file").write_text("")
-    *warnings, line = stderr_of_refusal(capsys, ["train", "--data-dir", str(DATA), "--out",
-                                                 str(tmp_path / "file" / "run"), "--train-subset", "8",
-                                                 "--test-subset", "8", *SMALL_CAPSNET])
+    *warnings, line = stderr_of_refusal(
+        capsys,
+        [
+            "train",
+            "--data-dir",
+            str(DATA),
+            "--out",
+            str(tmp_path / "file" / "run"),
+            "--train-subset",
+            "8",
+            "--test-subset",
+            "8",
+            *SMALL_CAPSNET,
+        ],
+    )
     assert [w.split(":")[0] for w in warnings] == ["warning"]  # mnist-small is a subset
     assert f"--out {tmp_path / 'file' / 'run'}: cannot make the folder" in line
 
@@ -128,11 +184,14 @@ def copy_of_the_data(tmp_path: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda raw: raw[:len(raw) // 2], "corrupt or truncated gzip stream"),
-    (lambda raw: gzip.compress(gzip.decompress(raw)[:-5]), "truncated IDX payload"),
-    (lambda raw: b"not an IDX file", "bad IDX magic number"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda raw: raw[: len(raw) // 2], "corrupt or truncated gzip stream"),
+        (lambda raw: gzip.compress(gzip.decompress(raw)[:-5]), "truncated IDX payload"),
+        (lambda raw: b"not an IDX file", "bad IDX magic number"),
+    ],
+)
 def test_damaged_idx_file(capsys, tmp_path, damage, words):
     folder = copy_of_the_data(tmp_path)
     labels = folder / "t10k-labels-idx1-ubyte.gz"
@@ -142,10 +201,22 @@ def test_damaged_idx_file(capsys, tmp_path, damage, words):
 
 
 def test_another_datasets_files(capsys, tmp_path):
-    """mnist-small is not the published MNIST (a subset): told apart from Fashion-MNIST by content."""
-    line = refusal(capsys, ["train", "--dataset", "fashion-mnist", "--data-dir", str(DATA),
-                            "--out", str(tmp_path / "run")])
-    assert f"the images in {DATA} look like mnist's, not fashion-mnist's: pass --dataset mnist" in line
+    """mnist-small is not the published MNIST (a subset): told from Fashion-MNIST by content."""
+    line = refusal(
+        capsys,
+        [
+            "train",
+            "--dataset",
+            "fashion-mnist",
+            "--data-dir",
+            str(DATA),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
+    assert (
+        f"the images in {DATA} look like mnist's, not fashion-mnist's: pass --dataset mnist" in line
+    )
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
@@ -154,24 +225,67 @@ def test_published_files_of_the_other_dataset(capsys, tmp_path, name):
     if not shared.is_dir():
         pytest.skip(f"no {shared}")
     other = {"mnist": "fashion-mnist", "fashion-mnist": "mnist"}[name]
-    line = refusal(capsys, ["train", "--dataset", other, "--data-dir", str(shared), "--out", str(tmp_path / "r")])
-    assert f"the files in {shared} are the published {name} files, not {other}'s: pass --dataset {name}" in line
+    line = refusal(
+        capsys,
+        ["train", "--dataset", other, "--data-dir", str(shared), "--out", str(tmp_path / "r")],
+    )
+    assert (
+        f"the files in {shared} are the published {name} files, not {other}'s: pass --dataset {name}"
+        in line
+    )
 
 
 def test_not_the_published_files_is_a_warning(capsys, tmp_path):
     """A subset of MNIST (not the published files) trains, with a one-line warning."""
-    assert cli.main(["train", "--data-dir", str(DATA), "--out", str(tmp_path), "--batch-size", "8",
-                     "--train-subset", "8", "--test-subset", "8", "--max-steps", "1", "--no-progress",
-                     "--no-plots", *SMALL_CAPSNET]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--data-dir",
+                str(DATA),
+                "--out",
+                str(tmp_path),
+                "--batch-size",
+                "8",
+                "--train-subset",
+                "8",
+                "--test-subset",
+                "8",
+                "--max-steps",
+                "1",
+                "--no-progress",
+                "--no-plots",
+                *SMALL_CAPSNET,
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"warning: {DATA} does not hold the published mnist files (a subset, or another copy): "
-                   f"their checksums are not checked"]
+    assert err == [
+        f"warning: {DATA} does not hold the published mnist files (a subset, or another copy): "
+        f"their checksums are not checked"
+    ]
 
 
 def test_too_few_digits_to_pair(capsys, tmp_path):
-    line = refusal(capsys, ["train", "--dataset", "multimnist", "--data-dir", str(DATA), "--train-subset", "1",
-                            "--out", str(tmp_path / "run")])
-    assert "--dataset multimnist --train-subset 1: MultiMNIST: the digits must span at least two classes" in line
+    line = refusal(
+        capsys,
+        [
+            "train",
+            "--dataset",
+            "multimnist",
+            "--data-dir",
+            str(DATA),
+            "--train-subset",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+    )
+    assert (
+        "--dataset multimnist --train-subset 1: MultiMNIST: the digits must span at least two classes"
+        in line
+    )
 
 
 def test_failed_download(capsys, tmp_path, monkeypatch):
@@ -179,14 +293,33 @@ def test_failed_download(capsys, tmp_path, monkeypatch):
         raise OSError("offline")
 
     monkeypatch.setattr(data, "_urlopen", offline)
-    line = refusal(capsys, ["train", "--download", "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")])
-    assert "--download: could not download mnist file train-images-idx3-ubyte.gz" in line and "offline" in line
+    line = refusal(
+        capsys, ["train", "--download", "--data-dir", str(tmp_path), "--out", str(tmp_path / "run")]
+    )
+    assert (
+        "--download: could not download mnist file train-images-idx3-ubyte.gz" in line
+        and "offline" in line
+    )
 
 
 def test_fp16_on_a_cpu_is_a_warning(capsys, empty):
-    lines = stderr_of_refusal(capsys, ["train", "--amp", "fp16", "--device", "cpu", "--data-dir", str(empty),
-                                       "--out", str(empty / "run")])
-    assert len(lines) == 2 and lines[0].startswith("warning: --amp fp16 on a CPU runs about 15x slower")
+    lines = stderr_of_refusal(
+        capsys,
+        [
+            "train",
+            "--amp",
+            "fp16",
+            "--device",
+            "cpu",
+            "--data-dir",
+            str(empty),
+            "--out",
+            str(empty / "run"),
+        ],
+    )
+    assert len(lines) == 2 and lines[0].startswith(
+        "warning: --amp fp16 on a CPU runs about 15x slower"
+    )
     assert "could not find" in lines[1]
 
 
@@ -197,15 +330,24 @@ def test_debug_shows_the_traceback(empty):
 
 
 def test_one_line_from_a_real_process(empty):
-    proc = subprocess.run([sys.executable, "-m", "capsroute.cli", "train", "--batch-size", "0"], cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "capsroute.cli", "train", "--batch-size", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--batch-size" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "capsroute.cli", "train", "--data-dir", str(empty)], cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "capsroute.cli", "train", "--data-dir", str(empty)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "could not find" in proc.stderr
 
 
-# ---------------------------------------------------------------------------------- checkpoints and --resume
+# ---------------------------------------------------------------------- checkpoints and --resume
+
 
 def resume_refusal(capsys, checkpoint_dir: Path, *options: str) -> str:
     return refusal(capsys, ["train", "--resume", str(checkpoint_dir), "--no-progress", *options])
@@ -217,7 +359,7 @@ def test_resume_without_a_checkpoint(capsys, tmp_path):
 
 
 class RunsCode:
-    """Unpickling this would create the file `marker`: what a checkpoint loaded unsafely could do."""
+    """Unpickling this creates the file `marker`: what a checkpoint loaded unsafely could do."""
 
     def __init__(self, marker: Path):
         self.marker = marker
@@ -263,71 +405,158 @@ def test_checkpoint_of_another_version(capsys, tmp_path, run_dir, version):
     assert f"written by {written}, this is capsroute {capsroute.__version__}" in line
 
 
-@pytest.mark.parametrize("options, words", [
-    (["--model", "matrixcapsnet"], "--model matrixcapsnet: the run in {run} has capsnet, which --resume keeps"),
-    (["--model", "capsnet", "--batch-size", "64"], "--batch-size 64: the run in {run} has 8"),
-    (["--dataset", "fashion-mnist"], "--dataset fashion-mnist: the run in {run} has mnist"),
-    (["--model-config", "conv_channels=9"], "--model-config conv_channels=9: the run in {run} has conv_channels=8 "
-                                            "primary_types=2 decoder=(16,16)"),
-    (["--seed", "1"], "--seed 1: the run in {run} has 0"),
-    (["--out", "elsewhere"], "--out elsewhere: a resumed run stays in its folder {run}"),
-])
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (
+            ["--model", "matrixcapsnet"],
+            "--model matrixcapsnet: the run in {run} has capsnet, which --resume keeps",
+        ),
+        (["--model", "capsnet", "--batch-size", "64"], "--batch-size 64: the run in {run} has 8"),
+        (["--dataset", "fashion-mnist"], "--dataset fashion-mnist: the run in {run} has mnist"),
+        (
+            ["--model-config", "conv_channels=9"],
+            "--model-config conv_channels=9: the run in {run} has conv_channels=8 "
+            "primary_types=2 decoder=(16,16)",
+        ),
+        (["--seed", "1"], "--seed 1: the run in {run} has 0"),
+        (["--out", "elsewhere"], "--out elsewhere: a resumed run stays in its folder {run}"),
+    ],
+)
 def test_resume_refuses_what_it_cannot_change(capsys, run_dir, options, words):
     line = resume_refusal(capsys, run_dir, *options)
     assert words.format(run=run_dir) in line, line
 
 
 def test_resume_accepts_the_runs_own_values(run_dir, tmp_path):
-    """Options given with the run's values, in another spelling too, and those --resume may change."""
+    """Options given with the run's values (in another spelling too) and those --resume may
+    change."""
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    assert cli.main(["train", "--resume", str(copy), "--model", "capsnet", "--batch-size", "8", "--model-config",
-                     "conv_channels=8", "primary_types=2", "decoder=(16, 16)", "--epochs", "3", "--max-steps", "2",
-                     "--no-progress", "--no-plots"]) == 0
+    assert (
+        cli.main(
+            [
+                "train",
+                "--resume",
+                str(copy),
+                "--model",
+                "capsnet",
+                "--batch-size",
+                "8",
+                "--model-config",
+                "conv_channels=8",
+                "primary_types=2",
+                "decoder=(16, 16)",
+                "--epochs",
+                "3",
+                "--max-steps",
+                "2",
+                "--no-progress",
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     args = torch.load(copy / "checkpoint.pt", weights_only=True)["args"]
-    assert args["epochs"] == 3 and args["max_steps"] == 2 and args["model_config"][2] == "decoder=(16,16)"
+    assert (
+        args["epochs"] == 3
+        and args["max_steps"] == 2
+        and args["model_config"][2] == "decoder=(16,16)"
+    )
     assert args["invocation"].startswith("capsroute train --data-dir")  # the first command stays
-    assert args["resume_commands"] == [f"capsroute train --resume {copy} --model capsnet --batch-size 8 "
-                                       "--model-config conv_channels=8 primary_types=2 'decoder=(16, 16)' "
-                                       "--epochs 3 --max-steps 2 --no-progress --no-plots"]
+    assert args["resume_commands"] == [
+        f"capsroute train --resume {copy} --model capsnet --batch-size 8 "
+        "--model-config conv_channels=8 primary_types=2 'decoder=(16, 16)' "
+        "--epochs 3 --max-steps 2 --no-progress --no-plots"
+    ]
 
 
-# ------------------------------------------------------------------------------------------ capsroute plot
+# ------------------------------------------------------------------------------ capsroute plot
+
 
 def test_plot_refusals(capsys, tmp_path):
-    assert refusal(capsys, ["plot", str(tmp_path / "nothing")]) == \
-        f"capsroute plot: error: {tmp_path / 'nothing'}: no such file or folder; pass a benchmark JSON or a run folder"
+    assert (
+        refusal(capsys, ["plot", str(tmp_path / "nothing")])
+        == f"capsroute plot: error: {tmp_path / 'nothing'}: no such file or folder; pass a benchmark JSON or a run folder"
+    )
     assert "not a capsroute train run (no metrics.json)" in refusal(capsys, ["plot", str(tmp_path)])
     (tmp_path / "x.json").write_text("{not json")
-    assert "x.json: not a capsroute bench report (not JSON" in refusal(capsys, ["plot", str(tmp_path / "x.json")])
+    assert "x.json: not a capsroute bench report (not JSON" in refusal(
+        capsys, ["plot", str(tmp_path / "x.json")]
+    )
     (tmp_path / "y.json").write_text("[1, 2]")
-    assert "y.json: not a capsroute bench report" in refusal(capsys, ["plot", str(tmp_path / "y.json")])
+    assert "y.json: not a capsroute bench report" in refusal(
+        capsys, ["plot", str(tmp_path / "y.json")]
+    )
 
 
-# ---------------------------------------------------------------------------- the numeric options, fuzzed
+# ---------------------------------------------------------------- the numeric options, fuzzed
 
-NUMERIC_OPTIONS = ["--batch-size", "--epochs", "--lr", "--train-subset", "--test-subset", "--max-steps",
-                   "--lr-decay", "--decay-steps", "--weight-decay", "--shift", "--seed", "--margin-ramp-epochs",
-                   "--pairs-per-digit"]
-VALUES = st.one_of(st.integers(-10**30, 10**30).map(str), st.floats().map(repr), st.floats().map(str),
-                   st.text(max_size=12), st.sampled_from(["1e400", "-0", "0x10", "1_0", " 7 ", "(1,)", "True"]))
-MODEL_KEYS = sorted({(model, key) for model in ("capsnet", "matrixcapsnet", "cnn") for key in model_options(model)})
+NUMERIC_OPTIONS = [
+    "--batch-size",
+    "--epochs",
+    "--lr",
+    "--train-subset",
+    "--test-subset",
+    "--max-steps",
+    "--lr-decay",
+    "--decay-steps",
+    "--weight-decay",
+    "--shift",
+    "--seed",
+    "--margin-ramp-epochs",
+    "--pairs-per-digit",
+]
+VALUES = st.one_of(
+    st.integers(-(10**30), 10**30).map(str),
+    st.floats().map(repr),
+    st.floats().map(str),
+    st.text(max_size=12),
+    st.sampled_from(["1e400", "-0", "0x10", "1_0", " 7 ", "(1,)", "True"]),
+)
+MODEL_KEYS = sorted(
+    {(model, key) for model in ("capsnet", "matrixcapsnet", "cnn") for key in model_options(model)}
+)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(option=st.sampled_from(NUMERIC_OPTIONS), value=VALUES)
 def test_fuzzed_numeric_options(capsys, empty, option, value):
     """Any value: refused in one line; or accepted, and then the empty data folder refuses."""
-    line = refusal(capsys, ["train", "--data-dir", str(empty), "--out", str(empty / "run"), f"{option}={value}"])
+    line = refusal(
+        capsys,
+        ["train", "--data-dir", str(empty), "--out", str(empty / "run"), f"{option}={value}"],
+    )
     assert line.startswith("capsroute train: error: ")
-    assert line.startswith(f"capsroute train: error: argument {option}: must be ") or "could not find" in line
+    assert (
+        line.startswith(f"capsroute train: error: argument {option}: must be ")
+        or "could not find" in line
+    )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(model_key=st.sampled_from(MODEL_KEYS), value=VALUES)
 def test_fuzzed_model_config(capsys, empty, model_key, value):
     model, key = model_key
-    line = refusal(capsys, ["train", "--model", model, "--data-dir", str(empty), "--out", str(empty / "run"),
-                            "--model-config", f"{key}={value}"])
+    line = refusal(
+        capsys,
+        [
+            "train",
+            "--model",
+            model,
+            "--data-dir",
+            str(empty),
+            "--out",
+            str(empty / "run"),
+            "--model-config",
+            f"{key}={value}",
+        ],
+    )
     assert line.startswith("capsroute train: error: ")
-    assert f"{model}'s {key} must be" in line or "--model-config" in line or "could not find" in line
+    assert (
+        f"{model}'s {key} must be" in line or "--model-config" in line or "could not find" in line
+    )
