@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import capsroute
 from capsroute import bench, train
 from capsroute._command import ArgumentParser, CommandError, refusing
 from capsroute._runinfo import command_line
@@ -46,6 +47,7 @@ def plot(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = ArgumentParser(prog="capsroute", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"capsroute {capsroute.__version__}")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     b = commands.add_parser("bench", help="routing benchmark", description=bench.__doc__.split("\n\n")[0],

@@ -69,6 +69,12 @@ def test_plot_redraws(run, tmp_path, capsys):
     assert capsys.readouterr().out.count("wrote ") == 3
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"capsroute {capsroute.__version__}\n"
+
+
 def test_bad_option(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--op", "nonsense"])
