@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The command as typed (for the records) and its options (for --resume's checks), both None
     # from Python; the commands that resumed the run.
     p.set_defaults(invocation=None, argv=None, resume_commands=[])
-    count, size = whole_number(1), whole_number(1)
+    positive = whole_number(1)
     p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
     p.add_argument(
         "--model-config",
@@ -88,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--download", action="store_true", help="download missing files (checksums verified)"
     )
-    p.add_argument("--epochs", type=count, default=10, help="passes over the training images")
-    p.add_argument("--batch-size", type=size, default=128, help="per process")
+    p.add_argument("--epochs", type=positive, default=10, help="passes over the training images")
+    p.add_argument("--batch-size", type=positive, default=128, help="per process")
     p.add_argument(
         "--lr", type=real_number(0, low_open=True), default=1e-3, help="Adam learning rate"
     )
@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.96,
         help="multiplied into the learning rate every --decay-steps",
     )
-    p.add_argument("--decay-steps", type=count, default=2000, help="steps per --lr-decay factor")
+    p.add_argument("--decay-steps", type=positive, default=2000, help="steps per --lr-decay factor")
     p.add_argument("--weight-decay", type=real_number(0), default=0.0, help="Adam's L2 penalty")
     p.add_argument(
         "--shift",
@@ -130,17 +130,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="initial weights, data order and augmentation",
     )
     p.add_argument(
-        "--train-subset", type=count, default=None, help="use the first N training images"
+        "--train-subset", type=positive, default=None, help="use the first N training images"
     )
     p.add_argument(
         "--test-subset",
-        type=count,
+        type=positive,
         default=None,
         help="use the first N test images (multimnist: pairs)",
     )
     p.add_argument(
         "--max-steps",
-        type=count,
+        type=positive,
         default=None,
         help="stop (with a checkpoint) after this many steps",
     )
