@@ -211,7 +211,7 @@ def test_capsnet_learns_pairs(tmp_path, capsys):
     assert untrained["test_accuracy"] < 0.05, untrained
     assert result["test_accuracy"] > PAIR_BAR, result
     assert result["dataset"] == "multimnist" and result["train_pairs"] == 9000 and result["test_pairs"] == 500
-    assert result["test_checksum"] == multimnist.checksum(run.test_pairs, count=500)
+    assert result["test_checksum"] == multimnist.checksum(run.task.test_pairs, count=500)
     history = json.loads((tmp_path / "metrics.json").read_text())["epochs"]
     assert 0 < history[-1]["test_recon_error"] < untrained["test_recon_error"]
     assert (tmp_path / "metrics.csv").read_text().splitlines()[0].endswith(",test_recon_error")
