@@ -14,6 +14,7 @@ check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal
 
 from . import _C  # noqa: E402  (registers the capsroute:: operators)
 from .ops import dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, em_routing_pose, squash
+from .ops import OPS
 
 
 def build_info():
@@ -33,4 +34,23 @@ def cuda_kernel_set() -> str:
     return _C.cuda_kernel_set()
 
 
-__all__ = ["build_info", "cuda_kernel_set", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "squash"]
+def last_kernel_path(op: str, direction: str = "forward") -> str:
+    """The kernel path that the last call of `op` ran in `direction` ("forward" or "backward") in
+    this process, as the dispatch decided at run time, fallbacks included: "cpu" on the CPU; on CUDA
+    "cuda" (squash), "v1-fused", "v1-split", "v2-warp-rows", "v2-cluster", "v2-block"
+    (dynamic_routing), "dense-v1+<routing path>", "dense-v2-gemm+<routing paths of its chunks,
+    comma-separated>" (dense_capsules), "em-block", "em-row-ranges" (the EM ops). "" if the op has
+    not run in that direction since clear_kernel_paths()."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    return _C.last_kernel_path(op, direction)
+
+
+def clear_kernel_paths() -> None:
+    """Forgets every recorded kernel path (last_kernel_path)."""
+    _C.clear_kernel_paths()
+
+
+__all__ = ["build_info", "clear_kernel_paths", "cuda_kernel_set", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "last_kernel_path", "squash"]

@@ -2,6 +2,9 @@
 // itself only reports how it was built.
 #include <pybind11/pybind11.h>
 
+#include <string>
+
+#include "common/kernel_path.h"
 #include "cuda/kernel_options.h"
 
 #ifndef CAPSROUTE_TORCH_VERSION
@@ -33,4 +36,9 @@ PYBIND11_MODULE(_C, m) {
   });
   // The CUDA kernel set the ops run now (CAPSROUTE_CUDA_KERNELS); raises on a bad value.
   m.def("cuda_kernel_set", [] { return capsroute::cuda::kernel_set_name(capsroute::cuda::cuda_kernel_set()); });
+  // The kernel path of an op's last call in a direction ("" if none since the last clear).
+  m.def("last_kernel_path", [](const std::string& op, const std::string& direction) {
+    return capsroute::KernelPathRecord::instance().get(op, direction);
+  });
+  m.def("clear_kernel_paths", [] { capsroute::KernelPathRecord::instance().clear(); });
 }

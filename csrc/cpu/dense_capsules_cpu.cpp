@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "routing_element.h"
 
 namespace capsroute {
@@ -182,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
                                                                   const std::optional<at::Tensor>& bias_in, int64_t iters,
                                                                   bool leaky, bool /*detach: backward only*/, double eps) {
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
+  record_kernel_path("dense_capsules", Direction::forward, "cpu");
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t B = u_in.size(0);
   const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), iters, leaky};
@@ -213,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
                                                                            const at::Tensor& weight_in, const at::Tensor& s_hist_in,
                                                                            bool leaky, bool detach, double eps) {
   check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
+  record_kernel_path("dense_capsules", Direction::backward, "cpu");
   const int64_t B = u_in.size(0), Din = u_in.size(2);
   const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const int64_t JD = dims.jd();

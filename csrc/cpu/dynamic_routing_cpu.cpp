@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "routing_element.h"
 
 namespace capsroute {
@@ -14,6 +15,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
                                                                    int64_t iters, bool leaky, bool /*detach: backward only*/,
                                                                    double eps) {
   check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
+  record_kernel_path("dynamic_routing", Direction::forward, "cpu");
   const at::Tensor votes = votes_in.contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t B = votes.size(0);
@@ -45,6 +47,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
                                                                 const at::Tensor& s_hist_in, bool leaky, bool detach,
                                                                 double eps) {
   check_dynamic_routing_backward_inputs(grad_v_in, votes_in, s_hist_in, eps);
+  record_kernel_path("dynamic_routing", Direction::backward, "cpu");
   const int64_t B = votes_in.size(0);
   const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
   const at::Tensor votes = votes_in.contiguous();

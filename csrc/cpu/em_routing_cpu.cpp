@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "em_element.h"
 
 namespace capsroute {
@@ -23,6 +24,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
                                                               const at::Tensor& beta_u_in, const at::Tensor& beta_a_in,
                                                               int64_t iters, double final_lambda, double eps) {
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
+  record_kernel_path("em_routing", Direction::forward, "cpu");
   const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const int64_t B = votes.size(0);
@@ -58,6 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const int64_t B = votes_in.size(0), iters = em_stats_iters(stats_in);
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   check_em_backward_inputs(grad_pose_in, grad_a_out_in, stats_in, B, votes_in.size(2), votes_in.size(3));
+  record_kernel_path("em_routing", Direction::backward, "cpu");
   const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, row = dims.stats_row();
   const at::ScalarType acc = acc_dtype(votes_in.scalar_type());

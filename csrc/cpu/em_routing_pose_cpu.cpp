@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "em_element.h"
 
 namespace capsroute {
@@ -44,6 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(const at::Ten
                                                                    const at::Tensor& beta_a_in, int64_t iters,
                                                                    double final_lambda, double eps) {
   check_em_routing_pose_inputs(pose_in, weight_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
+  record_kernel_path("em_routing_pose", Direction::forward, "cpu");
   const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const int64_t B = pose.size(0);
@@ -81,6 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   check_em_routing_pose_inputs(pose_in, weight_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   const int64_t B = pose_in.size(0), I = pose_in.size(1), J = weight_in.size(1), JH = J * kPoseSize;
   check_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, B, J, kPoseSize);
+  record_kernel_path("em_routing_pose", Direction::backward, "cpu");
   const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
   const at::ScalarType acc = acc_dtype(pose_in.scalar_type());
   const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();

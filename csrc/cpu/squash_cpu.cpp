@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "../common/acc_math.h"
 
 namespace capsroute {
@@ -15,6 +16,7 @@ at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, do
   check_float_dtype(s_in, "s");
   TORCH_CHECK(s_in.dim() >= 1, "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
   check_eps(eps);
+  record_kernel_path("squash", kBackward ? Direction::backward : Direction::forward, "cpu");
   const at::Tensor s = s_in.contiguous();
   const at::Tensor grad = kBackward ? grad_in->to(s.scalar_type()).contiguous() : at::Tensor();
   at::Tensor out = at::empty_like(s);

@@ -87,17 +87,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Ten
     if (kernels == KernelSet::v1) {
       const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
                                             dims.J * dims.D, Din};
-      launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c);
+      record_kernel_path("dense_capsules", Direction::forward,
+                         "dense-v1+" + launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c));
       return;
     }
     const at::ScalarType acc = s_hist.scalar_type();
+    std::string routing_paths;
     for_each_chunk_of_votes(u.to(acc), weight.to(acc), dims, [&](int64_t b0, const RoutingDims& chunk_dims,
                                                                  const at::Tensor&, const at::Tensor& votes) {
       const int64_t Bc = chunk_dims.B;
       at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc), c_chunk = c.narrow(0, b0, Bc);
-      launch_routing_forward(MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), dims.I, dims.J * dims.D},
-                             bias_ptr, chunk_dims, eps, s_chunk, v_chunk, c_chunk);
+      const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(), dims.I, dims.J * dims.D};
+      add_distinct_path(routing_paths,
+                        launch_routing_forward(chunk_votes, bias_ptr, chunk_dims, eps, s_chunk, v_chunk, c_chunk));
     });
+    record_kernel_path("dense_capsules", Direction::forward, "dense-v2-gemm+" + routing_paths);
   });
   return {v, c, s_hist};
 }
@@ -133,6 +137,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
       at::Tensor grad_u_acc = at::empty({B, I, Din}, u.options().dtype(acc));
       at::Tensor grad_weight_acc = at::zeros({I, JD, Din}, u.options().dtype(acc));
       const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
+      std::string routing_paths;
       // The chunk's workspace holds its votes while the routing kernels read them, then (stream
       // order) their gradient, written from the saved state.
       for_each_chunk_of_votes(u.to(acc), weight_acc, dims, [&](int64_t b0, const RoutingDims& chunk_dims,
@@ -145,6 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
             MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
             grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
             grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
+        add_distinct_path(routing_paths, buf.path);
         if (votes.numel() > 0 && !buf.vote_grad_written)
           launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I), buf.state, Bc,
                  votes.mutable_data_ptr<acc_t>());
@@ -154,6 +160,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
         at::bmm_out(grad_u_by_row, grad_votes, weight_acc.view({I, JD, Din}));
         grad_weight_acc.baddbmm_(grad_votes.transpose(1, 2), u_chunk.transpose(0, 1));
       });
+      record_kernel_path("dense_capsules", Direction::backward, "dense-v2-gemm+" + routing_paths);
       grad_u.copy_(grad_u_acc);
       grad_weight.copy_(grad_weight_acc.view_as(weight));
     });
@@ -165,6 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
       const BackwardBuffers<acc_t> buf =
           launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items,
                                   static_cast<acc_t*>(nullptr));
+      record_kernel_path("dense_capsules", Direction::backward, "dense-v1+" + buf.path);
       const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
       if (grad_u.numel() > 0)
         launch(dense_grad_u_kernel<scalar_t, acc_t>, blocks_for(grad_u.numel()), buf.state,

@@ -31,7 +31,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(const at::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
-    launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, dims, eps, s_hist, v, c);
+    record_kernel_path("dynamic_routing", Direction::forward,
+                       launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, dims,
+                                              eps, s_hist, v, c));
   });
   return {v, c, s_hist};
 }
@@ -63,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
       const BackwardBuffers<acc_t> buf = launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims,
                                                                  detach, eps, grad_bias_items,
                                                                  grad_votes.mutable_data_ptr<scalar_t>());
+      record_kernel_path("dynamic_routing", Direction::backward, buf.path);
       const int64_t n = buf.vote_grad_written ? 0 : grad_votes.numel();
       const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
       if (n > 0 && kernels == KernelSet::v2)

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "em_kernels.cuh"
 #include "em_sequence.cuh"
 #include "host_checks.cuh"
@@ -34,6 +35,9 @@ inline int64_t em_splits(const EmDims& dims) {
   return row_ranges_to_fill_device(dims.B, dims.I, kEmMinSplitRows);
 }
 
+// The EM path `splits` runs, as capsroute.last_kernel_path() names it.
+inline const char* em_path_name(int64_t splits) { return splits == kEmFused ? "em-block" : "em-row-ranges"; }
+
 // The row ranges' partial sums: a (B, splits, n) buffer, or none for the fused kernels.
 inline at::Tensor em_partial_buffer(int64_t B, int64_t splits, int64_t n, const at::TensorOptions& acc_options) {
   return splits == kEmFused ? at::Tensor() : at::empty({B, splits, n}, acc_options);
@@ -44,11 +48,12 @@ acc_t* data_or_null(at::Tensor& t) {
   return t.defined() ? t.template mutable_data_ptr<acc_t>() : nullptr;
 }
 
-// Allocates the workspaces and launches the forward on the current stream (B > 0).
+// Allocates the workspaces and launches the forward on the current stream (B > 0); returns the
+// path it ran (em_path_name).
 template <typename Source, typename scalar_t>
-void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
-                       const EmDims& dims, double eps, at::Tensor& stats, at::Tensor& pose,
-                       at::Tensor& a_out) {
+const char* launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
+                              const scalar_t* beta_a, const EmDims& dims, double eps, at::Tensor& stats,
+                              at::Tensor& pose, at::Tensor& a_out) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = stats.options();
   const int64_t splits = em_splits(dims);
@@ -63,6 +68,7 @@ void launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* 
                  a_out.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernel, so reusing them is safe.
+  return em_path_name(splits);
 }
 
 // Owns the backward workspaces for B elements (dims.B) in `splits` row ranges each; the kernels
@@ -103,11 +109,11 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, int64_t sp
 
 // Allocates the workspaces and launches the backward on the current stream (B > 0). stats,
 // grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
-// g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous).
+// g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous). Returns the path it ran.
 template <typename Source, typename scalar_t>
-void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const at::Tensor& stats,
-                        const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmDims& dims,
-                        double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
+const char* launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const at::Tensor& stats,
+                               const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmDims& dims,
+                               double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
   using acc_t = typename Source::acc_type;
   // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
   const int64_t splits = em_splits(dims);
@@ -117,6 +123,7 @@ void launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t*
   run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, stats.const_data_ptr<acc_t>(),
                   grad_pose.const_data_ptr<acc_t>(), grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps),
                   splits, buf.ws, out);
+  return em_path_name(splits);
 }
 
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the

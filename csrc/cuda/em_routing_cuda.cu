@@ -34,8 +34,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cuda(const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.H};
-    launch_em_forward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
-                      beta_a.const_data_ptr<scalar_t>(), dims, eps, stats, pose, a_out);
+    record_kernel_path("em_routing", Direction::forward,
+                       launch_em_forward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
+                                         beta_a.const_data_ptr<scalar_t>(), dims, eps, stats, pose, a_out));
   });
   return {pose, a_out, stats};
 }
@@ -64,8 +65,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
       // The kernel accumulates in the accumulation dtype (em_launch.cuh).
       at::Tensor g_V = acc_buffer_for(grad_votes), g_a = acc_buffer_for(grad_a_in);
       at::Tensor g_beta = args.grad_beta_items;
-      launch_em_backward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(), args.stats,
-                         args.grad_pose, args.grad_a_out, dims, eps, g_V, g_a, g_beta);
+      record_kernel_path("em_routing", Direction::backward,
+                         launch_em_backward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
+                                            args.stats, args.grad_pose, args.grad_a_out, dims, eps, g_V, g_a,
+                                            g_beta));
       copy_from_acc_buffer(grad_votes, g_V);
       copy_from_acc_buffer(grad_a_in, g_a);
     });

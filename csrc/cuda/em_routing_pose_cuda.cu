@@ -75,18 +75,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(const at::Te
     using acc_t = at::opmath_type<scalar_t>;
     const PoseVotes<scalar_t, acc_t> src{pose.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
                                          dims.J};
-    launch_em_forward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
-                      beta_a.const_data_ptr<scalar_t>(), dims, eps, stats, pose_out, a_out);
+    record_kernel_path("em_routing_pose", Direction::forward,
+                       launch_em_forward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
+                                         beta_a.const_data_ptr<scalar_t>(), dims, eps, stats, pose_out, a_out));
   });
   return {pose_out, a_out, stats};
 }
 
 // The chunked backward (B > 0): grad_pose (B, I, 4, 4) in the storage dtype; g_a (B, I),
-// g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype.
+// g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype. Returns the path
+// it ran (em_path_name).
 template <typename scalar_t, typename acc_t>
-void launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in, const scalar_t* beta_u,
-                          const EmBackwardArgs& args, const EmDims& dims, double eps, scalar_t* grad_pose,
-                          acc_t* g_a, acc_t* g_W) {
+const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in,
+                                 const scalar_t* beta_u, const EmBackwardArgs& args, const EmDims& dims, double eps,
+                                 scalar_t* grad_pose, acc_t* g_a, acc_t* g_W) {
   const int64_t splits = em_splits(dims);  // for every chunk: the same sums whatever the chunking
   const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, splits, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
@@ -100,6 +102,7 @@ void launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const sc
                     args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, chunk, buf.ws,
                     g_V_buffer.mutable_data_ptr<acc_t>(), grad_pose, g_a, g_W,
                     args.grad_beta_items.mutable_data_ptr<acc_t>());
+  return em_path_name(splits);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_pose_backward_cuda(
@@ -126,10 +129,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
                                     [&] {
       using acc_t = at::opmath_type<scalar_t>;
       at::Tensor g_a = acc_buffer_for(grad_a_in), g_W = acc_buffer_for(grad_weight);
-      launch_pose_backward<scalar_t, acc_t>(pose.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
-                                            a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(), args,
-                                            dims, eps, grad_pose.mutable_data_ptr<scalar_t>(),
-                                            g_a.mutable_data_ptr<acc_t>(), g_W.mutable_data_ptr<acc_t>());
+      record_kernel_path("em_routing_pose", Direction::backward,
+                         launch_pose_backward<scalar_t, acc_t>(
+                             pose.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
+                             a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(), args, dims, eps,
+                             grad_pose.mutable_data_ptr<scalar_t>(), g_a.mutable_data_ptr<acc_t>(),
+                             g_W.mutable_data_ptr<acc_t>()));
       copy_from_acc_buffer(grad_a_in, g_a);
       copy_from_acc_buffer(grad_weight, g_W);
     });

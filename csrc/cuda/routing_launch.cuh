@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 
+#include "../common/kernel_path.h"
 #include "host_checks.cuh"
 #include "kernel_options.h"
 #include "routing_kernels.cuh"
@@ -64,6 +66,16 @@ bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks, in
   return mode == ClusterMode::force || 2 * dims.B >= resident;
 }
 
+// The routing path a split runs, as capsroute.last_kernel_path() names it: v1's block kernels fused
+// (a block per element) or split in row ranges; v2's element per cluster, warp rows, or block
+// kernels (capsules the warp rows do not fit). `cluster`: the direction's cluster flag.
+inline std::string routing_path_name(const RowSplit& split, bool cluster) {
+  if (cluster) return "v2-cluster";
+  if (split.warp_rows) return "v2-warp-rows";
+  if (cuda_kernel_set() == KernelSet::v2) return "v2-block";
+  return split.fused() ? "v1-fused" : "v1-split";
+}
+
 // A workspace of the given sizes where `needed`, else an undefined tensor; and its data or nullptr.
 inline at::Tensor optional_workspace(bool needed, at::IntArrayRef sizes, const at::TensorOptions& options) {
   return needed ? at::empty(sizes, options) : at::Tensor();
@@ -73,9 +85,10 @@ acc_t* data_or_null(at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr<acc_t>() : nullptr;
 }
 
-// Allocates the workspaces and launches the forward on the current stream (B > 0).
+// Allocates the workspaces and launches the forward on the current stream (B > 0); returns the
+// routing path it ran (routing_path_name).
 template <typename Source, typename scalar_t>
-void launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
+std::string launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
                             at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
@@ -98,16 +111,18 @@ void launch_routing_forward(const Source& src, const scalar_t* bias, const Routi
                       v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
+  return routing_path_name(split, split.cluster_forward);
 }
 
 // Owns the backward buffers (they must outlive every kernel that reads the state; stream
 // order makes freeing them afterwards safe). vote_grad_written: the backward wrote the vote
-// gradient itself (the cluster backward), and the state is empty.
+// gradient itself (the cluster backward), and the state is empty. path: the routing path it ran.
 template <typename acc_t>
 struct BackwardBuffers {
   at::Tensor v_hist, gs_hist, coupling, g_logits;
   BackwardState<acc_t> state;
   bool vote_grad_written;
+  std::string path;
 };
 
 // Allocates the state, launches the backward kernels on the current stream (B > 0) and
@@ -155,7 +170,13 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v, s_hist.const_data_ptr<acc_t>(),
                        dims, static_cast<acc_t>(eps), split, st, ws, data_or_null<acc_t>(partial),
                        grad_bias_items.mutable_data_ptr<acc_t>(), grad_votes);
-  return BackwardBuffers<acc_t>{v_hist, gs_hist, coupling, g_logits, st, split.cluster_backward};
+  return BackwardBuffers<acc_t>{v_hist,
+                                gs_hist,
+                                coupling,
+                                g_logits,
+                                st,
+                                split.cluster_backward,
+                                routing_path_name(split, split.cluster_backward)};
 }
 
 }  // namespace cuda

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
+#include "../common/kernel_path.h"
 #include "host_checks.cuh"
 #include "squash_kernels.cuh"
 #include "stream_launch.cuh"
@@ -28,6 +29,7 @@ at::Tensor squash_rows_cuda(const at::Tensor& s_in, const at::Tensor* grad_in, d
   const int64_t D = s.size(-1);
   const int64_t rows = D == 0 ? 0 : s.numel() / D;
   if (rows == 0) return out;
+  record_kernel_path("squash", kBackward ? Direction::backward : Direction::forward, "cuda");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "squash_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     StreamLaunch{c10::cuda::getCurrentCUDAStream()}(
