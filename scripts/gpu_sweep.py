@@ -8,7 +8,8 @@ float64 reference; then bitwise determinism (two float32 runs, outputs and gradi
 --quick shrinks every case (for a CPU check that the script itself works); --match runs only the
 cases whose name contains one of the TEXTs (scripts/cuda_check.sh sweeps the MNIST routing and the
 EM cases again with CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes gpu-sweep.json
-(one record per case and dtype: relative errors, pass/fail, determinism) to --out, prints a line per
+(one record per case and dtype: relative errors, pass/fail, determinism, and the kernel path
+that ran forward/backward, capsroute.last_kernel_path) to --out, prints a line per
 case, and exits 1 if any case fails.
 """
 from __future__ import annotations
@@ -133,11 +134,14 @@ def sweep_case(name, build, device) -> list[dict]:
         got = outputs_and_grads(run, capsroute, cast, cotangents)
         again = outputs_and_grads(run, capsroute, cast, cotangents)
         seconds = time.perf_counter() - start
+        op = name.split()[0]
+        path = "/".join(capsroute.last_kernel_path(op, direction) for direction in ("forward", "backward"))
         errors = [rel_err(a, b) for a, b in zip(got, expected)]
         deterministic = all(torch.equal(a, b) for a, b in zip(got, again))
         records.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "rel_errors": errors,
                         "max_rel_error": max(errors), "tolerance": tol, "deterministic": deterministic,
-                        "passed": max(errors) <= tol and deterministic, "seconds": round(seconds, 3)})
+                        "passed": max(errors) <= tol and deterministic, "seconds": round(seconds, 3),
+                        "kernel_path": path})
     del expected
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
             records.append(r)
             print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['case']:45s} {r['dtype']:8s} "
                   f"max rel err {r['max_rel_error']:.2e} (tol {r['tolerance']:.0e}) "
-                  f"deterministic={r['deterministic']} {r['seconds']:.1f} s", flush=True)
+                  f"deterministic={r['deterministic']} {r['seconds']:.1f} s {r['kernel_path']}", flush=True)
     failed = [r for r in records if not r["passed"]]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"kind": "gpu-sweep", "device": device_name, "torch": torch.__version__,

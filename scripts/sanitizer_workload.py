@@ -1,6 +1,8 @@
 """A small CUDA workload for compute-sanitizer: every capsroute op, forward and backward, on odd
 shapes, every storage dtype and option (the shapes are small so memcheck/racecheck stay fast).
-Exits non-zero if an output is not finite or disagrees with the CPU backend."""
+Exits non-zero if an output is not finite or disagrees with the CPU backend, or if a kernel path
+never ran (capsroute.last_kernel_path: a forced switch that silently fell back would leave its
+kernels unchecked)."""
 import itertools
 import os
 import sys
@@ -12,6 +14,12 @@ import capsroute
 assert torch.cuda.is_available(), "needs a CUDA device"
 torch.manual_seed(0)
 failures = []
+covered = set()  # the kernel paths the CUDA calls ran
+
+
+def note_paths(op):
+    for direction in ("forward", "backward"):
+        covered.add(capsroute.last_kernel_path(op, direction))
 
 
 def check(name, cuda_out, cpu_out, tol):
@@ -48,6 +56,7 @@ def check_routing_ops(dtype, shape, leaky, detach, label, ops=("dynamic_routing"
             continue
         g = grad if name != "squash" else torch.randn_like(votes[:, 0])
         cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
+        note_paths(name)
         cpu_out = run(fn, [t.to(dtype).double() for t in inputs], g)  # CPU float64 on the same rounded values
         check(f"{name} {label}", cuda_out, cpu_out, tol)
 
@@ -118,7 +127,9 @@ for (kernels, dtype), (B, I, J, H), iters in itertools.product(
         return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
     inputs = (votes, a_in, *betas)
-    check(f"em_routing {kernels} {dtype} B={B} I={I} J={J} H={H} iters={iters}", em(*[t.to("cuda", dtype) for t in inputs]),
+    cuda_out = em(*[t.to("cuda", dtype) for t in inputs])
+    note_paths("em_routing")
+    check(f"em_routing {kernels} {dtype} B={B} I={I} J={J} H={H} iters={iters}", cuda_out,
           em(*[t.to(dtype).double() for t in inputs]), tol)
 
 # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
@@ -146,10 +157,19 @@ for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
     else:
         os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
     inputs = (pose, weight, a_in, *betas)
-    check(f"em_routing_pose {kernels} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
-          em_pose(*[t.to("cuda", dtype) for t in inputs]), em_pose(*[t.to(dtype).double() for t in inputs]), tol)
+    cuda_out = em_pose(*[t.to("cuda", dtype) for t in inputs])
+    note_paths("em_routing_pose")
+    check(f"em_routing_pose {kernels} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}", cuda_out,
+          em_pose(*[t.to(dtype).double() for t in inputs]), tol)
 for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_EM_SPLITS"):
     os.environ.pop(name, None)
 torch.cuda.synchronize()
+expected_paths = {"cuda", "v1-fused", "v1-split", "v2-warp-rows", "v2-block", "dense-v1+v1-fused", "dense-v1+v1-split",
+                  "dense-v2-gemm+v2-warp-rows", "dense-v2-gemm+v2-block", "em-block", "em-row-ranges"}
+if CLUSTERS:
+    expected_paths |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
+if expected_paths - covered:
+    failures.append(f"kernel paths never run: {sorted(expected_paths - covered)}")
+print(f"kernel paths run: {', '.join(sorted(covered))}")
 print("\n".join(failures) or "all outputs finite and matching the CPU backend")
 sys.exit(1 if failures else 0)

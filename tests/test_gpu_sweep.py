@@ -21,5 +21,6 @@ def test_quick_sweep_on_cpu(tmp_path):
     assert ops == {"squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose"}
     assert {r["dtype"] for r in report["results"]} == {"float64", "float32"}
     assert all(r["passed"] and r["deterministic"] for r in report["results"])
+    assert all(r["kernel_path"] == "cpu/cpu" for r in report["results"])
     # every output and every gradient is compared: dense_capsules has v and 3 gradients
     assert all(len(r["rel_errors"]) == 4 for r in report["results"] if r["case"].startswith("dense_capsules"))

@@ -9,6 +9,9 @@ from typing import Callable
 
 import torch
 
+import capsroute
+
+from ..ops import OPS
 from .cases import IMPLS, Case
 from .timing import available_bytes, free_memory, is_oom, peak_memory_mb, synchronize, time_samples
 
@@ -82,9 +85,23 @@ def warm_up(fwd_bwd: Callable, fwd: Callable, before: Callable, *, fwd_bwd_calls
         fwd()
 
 
+def kernel_paths_ran() -> dict:
+    """{op: {"forward": path, "backward": path}} for every capsroute op that ran since
+    capsroute.clear_kernel_paths(): the kernel paths a row actually ran (capsroute.last_kernel_path),
+    fallbacks included, not only the switches it was run with."""
+    paths = {}
+    for op in OPS:
+        ran = {direction: capsroute.last_kernel_path(op, direction) for direction in ("forward", "backward")}
+        if any(ran.values()):
+            paths[op] = ran
+    return paths
+
+
 def time_steps(rec: dict, fwd: Callable, fwd_bwd: Callable, before: Callable, device: torch.device, repeats: int,
                max_seconds: float) -> None:
-    """Median and min times of fwd() and of fwd_bwd(), and the peak memory of fwd_bwd(), into rec."""
+    """Median and min times of fwd() and of fwd_bwd(), the peak memory of fwd_bwd(), and the kernel
+    paths the timed calls of capsroute's ops ran (kernel_paths, where any ran), into rec."""
+    capsroute.clear_kernel_paths()
     ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
     rec["fwd_ms"] = statistics.median(ft)
     rec["fwd_ms_min"] = min(ft)
@@ -93,6 +110,9 @@ def time_steps(rec: dict, fwd: Callable, fwd_bwd: Callable, before: Callable, de
     rec["fwd_bwd_ms_min"] = min(bt)
     rec["repeats"] = [len(ft), len(bt)]
     rec["peak_mb"] = peak_memory_mb(fwd_bwd, device, before)
+    paths = kernel_paths_ran()
+    if paths:
+        rec["kernel_paths"] = paths
 
 
 def time_inference(rec: dict, fwd: Callable, impl: str, device: torch.device, warmup: int, repeats: int,
