@@ -1,28 +1,111 @@
 #!/usr/bin/env bash
-# What a machine with a GPU should run, stage by stage (default: tests sweep sanitize bench): the CUDA
-# tests, the float64 correctness sweep at GPU sizes (scripts/gpu_sweep.py), compute-sanitizer over
-# scripts/sanitizer_workload.py, then the benchmark.
-#   bash scripts/cuda_check.sh [tests] [tests-scale] [sweep] [sanitize] [bench] [bench-em] [bench-large] [bench-scale] [bench-models]
-#                              [train-capsnet[-fashion|-multimnist]] [train-matrixcapsnet[-fashion]] [train-cnn-multimnist]
+# What a machine with a GPU should run, in calls of the device tool (at most 10 minutes each; plan
+# CALL_SECONDS = 570), stage by stage, each stage under its own time limit and its results packed
+# as it ends:
+#   bash scripts/cuda_check.sh [STAGE... | call-N]       (nothing given: call-1)
+#   DRY_RUN=1 bash scripts/cuda_check.sh [STAGE... | call-N]   the plan and its budgets, no GPU
+#                                                  (nothing given: every call of the plan)
+#
+# The plan of a GPU session, in value order (one line a call; the budgets below; the build only in
+# the first call, later calls carry build-cache and unpack it):
+#   call-1  build doctor bench-minimal        the install works on the GPU, on every path; the
+#                                             minimal timings that decide between the kernel sets
+#   call-2  tests memcheck                    the CUDA test suite; memcheck over the workload
+#   call-3  sweep bench-baselines tests-v2    the float64 sweep at GPU sizes; eager and compiled
+#                                             once per minimal shape; the v2 set's tests
+#   call-4  racecheck initcheck               two more sanitizers
+#   call-5  synccheck sweep-v2 tests-scale    the last sanitizer; the sweep on v2, clusters forced;
+#                                             I = 16384
+#   call-6  bench bench-em                    the full benchmark (baselines once, v2 capsroute alone)
+#   call-7  bench-models train-capsnet        model steps; training resumes in later calls
+# Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
+# the first builds instead (240 s). `DRY_RUN=1 bash scripts/cuda_check.sh` checks that each call's
+# budgets fit CALL_SECONDS.
+#
+# Stages (budget in seconds; a stage may run longer where the call has time to spare, that is what
+# is left of the call less the budgets of the stages after it):
+#   doctor (120)          capsroute doctor --device cuda: every op, kernel set, path and dtype
+#                         against the reference, the path each ran, timings against eager
+#   bench-minimal (150)   capsroute alone: dynamic_routing B = 32, 512 on v1, v2 without and with
+#                         clusters; dense_capsules B = 32, 512 on v1 and v2; em_routing class and
+#                         conv shapes (B = 64, 2304) on v1 and v2; each report has the copy bandwidth
+#   bench-baselines (180) eager and torch.compile once per minimal shape (no kernel set involved)
+#   tests (240), tests-v2 (150)       the CUDA tests (-m cuda), on v1, then on v2 (routing, EM)
+#   tests-scale (150)     I = 16384 at B = 1 or 2
+#   sweep (180), sweep-v2 (120)       scripts/gpu_sweep.py; v2: MNIST and EM cases, then MNIST
+#                         B = 512 with the clusters forced, float32 and float64
+#   memcheck (270), racecheck (270), initcheck (240), synccheck (240)   compute-sanitizer over
+#                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
+#   bench (270), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
+#   train-MODEL[-fashion|-multimnist] (the rest of the call)
+#
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
 # for MultiMNIST pairs, PAIRS_PER_DIGIT x 60,000 an epoch, default 10) need the data in data/mnist or
-# data/fashion-mnist (git-ignored: copy ../shared/data/<name> there and carry "data" to the GPU
-# machine). A run trains until CALL_SECONDS after the script started, less a minute (at most
-# TRAIN_SECONDS, if set), then stops with a checkpoint (SIGINT is taken between steps); the next call
-# resumes the run in runs/. CALL_SECONDS (default 570) must be what the call may run: through the
-# device tool, its timeout_s or the device time left, whichever is less, less 30 s.
+# data/fashion-mnist (git-ignored: copy it there and carry "data" to the GPU machine). A run trains
+# until the call's time is up, less a minute (at most TRAIN_SECONDS, if set), then stops with a
+# checkpoint (SIGINT is taken between steps); the next call resumes the run in runs/. CALL_SECONDS
+# (default 570) must be what the call may run: through the device tool, its timeout_s or the device
+# time left, whichever is less, less 30 s.
 #
 # Without OUT, logs, JSON and figures go to bench/results. With OUT (the device tool's output folder,
 # which brings back at most 8 files, from a machine that starts bare on every call):
-# - everything the stages write is packed into $OUT/cuda-check.tar.gz every 30 s and at the end, so
-#   a call cut off by its time limit still brings back what its stages wrote until then;
+# - everything the stages write is packed into $OUT/cuda-check.tar.gz as each stage ends, every 30 s
+#   and at the end, so a call cut off by its time limit still brings back what its stages wrote;
 # - a build made by this call is packed into $OUT/capsroute-build.tar.gz: put it in build-cache/
-#   (git-ignored) and carry "build-cache", and the next call unpacks it and skips the build (2 min
-#   15 s on 2 cores) when the sources, build settings and torch are unchanged;
+#   (git-ignored) and carry "build-cache", and the next call unpacks it and skips the build
+#   when the sources, build settings and torch are unchanged;
 # - a run whose checkpoint is under 15 MiB (MatrixCapsNet's, not CapsNet's) is packed with the rest,
 #   as $OUT/run-MODEL-DATASET.tar.gz: unpack it here and carry "runs/MODEL-DATASET" to resume it.
 started=$SECONDS
 cd "$(dirname "$0")/.."
+CALL_SECONDS=${CALL_SECONDS:-570}
+# Each stage's time budget in seconds (the header's table). setup: a call's start with the build
+# carried in build-cache (unpack, environment, the GPU check); build: the same with the build
+# (2 min 15 s on 2 cores, measured; the GPU machines have 16).
+declare -A budget=([setup]=45 [build]=240 [doctor]=120 [bench-minimal]=150 [bench-baselines]=180
+  [tests]=240 [tests-v2]=150 [tests-scale]=150 [sweep]=180 [sweep-v2]=120 [memcheck]=270 [racecheck]=270
+  [initcheck]=240 [synccheck]=240 [bench]=270 [bench-em]=240 [bench-large]=240 [bench-scale]=180
+  [bench-models]=300)
+# The calls of a GPU session, in value order (the header's plan).
+calls=("build doctor bench-minimal" "tests memcheck" "sweep bench-baselines tests-v2" "racecheck initcheck"
+       "synccheck sweep-v2 tests-scale" "bench bench-em" "bench-models train-capsnet")
+# The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
+stages=()
+for arg in "${@:-call-1}"; do
+  case $arg in
+    call-*) n=${arg#call-}
+            [[ $n =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le ${#calls[@]} ] || { echo "unknown call $arg" >&2; exit 2; }
+            read -ra more <<< "${calls[n-1]}"; stages+=("${more[@]}") ;;
+    sanitize) stages+=(memcheck racecheck initcheck synccheck) ;;  # memcheck first
+    train-*) stages+=("$arg") ;;  # checked when it runs
+    *) [ -n "${budget[$arg]:-}" ] && [ "$arg" != setup ] || { echo "unknown stage $arg" >&2; exit 2; }
+       stages+=("$arg") ;;
+  esac
+done
+
+# One call's plan: its stages and their budgets (train stages: the rest of the call, at least 2
+# minutes), and whether they fit CALL_SECONDS; fails where they do not.
+plan() {
+  local name=$1 total=0 listing="" stage seconds; shift
+  if [ "$1" != build ]; then total=${budget[setup]}; listing="setup $total"; fi
+  for stage in "$@"; do
+    case $stage in
+      train-*) seconds=$(( CALL_SECONDS - total )); [ "$seconds" -ge 120 ] || seconds=120 ;;
+      *) seconds=${budget[$stage]} ;;
+    esac
+    total=$(( total + seconds )); listing+="${listing:+ + }$stage $seconds"
+  done
+  if [ "$total" -le "$CALL_SECONDS" ]; then echo "$name: $listing = $total s of $CALL_SECONDS: fits"
+  else echo "$name: $listing = $total s of $CALL_SECONDS: does not fit"; return 1; fi
+}
+if [ -n "${DRY_RUN:-}" ]; then  # the plan alone: every call's, or that of the stages asked for
+  fits=0
+  if [ $# = 0 ]; then
+    for n in "${!calls[@]}"; do read -ra call <<< "${calls[n]}"; plan "call-$((n + 1))" "${call[@]}" || fits=1; done
+  else plan "this call" "${stages[@]}" || fits=1; fi
+  exit $fits
+fi
+
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export CAPSROUTE_FORCE_CUDA=1
 # The C++ kernels for AVX2, not for whatever this machine's CPU has: a build carried from one call to
@@ -38,10 +121,22 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a reused build is not pip-i
 # The seconds a stage may run: what is left of the call less $1, at most $2 if given; fails, saying so,
 # when that is under a minute.
 stage_seconds() {
-  local seconds=$(( ${CALL_SECONDS:-570} - (SECONDS - started) - $1 ))
+  local seconds=$(( CALL_SECONDS - (SECONDS - started) - $1 ))
   [ -z "${2:-}" ] || [ "$2" -ge "$seconds" ] || seconds=$2
   [ "$seconds" -ge 60 ] || { echo "$stage: no time left in this call (CALL_SECONDS)" >&2; return 1; }
   echo "$seconds"
+}
+# Runs "$@" in what is left of the stage's time (stage_end): SIGINT at the limit (pytest, the
+# benchmark and training stop cleanly on it), SIGKILL 15 s later.
+within() {
+  local left=$(( stage_end - SECONDS ))
+  [ "$left" -gt 0 ] || { echo "$stage: out of time, not run: $*" >&2; return 124; }
+  timeout -k 15 -s INT "$left" "$@"
+}
+# capsroute bench on the GPU, results in $out/$1; the rest: its options.
+gpu_bench() {
+  local dir=$1; shift
+  within python -m capsroute.cli bench --device cuda --no-progress --out "$out/$dir" "$@"
 }
 run_bytes=$((15 << 20))  # the largest run (checkpoint) brought back, under the 16 MiB a file may be
 # Whether run folder $1 has a checkpoint small enough to bring back.
@@ -81,53 +176,87 @@ fi
 # Without a visible GPU every CUDA test would skip and the stages would "pass": stop instead.
 python -c "import torch, capsroute; assert torch.cuda.is_available() and capsroute.build_info()['cuda'], \
   'no GPU visible to torch, or capsroute built without CUDA'; print(torch.cuda.get_device_name(), torch.__version__)"
-stages=${*:-tests sweep sanitize bench}
 status=0
-for stage in $stages; do
+for k in "${!stages[@]}"; do
+  stage=${stages[k]}
+  [ "$stage" != build ] || continue  # done by env.sh above
+  if [[ $stage != train-* ]]; then
+    # Its budget, or more where the call has time to spare: what is left of it less 20 s to pack
+    # and the budgets of the stages after this one (a stage may use what the ones before it left
+    # over, not what the ones after it need); never past the call.
+    later=0
+    for next in "${stages[@]:k+1}"; do
+      case $next in
+        build) ;;
+        train-*) later=$(( later + 120 )) ;;
+        *) later=$(( later + budget[$next] )) ;;
+      esac
+    done
+    spare=$(( CALL_SECONDS - (SECONDS - started) - 20 - later ))
+    [ "$spare" -gt "${budget[$stage]}" ] || spare=${budget[$stage]}
+    if ! seconds=$(stage_seconds 20 "$spare"); then status=1; continue; fi
+    stage_end=$(( SECONDS + seconds ))
+    echo "== $stage: at most $seconds s" >&2
+  fi
   case $stage in
-    tests)  # then the routing and EM tests again on the v2 kernel set
-      python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" --ignore=tests/test_scale.py 2>&1 \
-        | tee "$out/cuda-tests-kernels-v2.log" || status=1 ;;
+    doctor)  # every op, kernel set, path and dtype against the reference; the path each ran
+      within python -m capsroute.doctor --device cuda --no-progress --json "$out/doctor.json" 2>&1 \
+        | tee "$out/doctor.log" || status=1 ;;
+    bench-minimal)  # capsroute alone (the baselines: bench-baselines), each kernel set and path
+      mnist=(--impl capsroute --shape mnist --batch 32 512 --repeats 30)
+      em=(--impl capsroute --op em --shape em-class em-conv --batch 64 2304 --repeats 30)
+      CAPSROUTE_CUDA_KERNELS=v1 gpu_bench minimal-v1 --op dynamic dense "${mnist[@]}" || status=1
+      CAPSROUTE_CUDA_KERNELS=v1 gpu_bench minimal-v1 "${em[@]}" || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench minimal-v2-no-clusters --op dynamic "${mnist[@]}" \
+        || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=force gpu_bench minimal-v2-clusters --op dynamic "${mnist[@]}" \
+        || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 gpu_bench minimal-v2 --op dense "${mnist[@]}" || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 gpu_bench minimal-v2 "${em[@]}" || status=1 ;;
+    bench-baselines)  # eager and compiled once per minimal shape: no kernel set involved
+      gpu_bench baselines --impl eager compiled --op dynamic dense --shape mnist --batch 32 512 || status=1
+      gpu_bench baselines --impl eager compiled --op em --shape em-class --batch 64 || status=1
+      gpu_bench baselines --impl eager compiled --op em --shape em-conv --batch 2304 || status=1 ;;
+    tests)
+      within python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1 ;;
+    tests-v2)  # the routing and EM tests again on the v2 kernel set
+      CAPSROUTE_CUDA_KERNELS=v2 within python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" \
+        --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests-kernels-v2.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
-      if seconds=$(stage_seconds 30); then
-        timeout -k 30 -s INT "$seconds" python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1
-      else status=1; fi ;;
+      within python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
     sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
-      python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1
-      # The v2 kernel set (dense_capsules, dynamic_routing's vote gradient, EM's row ranges) through the same cases.
-      CAPSROUTE_CUDA_KERNELS=v2 python scripts/gpu_sweep.py --device cuda --match MNIST em_routing --out "$out/kernels-v2" 2>&1 \
-        | tee "$out/gpu-sweep-kernels-v2.log" || status=1 ;;
-    sanitize)
-      # All four tools by default; SANITIZER_TOOLS picks some (each is a full pass of the workload).
-      for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
-        # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,
-        # so an overrun or an uninitialised read inside a block would pass memcheck and initcheck.
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitizer_workload.py 2>&1 \
-          | tee "$out/sanitizer-$tool.log" | tail -5 || status=1
-      done ;;
-    bench)
-      python -m capsroute.cli bench --device cuda --op dynamic dense --shape mnist --batch 32 128 512 2048 --no-progress --plot --out "$out" || status=1
-      # Both kernel sets side by side until one is dropped (bench/NOTES.md, GPU section 3).
-      CAPSROUTE_CUDA_KERNELS=v2 python -m capsroute.cli bench --device cuda --op dynamic dense --shape mnist --batch 32 128 512 2048 \
-        --no-progress --plot --out "$out/kernels-v2" || status=1
+      within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
+    sweep-v2)  # the v2 kernel set through the MNIST and EM cases, then MNIST B = 512 on the clusters
+      CAPSROUTE_CUDA_KERNELS=v2 within python scripts/gpu_sweep.py --device cuda --match MNIST em_routing \
+        --out "$out/kernels-v2" 2>&1 | tee "$out/gpu-sweep-kernels-v2.log" || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=force within python scripts/gpu_sweep.py --device cuda \
+        --match "MNIST B=512" --out "$out/kernels-v2-clusters" 2>&1 | tee "$out/gpu-sweep-kernels-v2-clusters.log" \
+        || status=1 ;;
+    memcheck|racecheck|initcheck|synccheck)
+      # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,
+      # so an overrun or an uninitialised read inside a block would pass memcheck and initcheck.
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 within compute-sanitizer --tool "$stage" --error-exitcode 9 \
+        python scripts/sanitizer_workload.py 2>&1 | tee "$out/sanitizer-$stage.log" | tail -5 || status=1 ;;
+    bench)  # every impl on v1; the v2 set capsroute alone (the baselines do not depend on it)
+      gpu_bench . --op dynamic dense --shape mnist --batch 32 128 512 2048 --plot || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 gpu_bench kernels-v2 --impl capsroute --op dynamic dense --shape mnist \
+        --batch 32 128 512 2048 || status=1
       # v2's dynamic_routing on the warp rows both ways instead of an element per cluster (bench/NOTES.md, GPU sections 7-8)
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=0 python -m capsroute.cli bench --device cuda --op dynamic --shape mnist \
-        --batch 32 512 2048 --impl capsroute --no-progress --out "$out/kernels-v2-no-cluster" || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench kernels-v2-no-cluster --impl capsroute --op dynamic \
+        --shape mnist --batch 32 512 2048 || status=1
       # v2 with chunks of 182 elements (128 MiB of votes, past the 50 MB L2: fewer launches, HBM traffic)
       # against the default 45 (32 MiB, L2-resident).
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_DENSE_CHUNK=182 python -m capsroute.cli bench --device cuda --op dense --shape mnist \
-        --batch 512 2048 --impl capsroute --no-progress --out "$out/kernels-v2-chunk182" || status=1 ;;
-    bench-em)  # both kernel sets: v1's one block per element, v2's row ranges
-      python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot --out "$out" || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 python -m capsroute.cli bench --device cuda --op em em-pose --no-progress --plot \
-        --out "$out/kernels-v2" || status=1 ;;
+      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_DENSE_CHUNK=182 gpu_bench kernels-v2-chunk182 --impl capsroute --op dense \
+        --shape mnist --batch 512 2048 || status=1 ;;
+    bench-em)  # every impl on v1's one block per element; v2's row ranges capsroute alone
+      gpu_bench . --op em em-pose --plot || status=1
+      CAPSROUTE_CUDA_KERNELS=v2 gpu_bench kernels-v2 --impl capsroute --op em em-pose || status=1 ;;
     bench-large)
-      python -m capsroute.cli bench --device cuda --op dynamic dense --shape large --batch 32 128 --no-progress --plot --out "$out" || status=1 ;;
+      gpu_bench . --op dynamic dense --shape large --batch 32 128 --plot || status=1 ;;
     bench-scale)
-      python -m capsroute.cli bench --device cuda --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --no-progress --plot --out "$out" || status=1 ;;
+      gpu_bench . --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --plot || status=1 ;;
     bench-models)
-      python -m capsroute.cli bench --device cuda --op capsnet matrixcapsnet --max-batch --no-progress --plot --out "$out" || status=1 ;;
+      gpu_bench . --op capsnet matrixcapsnet --max-batch --plot || status=1 ;;
     train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)
       spec=${stage#train-}; model=${spec%%-*}; dataset=mnist
       case $spec in *-fashion) dataset=fashion-mnist ;; *-multimnist) dataset=multimnist ;; esac
@@ -160,5 +289,6 @@ print(f'$model $dataset: test accuracy {a:.4f}, target $target'); sys.exit(a < $
       fi ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
+  [ -z "${OUT:-}" ] || pack stage || true  # what the stage wrote comes back even if the call is cut off later
 done
 exit $status
