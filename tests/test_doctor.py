@@ -1,14 +1,14 @@
-"""`capsroute doctor` and the kernel-path record it reads (capsroute.last_kernel_path). CI runs the
-doctor on the CPU through these tests; on a GPU the cuda-marked one runs it on every CUDA path."""
+"""`capsroute doctor`. CI runs the doctor on the CPU through these tests; on a GPU the cuda-marked
+one runs it on every CUDA path."""
 import json
 import re
 
 import pytest
 import torch
-from helpers import HAS_CUDA
 
 import capsroute
 from capsroute import doctor, reference
+from helpers import HAS_CUDA
 
 
 def result_rows(out: str) -> list[list[str]]:
@@ -21,21 +21,6 @@ def result_rows(out: str) -> list[list[str]]:
             break
         rows.append(re.split(r"\s{2,}", line.strip()))
     return rows
-
-
-def test_the_record_names_the_path_each_direction_ran():
-    votes = torch.randn(2, 5, 3, 4, requires_grad=True)
-    capsroute.clear_kernel_paths()
-    assert capsroute.last_kernel_path("dynamic_routing") == ""
-    v = capsroute.dynamic_routing(votes)
-    assert capsroute.last_kernel_path("dynamic_routing", "forward") == "cpu"
-    assert capsroute.last_kernel_path("dynamic_routing", "backward") == ""
-    v.sum().backward()
-    assert capsroute.last_kernel_path("dynamic_routing", "backward") == "cpu"
-    with pytest.raises(ValueError, match="op must be one of"):
-        capsroute.last_kernel_path("routing")
-    with pytest.raises(ValueError, match="direction must be"):
-        capsroute.last_kernel_path("squash", "sideways")
 
 
 def test_doctor_on_the_cpu_passes_and_prints_what_ran(capsys, tmp_path):

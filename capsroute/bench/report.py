@@ -39,7 +39,8 @@ def _fmt_max_batch(r: dict) -> str:
 def format_table(report: dict) -> str:
     """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's.
     Runs with model ops add an img/s column (images per second of a training step), runs with
-    --max-batch a max B column ('+': every batch up to the cap fitted)."""
+    --max-batch a max B column ('+': every batch up to the cap fitted). Where a CUDA kernel path
+    ran, a line per capsroute row says which (forward / backward), after the table."""
     results = report["results"]
     models = any(r["op"] in MODEL_OPS for r in results)
     max_batch = any("max_batch" in r for r in results)
@@ -91,7 +92,22 @@ def format_table(report: dict) -> str:
         title += ("\nmodel ops (capsnet, matrixcapsnet): f+b ms is a whole training step (forward, loss, backward, "
                   "Adam step), img/s = B / f+b; no floor; rel err compares losses and gradients with eager")
     sep = "  ".join("-" * w for w in widths)
-    return "\n".join([title, line(head), sep] + [line(r) for r in rows])
+    return "\n".join([title, line(head), sep] + [line(r) for r in rows] + kernel_path_lines(results))
+
+
+def kernel_path_lines(results: list[dict]) -> list[str]:
+    """'kernel paths of <row>: <op> <forward> / <backward>' for every row whose capsroute ops ran
+    a path other than the CPU's (the record's kernel_paths)."""
+    lines = []
+    for r in results:
+        paths = r.get("kernel_paths", {})
+        if all(p == "cpu" for ran in paths.values() for p in ran.values()):
+            continue
+        ran = ", ".join(f"{op} {p['forward'] or '-'} / {p['backward'] or '-'}"
+                        for op, p in paths.items())
+        row = f"{r['op']} {r.get('shape_name', '')} B={r['shape']['B']} {r['impl']}"
+        lines.append(f"kernel paths of {row}: {ran}")
+    return lines
 
 
 def slug(text: str) -> str:
