@@ -3,6 +3,7 @@
   capsroute bench ...            routing benchmark: capsroute vs the PyTorch reference, eager and compiled
   capsroute train ...            train CapsNet or MatrixCapsNet on MNIST / Fashion-MNIST, or CapsNet on MultiMNIST
   capsroute plot PATH ...        redraw figures: of saved benchmark results (a JSON) or of a training run (its folder)
+  capsroute doctor ...           check this install: every op and kernel path against the reference
 
 An error is one line on stderr and a non-zero exit; `--debug` (train, plot) shows its traceback.
 """
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 import capsroute
-from capsroute import bench, train
+from capsroute import bench, doctor, train
 from capsroute._command import ArgumentParser, CommandError, refusing
 from capsroute._runinfo import command_line
 
@@ -69,9 +70,14 @@ def main(argv=None) -> int:
     pl.add_argument("--debug", action="store_true", help="show the traceback of an error")
     pl.set_defaults(run=plot)
 
+    d = commands.add_parser("doctor", help="check this install on a device", description=doctor.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_arguments(d)
+    d.set_defaults(run=doctor.run, debug=False)
+
     args, unknown = p.parse_known_args(argv)
     if unknown:  # said by the command's parser, which names the command
-        {"bench": b, "train": t, "plot": pl}[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        {"bench": b, "train": t, "plot": pl, "doctor": d}[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.invocation = command_line("capsroute", argv)  # for the run records
     args.argv = argv[argv.index(args.command) + 1:]  # the command's own options (train --resume checks them)
     with refusing(f"capsroute {args.command}", args.debug):

@@ -70,3 +70,10 @@ def test_doctor_on_cuda_runs_every_path(capsys):
     if torch.cuda.get_device_capability() >= (9, 0):
         expected |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
     assert expected <= ran, expected - ran
+
+
+def test_capsroute_doctor_is_a_command(capsys):
+    from capsroute import cli
+
+    assert cli.main(["doctor", "--device", "cpu", "--quick", "--no-progress"]) == 0
+    assert "0 failed" in capsys.readouterr().out
