@@ -9,6 +9,7 @@ sequences the ops use (csrc/cuda/routing_sequence.cuh and em_sequence.cuh, given
 instead of the CUDA stream one); and a ThreadSanitizer build of the same programs for data races
 (missing barriers). CI has no GPU, so this is what checks the kernels' arithmetic, indexing and
 barriers there; the cuda-marked tests check them on a GPU."""
+import functools
 import os
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ def build(tmp_path_factory):
         pytest.skip("no C++ compiler (CXX or g++) on PATH")
     out = tmp_path_factory.mktemp("emulator")
 
+    @functools.cache  # one build serves the quick and the full run
     def compile_program(name: str, thread_sanitizer: bool = False) -> Path:
         exe = out / (name + ("-tsan" if thread_sanitizer else ""))
         flags = ["-O1", "-g", "-fsanitize=thread"] if thread_sanitizer else ["-O2"]
@@ -40,12 +42,15 @@ def build(tmp_path_factory):
     return compile_program
 
 
+# quick (before every commit): a few shapes through every launch path; full: all shapes, dtypes
+@pytest.mark.parametrize("mode", ["quick", pytest.param("full", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("program", ["routing_test", "em_test"])
-def test_cuda_kernels_match_the_cpu_code(build, program):
-    run = subprocess.run([str(build(program))], capture_output=True, text=True, timeout=1200)
+def test_cuda_kernels_match_the_cpu_code(build, program, mode):
+    run = subprocess.run([str(build(program)), mode], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), run.stdout[-4000:] + run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", ["routing_test", "em_test"])
 def test_cuda_kernels_have_no_data_race(build, program):
     """The same kernels under ThreadSanitizer: every emulated CUDA thread is a thread it follows, so a

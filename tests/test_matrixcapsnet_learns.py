@@ -16,6 +16,7 @@ from capsroute.nn import ClassCapsules, ConvCapsules
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "mnist-small"
 
 
+@pytest.mark.slow
 def test_matrixcapsnet_learns(tmp_path):
     """282 steps (3 epochs of 3000 images) of the CPU recipe's small network, A=32 B=8 C=8 D=8 with
     the default 2 EM iterations, Adam 1e-2, batch 32, scored on 1000 unseen images. Measured: 87.3%

@@ -199,6 +199,7 @@ def trainer(argv: list[str]) -> train.Trainer:
 SMALL_CAPSNET = ["--model-config", "conv_channels=32", "primary_types=8", "decoder=(64,128)"]
 
 
+@pytest.mark.slow
 def test_capsnet_learns_pairs(tmp_path, capsys):
     """A small CapsNet (1.4M parameters) trained on 3 pairs per digit of 3000 training digits (282
     steps of 32): on 500 fixed test pairs, pair accuracy (the two longest capsules are the two

@@ -15,6 +15,8 @@ import capsroute
 from capsroute import reference
 from helpers import HAS_CUDA, assert_rel_close
 
+pytestmark = pytest.mark.slow  # gigabytes of votes per test
+
 I, D, DIN = 16384, 32, 8
 GPU_CASES = [
     pytest.param("cuda", 100, id="cuda-J100", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),

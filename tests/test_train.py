@@ -30,6 +30,7 @@ def checkpoint(run: Path) -> dict:
     return torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow
 def test_capsnet_learns(tmp_path):
     """About 280 steps of a small CapsNet on 3000 images: the loss falls and test accuracy on
     1000 unseen images clears 90% (a trained network gets over 99% on the full data)."""
