@@ -113,6 +113,7 @@ def model_run(request, tmp_path_factory):
     return op, status, out, stdout.getvalue()
 
 
+@pytest.mark.slow  # model_run compiles both models: a minute or more
 def test_model_bench_writes_json(model_run):
     op, status, out, _ = model_run
     assert status == 0
@@ -150,6 +151,7 @@ def test_model_bench_writes_json(model_run):
     assert any("--max-batch is CUDA-only" in n for n in report["notes"])
 
 
+@pytest.mark.slow  # model_run compiles both models: a minute or more
 def test_model_bench_table_and_plot(model_run):
     op, _, out, stdout = model_run
     assert "--max-batch is CUDA-only" in stdout
