@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-IN_FLOAT32 = ("em_routing", "em_routing_pose")
+IN_FLOAT32 = ("em_routing", "em_routing_pose", "conv_em_routing")
 IN_AUTOCAST_DTYPE = ("dynamic_routing", "dense_capsules")
 DEVICE_TYPES = ("cpu", "cuda")
 
