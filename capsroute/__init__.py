@@ -13,7 +13,7 @@ from ._cpu_arch import check_cpu_arch
 check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal instruction
 
 from . import _C  # noqa: E402  (registers the capsroute:: operators)
-from .ops import dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, em_routing_pose, squash
+from .ops import conv_em_routing, dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, em_routing_pose, squash
 from .ops import OPS
 
 
@@ -53,4 +53,4 @@ def clear_kernel_paths() -> None:
     _C.clear_kernel_paths()
 
 
-__all__ = ["build_info", "clear_kernel_paths", "cuda_kernel_set", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "last_kernel_path", "squash"]
+__all__ = ["build_info", "clear_kernel_paths", "conv_em_routing", "cuda_kernel_set", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "last_kernel_path", "squash"]

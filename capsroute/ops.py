@@ -19,7 +19,7 @@ _ops = torch.ops.capsroute
 
 # The public operators, in the order of csrc/ops.cpp. Each has a backward operator _<op>_backward
 # that takes the saved state the forward returns.
-OPS = ("squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose")
+OPS = ("squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose", "conv_em_routing")
 SCHEMA_OPS = tuple(name for op in OPS for name in (op, f"_{op}_backward"))
 
 
@@ -181,6 +181,42 @@ def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, 
     return pose_out, a_out
 
 
+def conv_em_routing(pose: Tensor, a_in: Tensor, weight: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
+                    stride: int = 1, padding: int = 0, final_lambda: float = 0.01,
+                    eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """EM routing in a convolutional capsule layer (Hinton et al. 2018) with the paper's E-step:
+    a child capsule that lies in several overlapping K x K windows has one assignment
+    distribution over every parent of every window that contains it (its assignments sum to 1).
+    Each window's parents run em_routing's M-step over the window's K*K*C_in children, with the
+    votes V = pose_child @ weight[ky, kx, c, o] computed on the fly and never stored.
+
+    Args:
+        pose: (B, H, W, C_in, 4, 4) or (B, H, W, C_in, 16), the input poses.
+        a_in: (B, H, W, C_in), the input activations, in [0, 1].
+        weight: (K, K, C_in, C_out, 4, 4), a transform per window offset and pair of types.
+        beta_u, beta_a: (C_out,), the learned costs of the M-step.
+        iters: EM iterations (>= 1).
+        stride: of the windows (>= 1).
+        padding: positions added on every side (>= 0); they are no capsules.
+        final_lambda: the inverse temperature of the last iteration; iteration t uses
+            final_lambda * (1 - 0.95 ** (t + 1)).
+        eps: floors the variances and is added to each parent's mass (> 0).
+
+    Returns:
+        (pose (B, H', W', C_out, 16), a_out (B, H', W', C_out)), H' = (H + 2 padding - K) // stride
+        + 1 (W' likewise), differentiable w.r.t. every tensor argument (exactly, through every
+        iteration).
+    """
+    if pose.dim() == 5 and pose.shape[-1] == 16:
+        pose = pose.unflatten(-1, (4, 4))
+    if _transformed(pose, a_in, weight, beta_u, beta_a):
+        return reference.conv_em_routing(pose, a_in, weight, beta_u, beta_a, iters, stride=stride, padding=padding,
+                                         final_lambda=final_lambda, eps=eps)
+    pose_out, a_out, _ = _ops.conv_em_routing(pose, a_in, weight, beta_u, beta_a, iters, stride, padding,
+                                              final_lambda, eps)
+    return pose_out, a_out
+
+
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile ----
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -246,6 +282,21 @@ def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
 @torch.library.register_fake("capsroute::_em_routing_pose_backward")
 def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
     return (torch.empty_like(pose), torch.empty_like(weight), torch.empty_like(a_in), torch.empty_like(beta_u),
+            torch.empty_like(beta_a))
+
+
+@torch.library.register_fake("capsroute::conv_em_routing")
+def _(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps):
+    B, H, W = pose.shape[:3]
+    K, C_out = weight.shape[0], weight.shape[3]
+    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+    return (pose.new_empty(B, Ho, Wo, C_out, 16), pose.new_empty(B, Ho, Wo, C_out),
+            pose.new_empty(B, Ho, Wo, iters, C_out, 33, dtype=_acc_dtype(pose.dtype)))
+
+
+@torch.library.register_fake("capsroute::_conv_em_routing_backward")
+def _(grad_pose_out, grad_a_out, pose, a_in, weight, beta_u, beta_a, stats, stride, padding, final_lambda, eps):
+    return (torch.empty_like(pose), torch.empty_like(a_in), torch.empty_like(weight), torch.empty_like(beta_u),
             torch.empty_like(beta_a))
 
 
@@ -339,6 +390,16 @@ def _em_pose_backward(ctx, tensors, stats, grads):
     return list(_ops._em_routing_pose_backward(grad_pose, grad_a_out, *tensors, stats, final_lambda, eps))
 
 
+def _conv_em_backward(ctx, tensors, stats, grads):
+    iters, stride, padding, final_lambda, eps = ctx.options
+    grad_pose, grad_a_out = grads
+    B, Ho, Wo, _, J, _ = stats.shape
+    grad_pose = stats.new_zeros(B, Ho, Wo, J, 16) if grad_pose is None else grad_pose
+    grad_a_out = stats.new_zeros(B, Ho, Wo, J) if grad_a_out is None else grad_a_out
+    return list(_ops._conv_em_routing_backward(grad_pose, grad_a_out, *tensors, stats, stride, padding,
+                                               final_lambda, eps))
+
+
 _register_autograd("squash", 1, 1, lambda s, eps: reference.squash(s, eps=eps), _squash_backward)
 _register_autograd(
     "dynamic_routing", 2, 1,
@@ -358,6 +419,11 @@ _register_autograd(
     "em_routing_pose", 5, 2,
     lambda *args: reference.em_routing_pose(*args[:6], final_lambda=args[6], eps=args[7]),
     _em_pose_backward)
+_register_autograd(
+    "conv_em_routing", 5, 2,
+    lambda *args: reference.conv_em_routing(*args[:6], stride=args[6], padding=args[7], final_lambda=args[8],
+                                            eps=args[9]),
+    _conv_em_backward)
 
 
 # ---- autocast: the rules of capsroute/_autocast.py, on the operators themselves ----

@@ -46,4 +46,17 @@ TORCH_LIBRARY(capsroute, m) {
       "_em_routing_pose_backward(Tensor grad_pose_out, Tensor grad_a_out, Tensor pose, Tensor weight,"
       " Tensor a_in, Tensor beta_u, Tensor beta_a, Tensor stats, float final_lambda, float eps)"
       " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+
+  // EM routing in a convolutional capsule layer, each child's assignments normalised over every
+  // parent of every window that contains it: pose (B, H, W, C_in, 4, 4), a_in (B, H, W, C_in),
+  // weight (K, K, C_in, C_out, 4, 4). Returns (pose (B, H', W', C_out, 16), a_out (B, H', W', C_out),
+  // stats (B, H', W', iters, C_out, 33) in the accumulation dtype, em_routing's per window).
+  m.def(
+      "conv_em_routing(Tensor pose, Tensor a_in, Tensor weight, Tensor beta_u, Tensor beta_a, int iters,"
+      " int stride, int padding, float final_lambda, float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_pose, grad_a_in, grad_weight, grad_beta_u, grad_beta_a).
+  m.def(
+      "_conv_em_routing_backward(Tensor grad_pose_out, Tensor grad_a_out, Tensor pose, Tensor a_in,"
+      " Tensor weight, Tensor beta_u, Tensor beta_a, Tensor stats, int stride, int padding,"
+      " float final_lambda, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -139,6 +139,16 @@ def em_pose_inputs(shape, device="cpu", dtype=torch.float64):
     return (pose, weight, *em_activations_and_betas(B, I, J, dtype, device))
 
 
+def conv_em_inputs(shape, device="cpu", dtype=torch.float64, generator=None):
+    B, H, W, C_in, C_out, K = shape
+    pose = randn(B, H, W, C_in, 4, 4, dtype=dtype, device=device, requires_grad=True, generator=generator)
+    weight = randn(K, K, C_in, C_out, 4, 4, dtype=dtype, device=device, scale=0.5, requires_grad=True,
+                   generator=generator)
+    a_in, beta_u, beta_a = em_activations_and_betas(B, H * W * C_in, C_out, dtype, device, generator)
+    a_in = a_in.detach().reshape(B, H, W, C_in).requires_grad_()
+    return pose, a_in, weight, beta_u, beta_a
+
+
 def _em_tolerance(dtype):
     """EM routing divides by variances: float32 and low-precision storage lose a little more."""
     return TOLERANCE[dtype] * {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}.get(dtype, 1)
@@ -155,6 +165,8 @@ ROUTING_SHAPES = [(3, 37, 7, 16), (2, 65, 33, 4), (1, 5, 1, 8), (4, 19, 10, 32),
 DENSE_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 4, 5), (1, 5, 1, 8, 1), (4, 19, 10, 32, 3)]  # B, I, J, D, Din
 EM_SHAPES = [(3, 37, 7, 16), (2, 19, 10, 4), (1, 5, 1, 16), (2, 33, 3, 1), (2, 21, 5, 8)]  # B, I, J, H
 EM_POSE_SHAPES = [(3, 37, 7), (1, 5, 1), (20, 9, 32)]  # B, I, J
+# Odd grids; one window (K = H = W); K = 1.
+CONV_EM_SHAPES = [(2, 5, 6, 3, 4, 3), (1, 4, 4, 2, 3, 4), (2, 3, 7, 2, 5, 2), (1, 3, 3, 5, 2, 1)]  # B, H, W, C_in, C_out, K
 
 SQUASH = OpSpec(
     name="squash",
@@ -227,4 +239,19 @@ EM_ROUTING_POSE = OpSpec(
     opcheck=[((2, 3, 2), {})],
 )
 
-OP_DB = [SQUASH, DYNAMIC_ROUTING, DENSE_CAPSULES, EM_ROUTING, EM_ROUTING_POSE]
+CONV_EM_ROUTING = OpSpec(
+    name="conv_em_routing",
+    fn=capsroute.conv_em_routing,
+    ref=reference.conv_em_routing,
+    make=conv_em_inputs,
+    defaults=dict(iters=3, stride=1, padding=0, final_lambda=0.01, eps=1e-6),
+    shapes=_shapes(CONV_EM_SHAPES, [(2, 5, 5, 3, 4, 3)]),
+    input_names=("pose", "a_in", "weight", "beta_u", "beta_a"), output_names=("pose", "a_out"), grad_outputs=2,
+    tolerance=_em_tolerance,
+    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
+    gradcheck=[((1, 4, 3, 2, 2, 2), dict(iters=3, final_lambda=0.5)),
+               ((1, 4, 5, 1, 2, 3), dict(iters=2, stride=2, padding=1, final_lambda=0.5))],
+    opcheck=[((2, 4, 4, 2, 3, 2), dict(stride=2, padding=1))],
+)
+
+OP_DB = [SQUASH, DYNAMIC_ROUTING, DENSE_CAPSULES, EM_ROUTING, EM_ROUTING_POSE, CONV_EM_ROUTING]

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <optional>
 
+#include "dims.h"
+
 namespace capsroute {
 
 inline void check_float_dtype(const at::Tensor& t, const char* name) {
@@ -153,6 +155,50 @@ inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tens
               ", ", H, "), got ", grad_pose.sizes());
   TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, J}), "capsroute: grad_a_out must have shape (", B, ", ", J,
               "), got ", grad_a_out.sizes());
+}
+
+// pose (B, H, W, C_in, 4, 4), a_in (B, H, W, C_in), weight (K, K, C_in, C_out, 4, 4)
+inline void check_conv_em_routing_inputs(const at::Tensor& pose, const at::Tensor& a_in, const at::Tensor& weight,
+                                         const at::Tensor& beta_u, const at::Tensor& beta_a, int64_t iters,
+                                         int64_t stride, int64_t padding, double final_lambda, double eps) {
+  check_float_dtype(pose, "pose");
+  TORCH_CHECK(pose.dim() == 6 && pose.size(4) == 4 && pose.size(5) == 4,
+              "capsroute: pose must have shape (B, H, W, C_in, 4, 4), got shape ", pose.sizes());
+  check_same(weight, pose, "weight", "pose");
+  TORCH_CHECK(weight.dim() == 6 && weight.size(0) == weight.size(1) && weight.size(0) >= 1 && weight.size(3) >= 1 &&
+                  weight.size(4) == 4 && weight.size(5) == 4,
+              "capsroute: weight must have shape (K, K, C_in, C_out, 4, 4) with K, C_out >= 1, got shape ",
+              weight.sizes());
+  TORCH_CHECK(weight.size(2) == pose.size(3), "capsroute: weight has C_in = ", weight.size(2),
+              " (its dim 2) but pose has C_in = ", pose.size(3));
+  TORCH_CHECK(stride >= 1, "capsroute: stride must be >= 1, got ", stride);
+  TORCH_CHECK(padding >= 0, "capsroute: padding must be >= 0, got ", padding);
+  const int64_t K = weight.size(0), H = pose.size(1) + 2 * padding, W = pose.size(2) + 2 * padding;
+  TORCH_CHECK(K <= H && K <= W, "capsroute: weight's kernel size K = ", K, " is larger than the padded input (",
+              H, " x ", W, " with padding ", padding, ")");
+  check_same(a_in, pose, "a_in", "pose");
+  TORCH_CHECK(a_in.sizes() == pose.sizes().slice(0, 4), "capsroute: a_in must have shape (B, H, W, C_in) = ",
+              pose.sizes().slice(0, 4), ", got shape ", a_in.sizes());
+  check_em_common(pose, "pose", pose.size(0), a_in.size(1) * a_in.size(2) * a_in.size(3), weight.size(3),
+                  a_in.flatten(1), beta_u, beta_a, iters, final_lambda, eps);
+}
+
+// The iteration count of conv_em_routing's saved stats (B, H', W', iters, C_out, 33).
+inline int64_t conv_em_stats_iters(const at::Tensor& stats) {
+  TORCH_CHECK(stats.dim() == 6, "capsroute: stats must have shape (B, H', W', iters, C_out, 33), got ", stats.sizes());
+  return stats.size(3);
+}
+
+inline void check_conv_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out,
+                                          const at::Tensor& stats, int64_t B, int64_t Ho, int64_t Wo, int64_t J) {
+  TORCH_CHECK(stats.dim() == 6 && stats.size(0) == B && stats.size(1) == Ho && stats.size(2) == Wo &&
+                  stats.size(4) == J && stats.size(5) == 2 * kPoseSize + 1,
+              "capsroute: stats must have shape (B, H', W', iters, C_out, 33) = (", B, ", ", Ho, ", ", Wo, ", iters, ",
+              J, ", 33), got ", stats.sizes());
+  TORCH_CHECK(grad_pose.sizes() == at::IntArrayRef({B, Ho, Wo, J, kPoseSize}), "capsroute: grad_pose must have shape (",
+              B, ", ", Ho, ", ", Wo, ", ", J, ", 16), got ", grad_pose.sizes());
+  TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, Ho, Wo, J}), "capsroute: grad_a_out must have shape (", B,
+              ", ", Ho, ", ", Wo, ", ", J, "), got ", grad_a_out.sizes());
 }
 
 inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& votes,

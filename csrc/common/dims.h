@@ -24,6 +24,28 @@ struct EmDims {
   CAPSROUTE_HD int64_t stats_block() const { return J * stats_row(); }  // per element and iteration
 };
 
+// Convolutional EM routing (conv_em_routing): children (B, H, W, C_in), parents (B, Ho, Wo, C_out);
+// the window of output (y, x) is K x K positions from (y stride, x stride) of the input padded by
+// `padding` on every side.
+struct ConvEmDims {
+  int64_t B, H, W, C_in, C_out, K, stride, padding, iters;
+  double final_lambda;
+  CAPSROUTE_HD int64_t out_size(int64_t in_size) const { return (in_size + 2 * padding - K) / stride + 1; }
+  CAPSROUTE_HD int64_t Ho() const { return out_size(H); }
+  CAPSROUTE_HD int64_t Wo() const { return out_size(W); }
+  // The first and last output index, along an axis of `outs` outputs, whose windows contain input
+  // index `in` (none where first > last).
+  CAPSROUTE_HD int64_t first_window(int64_t in) const {
+    const int64_t d = in + padding - K + 1;
+    return d <= 0 ? 0 : (d + stride - 1) / stride;
+  }
+  CAPSROUTE_HD int64_t last_window(int64_t in, int64_t outs) const {
+    const int64_t last = (in + padding) / stride;
+    return last < outs - 1 ? last : outs - 1;
+  }
+  CAPSROUTE_HD int64_t window_children() const { return K * K * C_in; }
+};
+
 // The values of a 4x4 pose matrix, row-major: H of em_routing_pose.
 constexpr int64_t kPoseSize = 16;
 

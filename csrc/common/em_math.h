@@ -56,6 +56,45 @@ CAPSROUTE_HD T em_log_sigmoid(T x) {
   return x >= 0 ? -acc_log1p(acc_exp(-x)) : x - acc_log1p(acc_exp(x));
 }
 
+// The part of the E-step's log-posterior ln a_j + ln p_ij of output capsule j that does not depend
+// on the vote: ln sigmoid(logit_j) - sum_h (ln(var_jh) / 2 + ln(2 pi) / 2).
+template <typename T>
+CAPSROUTE_HD T em_log_prior(T logit, const T* var, int64_t H) {
+  T norm = em_log_sigmoid(logit);
+  for (int64_t h = 0; h < H; ++h) norm -= T(0.5) * acc_log(var[h]) + em_half_log_2pi<T>();
+  return norm;
+}
+
+// The M-step's backward for one output capsule (docs/ops.md, em_routing; M = mass + eps,
+// var0 = var - eps): from the gradients of its H means and variances (g_mu, g_var, updated in
+// place) and of its logit, adds its betas' gradients and writes g_mu_M = g_mu / M and
+// g_var_M = g_var / M. Returns g_mass; an input row i with r_i = R_i a_i then has
+// g_r_i = g_mass + sum_h g_mu_M (V_h - mu_h) + g_var_M ((V_h - mu_h)^2 - var0_h) and
+// g_V_ih += r_i (g_mu_M_h + 2 g_var_M_h (V_h - mu_h)).
+template <typename acc_t>
+CAPSROUTE_HD acc_t em_m_step_backward(int64_t H, acc_t lam, acc_t eps, acc_t beta_u, acc_t mass, const acc_t* mu,
+                                      const acc_t* var, acc_t g_logit, acc_t* g_mu, acc_t* g_var, acc_t* g_mu_M,
+                                      acc_t* g_var_M, acc_t& g_beta_u, acc_t& g_beta_a) {
+  const acc_t g_cost = -lam * g_logit;  // the same for every h
+  g_beta_a += lam * g_logit;
+  g_beta_u += g_cost * static_cast<acc_t>(H) * mass;
+  acc_t g_mass = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    g_var[h] += g_cost * acc_t(0.5) * mass / var[h];
+    g_mass += g_cost * (beta_u + acc_t(0.5) * acc_log(var[h]));
+  }
+  // var0 = var - eps also depends on mu through sum_i r (V - mu) = eps mu: fold that into g_mu.
+  const acc_t M = mass + eps;
+  for (int64_t h = 0; h < H; ++h) g_mu[h] -= g_var[h] * 2 * eps * mu[h] / M;
+  // The loops over input rows take g_mu / M and g_var / M, divided once here.
+  const acc_t inv_M = 1 / M;
+  for (int64_t h = 0; h < H; ++h) {
+    g_mu_M[h] = g_mu[h] * inv_M;
+    g_var_M[h] = g_var[h] * inv_M;
+  }
+  return g_mass;
+}
+
 // Inverse temperature of iteration t (0-based): lam_t = final_lambda * (1 - 0.95^(t + 1)), in
 // double whatever the accumulation type (callers cast it, as the CPU does). The power is a
 // product of t + 1 factors, not pow(): IEEE multiplications round the same on the host and the

@@ -96,12 +96,7 @@ class EmElement {
     const acc_t* mu = st;
     const acc_t* var = st + JH;
     const acc_t* logit = st + 2 * JH;
-    const acc_t half_log_2pi = em_half_log_2pi<acc_t>();
-    for (int64_t j = 0; j < J; ++j) {
-      acc_t norm = em_log_sigmoid(logit[j]);
-      for (int64_t h = 0; h < H; ++h) norm -= acc_t(0.5) * std::log(var[j * H + h]) + half_log_2pi;
-      norm_[j] = norm;
-    }
+    for (int64_t j = 0; j < J; ++j) norm_[j] = em_log_prior(logit[j], var + j * H, H);
     for (int64_t jh = 0; jh < JH; ++jh) inv_2var_[jh] = 1 / (2 * var[jh]);  // no division in the loop over (i, j, h)
     for (int64_t i0 = 0; i0 < I; i0 += W) {
       const int64_t n = std::min(W, I - i0);
@@ -141,6 +136,12 @@ class EmElement {
   }
 
   void reset_assignments() { std::fill(R_.begin(), R_.end(), acc_t(1) / acc_t(d_.J)); }
+  // Assignments the caller computes (conv_em_routing's E-step spans windows): R_ij = assignment(i, j).
+  template <typename F>
+  void set_assignments(F&& assignment) {
+    for (int64_t i = 0; i < d_.I; ++i)
+      for (int64_t j = 0; j < d_.J; ++j) R_[tiled_index<acc_t>(i, j, d_.J)] = assignment(i, j);
+  }
   const std::vector<acc_t>& assignments() const { return R_; }
 
  private:
@@ -252,28 +253,10 @@ class EmBackward {
           for (int64_t k = 0; k < n; ++k) mass[j] += R[i0 * J + j * W + k] * static_cast<acc_t>(a[i0 + k]);
       }
       const acc_t lam = em_lambda(d_.final_lambda, t);
-      for (int64_t j = 0; j < J; ++j) {
-        const acc_t g_cost = -lam * g_logit[j];  // the same for every h
-        g_beta_a[j] += lam * g_logit[j];
-        g_beta_u[j] += g_cost * static_cast<acc_t>(H) * mass[j];
-        acc_t g_m = 0;
-        for (int64_t h = 0; h < H; ++h) {
-          g_var[j * H + h] += g_cost * acc_t(0.5) * mass[j] / var[j * H + h];
-          g_m += g_cost * (static_cast<acc_t>(bu[j]) + acc_t(0.5) * std::log(var[j * H + h]));
-        }
-        g_mass[j] = g_m;
-      }
-      // var0 = var - eps also depends on mu through sum_i r (V - mu) = eps mu: fold that into g_mu.
-      for (int64_t jh = 0; jh < JH; ++jh) {
-        const acc_t M = mass[jh / H] + e;
-        g_mu[jh] -= g_var[jh] * 2 * e * mu[jh] / M;
-      }
-      // The loops over (i, j, h) below take g_mu / M and g_var / M, divided once here.
-      for (int64_t jh = 0; jh < JH; ++jh) {
-        const acc_t inv_M = 1 / (mass[jh / H] + e);
-        g_mu_M[jh] = g_mu[jh] * inv_M;
-        g_var_M[jh] = g_var[jh] * inv_M;
-      }
+      for (int64_t j = 0; j < J; ++j)
+        g_mass[j] = em_m_step_backward(H, lam, e, static_cast<acc_t>(bu[j]), mass[j], mu + j * H, var + j * H,
+                                       g_logit[j], g_mu.data() + j * H, g_var.data() + j * H, g_mu_M.data() + j * H,
+                                       g_var_M.data() + j * H, g_beta_u[j], g_beta_a[j]);
       for (int64_t i0 = 0; i0 < I; i0 += W) {
         const int64_t n = std::min(W, I - i0);
         const Vec<acc_t> a_tile = load_acc<acc_t>(a + i0, n);  // 0 in the padding lanes
