@@ -23,6 +23,7 @@ namespace capsroute {
 namespace {
 
 using cpu::EmElement;
+using cpu::Vec;
 
 constexpr int64_t kWeightChunks = 16;  // fixed chunks of the weight gradient's sum
 
@@ -84,6 +85,11 @@ struct ConvEmLayout {
         f((b * Ho + y) * Wo + x, iy + d.padding - y * d.stride, ix + d.padding - x * d.stride);
   }
 
+  // Child i's votes (C_out, 16) from window offset (ky, kx); c is its type.
+  void child_votes(int64_t i, int64_t ky, int64_t kx, int64_t c, acc_t* V) const {
+    for (int64_t o = 0; o < d.C_out; ++o) pose_vote(pose + i * kPoseSize, weight_at(ky, kx, c, o), V + o * kPoseSize);
+  }
+
   // The votes (window_children, C_out, 16) and activations of window n; zero where it lies on padding.
   void window_votes(int64_t n, acc_t* votes, acc_t* a) const {
     for_each_window_child(n, [&](int64_t e, int64_t i, int64_t, int64_t) {
@@ -94,20 +100,36 @@ struct ConvEmLayout {
         return;
       }
       const int64_t ky = e / d.C_in / d.K, kx = e / d.C_in % d.K, c = e % d.C_in;
-      for (int64_t o = 0; o < d.C_out; ++o) pose_vote(pose + i * kPoseSize, weight_at(ky, kx, c, o), V + o * kPoseSize);
+      child_votes(i, ky, kx, c, V);
       a[e] = static_cast<acc_t>(a_in[i]);
     });
   }
 };
 
-// The assignment R^t of vote V of child i to parent o of window n: 1 / (covering C_out) before
-// the first E-step, then exp(L^{t-1} - Z^{t-1}_i).
+// x[k] = exp(x[k]) for k < n, a vector at a time.
+template <typename acc_t>
+inline void exp_in_place(acc_t* x, int64_t n) {
+  constexpr int64_t W = Vec<acc_t>::size();
+  for (int64_t k = 0; k < n; k += W) {
+    const int64_t m = std::min(W, n - k);
+    Vec<acc_t>::loadu(x + k, m).exp().store(x + k, m);
+  }
+}
+
+// The assignments R^t of child i's votes V (C_out, 16) to the parents of window n, into R (C_out):
+// 1 / (covering C_out) before the first E-step, then exp(L^{t-1} - Z^{t-1}_i).
 template <typename scalar_t, typename acc_t>
-inline acc_t assignment(const ConvEmLayout<scalar_t, acc_t>& L, const acc_t* V, int64_t n, int64_t o, int64_t t,
-                        int64_t i, acc_t initial, const acc_t* stats, const acc_t* priors, const acc_t* log_norm) {
-  if (t == 0) return initial;
-  const acc_t post = log_posterior(V, L.mean(stats, n, t - 1, o), priors + L.parent(n, t - 1, o, kPriorRow));
-  return std::exp(post - log_norm[(t - 1) * L.children() + i]);
+inline void assignments(const ConvEmLayout<scalar_t, acc_t>& L, const acc_t* V, int64_t n, int64_t t, int64_t i,
+                        acc_t initial, const acc_t* stats, const acc_t* priors, const acc_t* log_norm, acc_t* R) {
+  const int64_t J = L.d.C_out;
+  if (t == 0) {
+    std::fill(R, R + J, initial);
+    return;
+  }
+  const acc_t z = log_norm[(t - 1) * L.children() + i];
+  for (int64_t o = 0; o < J; ++o)
+    R[o] = log_posterior(V + o * kPoseSize, L.mean(stats, n, t - 1, o), priors + L.parent(n, t - 1, o, kPriorRow)) - z;
+  exp_in_place(R, J);
 }
 
 // The prior rows of iteration t of window n, from its statistics.
@@ -128,7 +150,7 @@ void log_normalisers(const ConvEmLayout<scalar_t, acc_t>& L, int64_t t, const ac
                      acc_t* log_norm) {
   const ConvEmDims& d = L.d;
   at::parallel_for(0, d.B * d.H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> posts(d.K * d.K * d.C_out);
+    std::vector<acc_t> posts(d.K * d.K * d.C_out), V(d.C_out * kPoseSize);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / d.H, iy = row % d.H;
       for (int64_t ix = 0; ix < d.W; ++ix)
@@ -137,16 +159,18 @@ void log_normalisers(const ConvEmLayout<scalar_t, acc_t>& L, int64_t t, const ac
           int64_t count = 0;
           acc_t top = -std::numeric_limits<acc_t>::infinity();
           L.for_each_covering_window(b, iy, ix, [&](int64_t n, int64_t ky, int64_t kx) {
+            L.child_votes(i, ky, kx, c, V.data());
             for (int64_t o = 0; o < d.C_out; ++o) {
-              acc_t V[kPoseSize];
-              pose_vote(L.pose + i * kPoseSize, L.weight_at(ky, kx, c, o), V);
-              const acc_t post = log_posterior(V, L.mean(stats, n, t, o), priors + L.parent(n, t, o, kPriorRow));
+              const acc_t post =
+                  log_posterior(V.data() + o * kPoseSize, L.mean(stats, n, t, o), priors + L.parent(n, t, o, kPriorRow));
               posts[count++] = post;
               top = std::max(top, post);
             }
           });
+          for (int64_t k = 0; k < count; ++k) posts[k] -= top;
+          exp_in_place(posts.data(), count);
           acc_t sum = 0;
-          for (int64_t k = 0; k < count; ++k) sum += std::exp(posts[k] - top);
+          for (int64_t k = 0; k < count; ++k) sum += posts[k];
           log_norm[t * L.children() + i] = count > 0 ? top + std::log(sum) : acc_t(0);
         }
     }
@@ -169,11 +193,13 @@ void route(const ConvEmLayout<scalar_t, acc_t>& L, const scalar_t* beta_u, const
       for (int64_t n = begin; n < end; ++n) {
         L.window_votes(n, votes.data(), a.data());
         L.for_each_window_child(n, [&](int64_t e, int64_t i, int64_t iy, int64_t ix) {
-          const acc_t initial = i < 0 ? acc_t(0) : acc_t(1) / static_cast<acc_t>(L.covering(iy, ix) * d.C_out);
-          for (int64_t o = 0; o < d.C_out; ++o)
-            R[e * d.C_out + o] = i < 0 ? acc_t(0)
-                                       : assignment(L, votes.data() + (e * d.C_out + o) * kPoseSize, n, o, t, i,
-                                                    initial, stats, priors, log_norm);
+          acc_t* R_e = R.data() + e * d.C_out;
+          if (i < 0) {
+            std::fill(R_e, R_e + d.C_out, acc_t(0));
+            return;
+          }
+          const acc_t initial = acc_t(1) / static_cast<acc_t>(L.covering(iy, ix) * d.C_out);
+          assignments(L, votes.data() + e * d.C_out * kPoseSize, n, t, i, initial, stats, priors, log_norm, R_e);
         });
         em.set_assignments([&](int64_t e, int64_t o) { return R[e * d.C_out + o]; });
         em.m_step(votes.data(), a.data(), beta_u, beta_a, t, stats + L.parent(n, t, 0, kStatsRow));
@@ -235,21 +261,22 @@ struct ConvEmBackward {
   const acc_t* priors;
   const acc_t* log_norm;
   acc_t* coeffs;
-  acc_t* sums;  // T
+  acc_t* sums;  // T (child_grads writes T^0)
   acc_t eps;
 
-  // g_L^t of the E-step after iteration t (t + 1 < iters) for child i's vote V to parent o of window n.
-  acc_t grad_log_posterior(const acc_t* V, int64_t n, int64_t o, int64_t t, int64_t i, acc_t a) const {
-    const acc_t R = assignment(L, V, n, o, t + 1, i, acc_t(0), stats, priors, log_norm);
-    const acc_t g_r = assignment_grad(V, L.mean(stats, n, t + 1, o), L.variance(stats, n, t + 1, o),
-                                      coeffs + L.parent(n, t + 1, o, kStatsRow), eps);
-    return R * a * (g_r - sums[(t + 1) * L.children() + i]);
+  // g_r^t of child i's votes V (C_out, 16) to the parents of window n, into g_r (C_out).
+  void assignment_grads(const acc_t* V, int64_t n, int64_t t, acc_t* g_r) const {
+    for (int64_t o = 0; o < L.d.C_out; ++o)
+      g_r[o] = assignment_grad(V + o * kPoseSize, L.mean(stats, n, t, o), L.variance(stats, n, t, o),
+                               coeffs + L.parent(n, t, o, kStatsRow), eps);
   }
 
   // Window n at iteration t: the gradients of its parents' M-step t outputs (from the output
   // gradients at the last iteration, else from E-step t), then their M-step coefficients.
+  // R, R_next, g_r: scratch of C_out values each.
   void window(int64_t n, int64_t t, const acc_t* g_pose, const acc_t* g_a_out, acc_t* g_beta, const acc_t* votes,
-              const acc_t* a, acc_t* g_mu, acc_t* g_var, acc_t* g_logit, acc_t* mass) const {
+              const acc_t* a, acc_t* g_mu, acc_t* g_var, acc_t* g_logit, acc_t* mass, acc_t* R, acc_t* R_next,
+              acc_t* g_r) const {
     const ConvEmDims& d = L.d;
     const int64_t J = d.C_out, JH = J * kPoseSize;
     if (t == d.iters - 1) {
@@ -268,12 +295,18 @@ struct ConvEmBackward {
     L.for_each_window_child(n, [&](int64_t e, int64_t i, int64_t iy, int64_t ix) {
       if (i < 0) return;
       const acc_t initial = acc_t(1) / static_cast<acc_t>(L.covering(iy, ix) * J);
+      const acc_t* V_e = votes + e * J * kPoseSize;
+      assignments(L, V_e, n, t, i, initial, stats, priors, log_norm, R);
+      for (int64_t o = 0; o < J; ++o) mass[o] += R[o] * a[e];
+      if (t == d.iters - 1) return;
+      // E-step t: g_L = R^{t+1} a (g_r^{t+1} - T^{t+1}); L = log prior - sum_h (V - mu)^2 / (2 var),
+      // q = (V - mu) / var.
+      assignments(L, V_e, n, t + 1, i, initial, stats, priors, log_norm, R_next);
+      assignment_grads(V_e, n, t + 1, g_r);
+      const acc_t sum_next = sums[(t + 1) * L.children() + i];
       for (int64_t o = 0; o < J; ++o) {
-        const acc_t* V = votes + (e * J + o) * kPoseSize;
-        mass[o] += assignment(L, V, n, o, t, i, initial, stats, priors, log_norm) * a[e];
-        if (t == d.iters - 1) continue;
-        // E-step t: L = log prior + sum_h -(V - mu)^2 / (2 var) - ...; q = (V - mu) / var.
-        const acc_t g_L = grad_log_posterior(V, n, o, t, i, a[e]);
+        const acc_t* V = V_e + o * kPoseSize;
+        const acc_t g_L = R_next[o] * a[e] * (g_r[o] - sum_next);
         const acc_t* mu = L.mean(stats, n, t, o);
         const acc_t* pr = priors + L.parent(n, t, o, kPriorRow);
         g_logit[o] += g_L * (1 - em_sigmoid(L.logit(stats, n, t, o)));
@@ -295,74 +328,90 @@ struct ConvEmBackward {
     }
   }
 
-  // Calls f(window n, parent o, vote V) for every (window, parent) pair of child (b, iy, ix, c).
+  // Calls f(window n, ky, kx, votes V (C_out, 16)) for every window that contains child
+  // (b, iy, ix, c); V: scratch of C_out 16 values.
   template <typename F>
-  void for_each_parent(int64_t b, int64_t iy, int64_t ix, int64_t c, F&& f) const {
+  void for_each_parent_window(int64_t b, int64_t iy, int64_t ix, int64_t c, acc_t* V, F&& f) const {
     const int64_t i = L.child(b, iy, ix, c);
     L.for_each_covering_window(b, iy, ix, [&](int64_t n, int64_t ky, int64_t kx) {
-      for (int64_t o = 0; o < L.d.C_out; ++o) {
-        acc_t V[kPoseSize];
-        pose_vote(L.pose + i * kPoseSize, L.weight_at(ky, kx, c, o), V);
-        f(n, o, ky, kx, V);
-      }
+      L.child_votes(i, ky, kx, c, V);
+      f(n, ky, kx, static_cast<const acc_t*>(V));
     });
   }
 
-  // T^t of every child.
+  // T^t of every child (t > 0).
   void child_sums(int64_t t) const {
     const ConvEmDims& d = L.d;
     at::parallel_for(0, d.B * d.H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> V(d.C_out * kPoseSize), R(d.C_out), g_r(d.C_out);
       for (int64_t row = begin; row < end; ++row) {
         const int64_t b = row / d.H, iy = row % d.H;
-        for (int64_t ix = 0; ix < d.W; ++ix) {
-          const acc_t initial = acc_t(1) / static_cast<acc_t>(std::max<int64_t>(L.covering(iy, ix), 1) * d.C_out);
+        for (int64_t ix = 0; ix < d.W; ++ix)
           for (int64_t c = 0; c < d.C_in; ++c) {
             const int64_t i = L.child(b, iy, ix, c);
             acc_t sum = 0;
-            for_each_parent(b, iy, ix, c, [&](int64_t n, int64_t o, int64_t, int64_t, const acc_t* V) {
-              const acc_t R = assignment(L, V, n, o, t, i, initial, stats, priors, log_norm);
-              sum += R * assignment_grad(V, L.mean(stats, n, t, o), L.variance(stats, n, t, o),
-                                         coeffs + L.parent(n, t, o, kStatsRow), eps);
+            for_each_parent_window(b, iy, ix, c, V.data(), [&](int64_t n, int64_t, int64_t, const acc_t* V_n) {
+              assignments(L, V_n, n, t, i, acc_t(0), stats, priors, log_norm, R.data());
+              assignment_grads(V_n, n, t, g_r.data());
+              for (int64_t o = 0; o < d.C_out; ++o) sum += R[o] * g_r[o];
             });
             sums[t * L.children() + i] = sum;
           }
-        }
       }
     });
   }
 
   // Child (b, iy, ix, c)'s vote gradients, summed over the iterations, contracted into its pose
-  // gradient (returned in g_P) and the weight gradient g_W (K, K, C_in, C_out, 16); its a_in gradient.
-  acc_t child_grads(int64_t b, int64_t iy, int64_t ix, int64_t c, acc_t* g_P, acc_t* g_W) const {
+  // gradient (returned in g_P) and the weight gradient g_W (K, K, C_in, C_out, 16); T^0 (which no
+  // E-step needs); returns its a_in gradient. Scratch: V of C_out 16 values, R and g_r of
+  // iters C_out values each.
+  acc_t child_grads(int64_t b, int64_t iy, int64_t ix, int64_t c, acc_t* g_P, acc_t* g_W, acc_t* V, acc_t* R,
+                    acc_t* g_r) const {
     const ConvEmDims& d = L.d;
-    const int64_t i = L.child(b, iy, ix, c);
+    const int64_t i = L.child(b, iy, ix, c), J = d.C_out;
     const acc_t a = static_cast<acc_t>(L.a_in[i]);
-    const acc_t initial = acc_t(1) / static_cast<acc_t>(std::max<int64_t>(L.covering(iy, ix), 1) * d.C_out);
-    const scalar_t* P = L.pose + i * kPoseSize;
-    std::fill(g_P, g_P + kPoseSize, acc_t(0));
-    for_each_parent(b, iy, ix, c, [&](int64_t n, int64_t o, int64_t ky, int64_t kx, const acc_t* V) {
-      acc_t g_V[kPoseSize] = {};
+    const acc_t initial = acc_t(1) / static_cast<acc_t>(std::max<int64_t>(L.covering(iy, ix), 1) * J);
+    acc_t P_acc[kPoseSize], g_P_acc[kPoseSize] = {};
+    for (int64_t h = 0; h < kPoseSize; ++h) P_acc[h] = static_cast<acc_t>(L.pose[i * kPoseSize + h]);
+    acc_t first_sum = 0;
+    for_each_parent_window(b, iy, ix, c, V, [&](int64_t n, int64_t ky, int64_t kx, const acc_t* V_n) {
       for (int64_t t = 0; t < d.iters; ++t) {
-        const acc_t* mu = L.mean(stats, n, t, o);
-        const acc_t* co = coeffs + L.parent(n, t, o, kStatsRow);
-        const acc_t r = assignment(L, V, n, o, t, i, initial, stats, priors, log_norm) * a;
-        for (int64_t h = 0; h < kPoseSize; ++h)
-          g_V[h] += r * (co[1 + h] + 2 * co[1 + kPoseSize + h] * (V[h] - mu[h]));
-        if (t == d.iters - 1) continue;
-        const acc_t g_L = grad_log_posterior(V, n, o, t, i, a);
-        const acc_t* pr = priors + L.parent(n, t, o, kPriorRow);
-        for (int64_t h = 0; h < kPoseSize; ++h) g_V[h] -= g_L * (V[h] - mu[h]) * 2 * pr[1 + h];
+        assignments(L, V_n, n, t, i, initial, stats, priors, log_norm, R + t * J);
+        assignment_grads(V_n, n, t, g_r + t * J);
       }
-      // V = P Wt: g_P += g_V Wt^T, g_Wt += P^T g_V.
-      const scalar_t* Wt = L.weight_at(ky, kx, c, o);
-      acc_t* g_Wt = g_W + (((ky * d.K + kx) * d.C_in + c) * d.C_out + o) * kPoseSize;
-      for (int r = 0; r < 4; ++r)
-        for (int k = 0; k < 4; ++k)
-          for (int col = 0; col < 4; ++col) {
-            g_P[r * 4 + k] += g_V[r * 4 + col] * static_cast<acc_t>(Wt[k * 4 + col]);
-            g_Wt[k * 4 + col] += static_cast<acc_t>(P[r * 4 + k]) * g_V[r * 4 + col];
-          }
+      for (int64_t o = 0; o < J; ++o) first_sum += R[o] * g_r[o];
+      for (int64_t o = 0; o < J; ++o) {
+        const acc_t* V_o = V_n + o * kPoseSize;
+        // M-step t: g_V += r (g_mu / M + 2 g_var / M (V - mu)); E-step t - 1: g_V -= g_L (V - mu) / var.
+        acc_t g_V[kPoseSize] = {};
+        for (int64_t t = 0; t < d.iters; ++t) {
+          const acc_t* mu = L.mean(stats, n, t, o);
+          const acc_t* co = coeffs + L.parent(n, t, o, kStatsRow);
+          const acc_t r = R[t * J + o] * a;
+          for (int64_t h = 0; h < kPoseSize; ++h)
+            g_V[h] += r * (co[1 + h] + 2 * co[1 + kPoseSize + h] * (V_o[h] - mu[h]));
+          if (t == 0) continue;
+          const acc_t g_L = r * (g_r[t * J + o] - sums[t * L.children() + i]);
+          const acc_t* mu_prev = L.mean(stats, n, t - 1, o);
+          const acc_t* pr = priors + L.parent(n, t - 1, o, kPriorRow);
+          for (int64_t h = 0; h < kPoseSize; ++h) g_V[h] -= g_L * (V_o[h] - mu_prev[h]) * 2 * pr[1 + h];
+        }
+        // V = P Wt: g_P += g_V Wt^T, g_Wt += P^T g_V (in local arrays: no aliasing in the loops).
+        const scalar_t* Wt = L.weight_at(ky, kx, c, o);
+        acc_t W_acc[kPoseSize], g_Wt[kPoseSize] = {};
+        for (int64_t h = 0; h < kPoseSize; ++h) W_acc[h] = static_cast<acc_t>(Wt[h]);
+        for (int r = 0; r < 4; ++r)
+          for (int k = 0; k < 4; ++k)
+            for (int col = 0; col < 4; ++col) {
+              g_P_acc[r * 4 + k] += g_V[r * 4 + col] * W_acc[k * 4 + col];
+              g_Wt[k * 4 + col] += P_acc[r * 4 + k] * g_V[r * 4 + col];
+            }
+        acc_t* g_W_o = g_W + (((ky * d.K + kx) * d.C_in + c) * J + o) * kPoseSize;
+        for (int64_t h = 0; h < kPoseSize; ++h) g_W_o[h] += g_Wt[h];
+      }
     });
+    std::copy(g_P_acc, g_P_acc + kPoseSize, g_P);
+    sums[i] = first_sum;
     acc_t g_a = 0;
     for (int64_t t = 0; t < d.iters; ++t) g_a += sums[t * L.children() + i];
     return g_a;
@@ -414,17 +463,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
     const int64_t I = d.window_children();
     for (int64_t t = iters - 1; t >= 0; --t) {
       at::parallel_for(0, windows, 1, [&](int64_t begin, int64_t end) {
-        std::vector<acc_t> votes(I * J * kPoseSize), a(I), g_mu(J * kPoseSize), g_var(J * kPoseSize), g_logit(J), mass(J);
+        std::vector<acc_t> votes(I * J * kPoseSize), a(I), g_mu(J * kPoseSize), g_var(J * kPoseSize), g_logit(J),
+            mass(J), R(J), R_next(J), g_r(J);
         for (int64_t n = begin; n < end; ++n) {
           L.window_votes(n, votes.data(), a.data());
           backward.window(n, t, grad_pose_out.const_data_ptr<acc_t>(), grad_a_out.const_data_ptr<acc_t>(),
                           grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J, votes.data(), a.data(), g_mu.data(),
-                          g_var.data(), g_logit.data(), mass.data());
+                          g_var.data(), g_logit.data(), mass.data(), R.data(), R_next.data(), g_r.data());
         }
       });
-      backward.child_sums(t);
+      if (t > 0) backward.child_sums(t);  // T^0: in child_grads
     }
     at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+      std::vector<acc_t> V(J * kPoseSize), R(iters * J), g_r(iters * J);
       for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         acc_t* g_W = grad_weight_parts.mutable_data_ptr<acc_t>() + chunk * weight.numel();
         for (int64_t row = chunk * rows / chunks; row < (chunk + 1) * rows / chunks; ++row) {
@@ -433,7 +484,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
             for (int64_t c = 0; c < d.C_in; ++c) {
               const int64_t i = L.child(b, iy, ix, c);
               acc_t g_P[kPoseSize];
-              grad_a_in.mutable_data_ptr<scalar_t>()[i] = static_cast<scalar_t>(backward.child_grads(b, iy, ix, c, g_P, g_W));
+              const acc_t g_a = backward.child_grads(b, iy, ix, c, g_P, g_W, V.data(), R.data(), g_r.data());
+              grad_a_in.mutable_data_ptr<scalar_t>()[i] = static_cast<scalar_t>(g_a);
               scalar_t* out = grad_pose.mutable_data_ptr<scalar_t>() + i * kPoseSize;
               for (int64_t h = 0; h < kPoseSize; ++h) out[h] = static_cast<scalar_t>(g_P[h]);
             }
