@@ -77,6 +77,13 @@ def test_strides_and_padding_match_the_reference(device, stride, padding):
         assert_rel_close(actual, expected, 1e-10, name)
 
 
+@pytest.mark.parametrize("iters", [1, 2, 4])
+def test_every_iteration_count(device, iters):
+    sample = CONV_EM_ROUTING.draw((2, 5, 4, 2, 3, 3), device, torch.float64, iters=iters, padding=1)
+    for name, actual, expected in CONV_EM_ROUTING.compare(sample):
+        assert_rel_close(actual, expected, 1e-10, name)
+
+
 def test_takes_flat_poses(device):
     pose, *rest = detached(conv_em_inputs((2, 4, 4, 2, 3, 3), device=device))
     flat, square = capsroute.conv_em_routing(pose.flatten(-2), *rest), capsroute.conv_em_routing(pose, *rest)

@@ -42,6 +42,8 @@ struct ConvEmLayout {
   int64_t children() const { return d.B * d.H * d.W * d.C_in; }
   // The offset of (window n, iteration t, parent o) in per-parent arrays of `row` values.
   int64_t parent(int64_t n, int64_t t, int64_t o, int64_t row) const { return ((n * d.iters + t) * d.C_out + o) * row; }
+  // The prior row of (window n, E-step t, parent o) in priors (windows, iters - 1, C_out, 17).
+  int64_t prior(int64_t n, int64_t t, int64_t o) const { return ((n * (d.iters - 1) + t) * d.C_out + o) * kPriorRow; }
   // The statistics of window n and iteration t are em_routing's: means (C_out, 16), variances
   // (C_out, 16), logits (C_out).
   const acc_t* mean(const acc_t* stats, int64_t n, int64_t t, int64_t o) const {
@@ -128,7 +130,7 @@ inline void assignments(const ConvEmLayout<scalar_t, acc_t>& L, const acc_t* V, 
   }
   const acc_t z = log_norm[(t - 1) * L.children() + i];
   for (int64_t o = 0; o < J; ++o)
-    R[o] = log_posterior(V + o * kPoseSize, L.mean(stats, n, t - 1, o), priors + L.parent(n, t - 1, o, kPriorRow)) - z;
+    R[o] = log_posterior(V + o * kPoseSize, L.mean(stats, n, t - 1, o), priors + L.prior(n, t - 1, o)) - z;
   exp_in_place(R, J);
 }
 
@@ -137,7 +139,7 @@ template <typename scalar_t, typename acc_t>
 void window_priors(const ConvEmLayout<scalar_t, acc_t>& L, int64_t n, int64_t t, const acc_t* stats, acc_t* priors) {
   for (int64_t o = 0; o < L.d.C_out; ++o) {
     const acc_t* var = L.variance(stats, n, t, o);
-    acc_t* pr = priors + L.parent(n, t, o, kPriorRow);
+    acc_t* pr = priors + L.prior(n, t, o);
     pr[0] = em_log_prior(L.logit(stats, n, t, o), var, kPoseSize);
     for (int64_t h = 0; h < kPoseSize; ++h) pr[1 + h] = 1 / (2 * var[h]);
   }
@@ -162,7 +164,7 @@ void log_normalisers(const ConvEmLayout<scalar_t, acc_t>& L, int64_t t, const ac
             L.child_votes(i, ky, kx, c, V.data());
             for (int64_t o = 0; o < d.C_out; ++o) {
               const acc_t post =
-                  log_posterior(V.data() + o * kPoseSize, L.mean(stats, n, t, o), priors + L.parent(n, t, o, kPriorRow));
+                  log_posterior(V.data() + o * kPoseSize, L.mean(stats, n, t, o), priors + L.prior(n, t, o));
               posts[count++] = post;
               top = std::max(top, post);
             }
@@ -178,7 +180,7 @@ void log_normalisers(const ConvEmLayout<scalar_t, acc_t>& L, int64_t t, const ac
 }
 
 // The forward's routing: statistics of every window and iteration into stats (B, Ho, Wo, iters,
-// C_out, 33); priors (windows, iters, C_out, 17) and log_norm (iters - 1, B, H, W, C_in) are
+// C_out, 33); priors (windows, iters - 1, C_out, 17) and log_norm (iters - 1, B, H, W, C_in) are
 // workspaces the backward fills again.
 template <typename scalar_t, typename acc_t>
 void route(const ConvEmLayout<scalar_t, acc_t>& L, const scalar_t* beta_u, const scalar_t* beta_a, double eps,
@@ -235,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_em_routing_cpu(const at::Ten
   const int64_t Ho = d.Ho(), Wo = d.Wo();
   const at::TensorOptions acc = pose.options().dtype(acc_dtype(pose.scalar_type()));
   at::Tensor stats = at::empty({d.B, Ho, Wo, iters, d.C_out, kStatsRow}, acc);
-  at::Tensor priors = at::empty({d.B * Ho * Wo, iters, d.C_out, kPriorRow}, acc);
+  at::Tensor priors = at::empty({d.B * Ho * Wo, iters - 1, d.C_out, kPriorRow}, acc);
   at::Tensor log_norm = at::empty({iters - 1, d.B, d.H, d.W, d.C_in}, acc);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pose.scalar_type(), "conv_em_routing_cpu", [&] {
@@ -308,7 +310,7 @@ struct ConvEmBackward {
         const acc_t* V = V_e + o * kPoseSize;
         const acc_t g_L = R_next[o] * a[e] * (g_r[o] - sum_next);
         const acc_t* mu = L.mean(stats, n, t, o);
-        const acc_t* pr = priors + L.parent(n, t, o, kPriorRow);
+        const acc_t* pr = priors + L.prior(n, t, o);
         g_logit[o] += g_L * (1 - em_sigmoid(L.logit(stats, n, t, o)));
         for (int64_t h = 0; h < kPoseSize; ++h) {
           const acc_t diff = V[h] - mu[h], inv_var = 2 * pr[1 + h];
@@ -393,7 +395,7 @@ struct ConvEmBackward {
           if (t == 0) continue;
           const acc_t g_L = r * (g_r[t * J + o] - sums[t * L.children() + i]);
           const acc_t* mu_prev = L.mean(stats, n, t - 1, o);
-          const acc_t* pr = priors + L.parent(n, t - 1, o, kPriorRow);
+          const acc_t* pr = priors + L.prior(n, t - 1, o);
           for (int64_t h = 0; h < kPoseSize; ++h) g_V[h] -= g_L * (V_o[h] - mu_prev[h]) * 2 * pr[1 + h];
         }
         // V = P Wt: g_P += g_V Wt^T, g_Wt += P^T g_V (in local arrays: no aliasing in the loops).
@@ -435,7 +437,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
   const at::Tensor grad_pose_out = grad_pose_out_in.to(acc).contiguous(), grad_a_out = grad_a_out_in.to(acc).contiguous();
   const at::Tensor stats = stats_in.to(acc).contiguous();
   const int64_t windows = d.B * Ho * Wo;
-  at::Tensor priors = at::empty({windows, iters, J, kPriorRow}, acc_options);
+  at::Tensor priors = at::empty({windows, iters - 1, J, kPriorRow}, acc_options);
   at::Tensor log_norm = at::empty({iters - 1, d.B, d.H, d.W, d.C_in}, acc_options);
   at::Tensor coeffs = at::empty({windows, iters, J, kStatsRow}, acc_options);
   at::Tensor sums = at::empty({iters, d.B, d.H, d.W, d.C_in}, acc_options);
