@@ -1,6 +1,7 @@
 """conv_em_routing beyond the contract (tests/test_op_contract.py): the cross-window E-step (each
 child's assignments sum to 1), agreement with em_routing_pose when there is one window, padding
 as children of zero activation, uncovered children, flat poses and bad input."""
+
 import pytest
 import torch
 
@@ -17,14 +18,26 @@ def detached(inputs):
 @pytest.mark.parametrize("stride,padding", [(1, 0), (2, 1), (1, 2)])
 def test_each_childs_assignments_sum_to_one(stride, padding):
     pose, a_in, weight, beta_u, beta_a = detached(conv_em_inputs((2, 6, 5, 3, 4, 3)))
-    R = reference.conv_em_assignments(pose, a_in, weight, beta_u, beta_a, 3, stride=stride, padding=padding)
+    R = reference.conv_em_assignments(
+        pose, a_in, weight, beta_u, beta_a, 3, stride=stride, padding=padding
+    )
     B, H, W, C_in = a_in.shape
     windows = reference.conv_windows(H, W, 3, stride, padding)
     per_child = R.sum(-1).reshape(B, -1, C_in)  # (B, windows x K x K, C_in)
-    total = per_child.new_zeros(B, (H + 2 * padding) * (W + 2 * padding), C_in).index_add(1, windows.flatten(), per_child)
-    grid = total.reshape(B, H + 2 * padding, W + 2 * padding, C_in)[:, padding:padding + H, padding:padding + W]
-    covered = grid.new_zeros(H + 2 * padding, W + 2 * padding).flatten().index_fill(0, windows.flatten(), 1)
-    covered = covered.reshape(H + 2 * padding, W + 2 * padding)[padding:padding + H, padding:padding + W]
+    total = per_child.new_zeros(B, (H + 2 * padding) * (W + 2 * padding), C_in).index_add(
+        1, windows.flatten(), per_child
+    )
+    grid = total.reshape(B, H + 2 * padding, W + 2 * padding, C_in)[
+        :, padding : padding + H, padding : padding + W
+    ]
+    covered = (
+        grid.new_zeros(H + 2 * padding, W + 2 * padding)
+        .flatten()
+        .index_fill(0, windows.flatten(), 1)
+    )
+    covered = covered.reshape(H + 2 * padding, W + 2 * padding)[
+        padding : padding + H, padding : padding + W
+    ]
     assert covered.sum() > 0
     expected = covered[None, :, :, None].expand_as(grid)
     assert_rel_close(grid, expected, 1e-12, "sum of assignments per child")
@@ -36,7 +49,12 @@ def test_one_window_is_em_routing_pose(device):
     inputs = [t.clone().requires_grad_() for t in (pose, a_in, weight, beta_u, beta_a)]
     conv = capsroute.conv_em_routing(*inputs)
     conv = (conv[0].reshape(3, 5, 16), conv[1].reshape(3, 5))
-    flat = [inputs[0].reshape(3, -1, 4, 4), inputs[2].reshape(-1, 5, 4, 4), inputs[1].reshape(3, -1), *inputs[3:]]
+    flat = [
+        inputs[0].reshape(3, -1, 4, 4),
+        inputs[2].reshape(-1, 5, 4, 4),
+        inputs[1].reshape(3, -1),
+        *inputs[3:],
+    ]
     per_window = capsroute.em_routing_pose(*flat)
     cotangents = [torch.randn_like(o) for o in conv]
     for name, a, b in zip(["pose", "a_out"], conv, per_window):
@@ -53,8 +71,9 @@ def test_overlapping_windows_differ_from_windows_routed_alone():
     windows = reference.conv_windows(4, 4, 3, 1, 0)
     window_pose = pose.reshape(1, 16, 2, 4, 4)[:, windows].reshape(4, -1, 4, 4)
     window_a = a_in.reshape(1, 16, 2)[:, windows].reshape(4, -1)
-    alone, _ = capsroute.em_routing_pose(window_pose, weight.reshape(-1, 3, 4, 4), window_a, beta_u, beta_a,
-                                         final_lambda=1.0)
+    alone, _ = capsroute.em_routing_pose(
+        window_pose, weight.reshape(-1, 3, 4, 4), window_a, beta_u, beta_a, final_lambda=1.0
+    )
     assert (conv_pose.reshape(4, 3, 16) - alone).abs().max() > 1e-3
 
 
@@ -63,7 +82,9 @@ def test_padding_is_children_of_zero_activation(device):
     pose, a_in, weight, beta_u, beta_a = detached(conv_em_inputs((2, 4, 5, 2, 3, 3), device=device))
     padded_pose = torch.nn.functional.pad(pose, (0, 0, 0, 0, 0, 0, 1, 1, 1, 1))
     padded_a = torch.nn.functional.pad(a_in, (0, 0, 1, 1, 1, 1))
-    with_padding = capsroute.conv_em_routing(pose, a_in, weight, beta_u, beta_a, stride=2, padding=1)
+    with_padding = capsroute.conv_em_routing(
+        pose, a_in, weight, beta_u, beta_a, stride=2, padding=1
+    )
     explicit = capsroute.conv_em_routing(padded_pose, padded_a, weight, beta_u, beta_a, stride=2)
     for name, a, b in zip(["pose", "a_out"], with_padding, explicit):
         assert_rel_close(a, b, 1e-12, name)
@@ -72,7 +93,9 @@ def test_padding_is_children_of_zero_activation(device):
 @pytest.mark.parametrize("stride,padding", [(3, 0), (2, 2)])
 def test_strides_and_padding_match_the_reference(device, stride, padding):
     """Stride 3 with K = 2 leaves children no window covers: they get zero gradients."""
-    sample = CONV_EM_ROUTING.draw((2, 7, 6, 2, 3, 2), device, torch.float64, stride=stride, padding=padding)
+    sample = CONV_EM_ROUTING.draw(
+        (2, 7, 6, 2, 3, 2), device, torch.float64, stride=stride, padding=padding
+    )
     for name, actual, expected in CONV_EM_ROUTING.compare(sample):
         assert_rel_close(actual, expected, 1e-10, name)
 
@@ -86,25 +109,37 @@ def test_every_iteration_count(device, iters):
 
 def test_takes_flat_poses(device):
     pose, *rest = detached(conv_em_inputs((2, 4, 4, 2, 3, 3), device=device))
-    flat, square = capsroute.conv_em_routing(pose.flatten(-2), *rest), capsroute.conv_em_routing(pose, *rest)
+    flat, square = (
+        capsroute.conv_em_routing(pose.flatten(-2), *rest),
+        capsroute.conv_em_routing(pose, *rest),
+    )
     for a, b in zip(flat, square):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(weight=lambda w: w.new_zeros(5, 5, 2, 3, 4, 4)), r"kernel size K = 5 is larger than the padded input \(4 x 4"),
-    (dict(stride=0), "stride must be >= 1, got 0"),
-    (dict(padding=-1), "padding must be >= 0, got -1"),
-    (dict(weight=lambda w: w[:, :, :1]), "weight has C_in = 1 \\(its dim 2\\) but pose has C_in = 2"),
-    (dict(pose=lambda p: p[..., :3, :3]), r"pose must have shape \(B, H, W, C_in, 4, 4\)"),
-    (dict(pose=lambda p: p[0]), r"pose must have shape \(B, H, W, C_in, 4, 4\)"),
-    (dict(weight=lambda w: w[:, :2]), r"weight must have shape \(K, K, C_in, C_out, 4, 4\)"),
-    (dict(weight=lambda w: w[..., :3]), r"weight must have shape \(K, K, C_in, C_out, 4, 4\)"),
-    (dict(a_in=lambda a: a[:, :3]), r"a_in must have shape \(B, H, W, C_in\) = \[2, 4, 4, 2\]"),
-    (dict(beta_u=lambda b: b[:2]), r"beta_u must have shape \(J,\) = \(3,\)"),
-    (dict(iters=0), "iters must be >= 1, got 0"),
-    (dict(eps=0.0), "eps must be finite and > 0"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            dict(weight=lambda w: w.new_zeros(5, 5, 2, 3, 4, 4)),
+            r"kernel size K = 5 is larger than the padded input \(4 x 4",
+        ),
+        (dict(stride=0), "stride must be >= 1, got 0"),
+        (dict(padding=-1), "padding must be >= 0, got -1"),
+        (
+            dict(weight=lambda w: w[:, :, :1]),
+            "weight has C_in = 1 \\(its dim 2\\) but pose has C_in = 2",
+        ),
+        (dict(pose=lambda p: p[..., :3, :3]), r"pose must have shape \(B, H, W, C_in, 4, 4\)"),
+        (dict(pose=lambda p: p[0]), r"pose must have shape \(B, H, W, C_in, 4, 4\)"),
+        (dict(weight=lambda w: w[:, :2]), r"weight must have shape \(K, K, C_in, C_out, 4, 4\)"),
+        (dict(weight=lambda w: w[..., :3]), r"weight must have shape \(K, K, C_in, C_out, 4, 4\)"),
+        (dict(a_in=lambda a: a[:, :3]), r"a_in must have shape \(B, H, W, C_in\) = \[2, 4, 4, 2\]"),
+        (dict(beta_u=lambda b: b[:2]), r"beta_u must have shape \(J,\) = \(3,\)"),
+        (dict(iters=0), "iters must be >= 1, got 0"),
+        (dict(eps=0.0), "eps must be finite and > 0"),
+    ],
+)
 def test_bad_input(device, change, message):
     names = ("pose", "a_in", "weight", "beta_u", "beta_a")
     tensors = dict(zip(names, detached(conv_em_inputs((2, 4, 4, 2, 3, 3), device=device))))

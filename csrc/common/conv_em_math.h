@@ -17,7 +17,8 @@ CAPSROUTE_HD void pose_vote(const scalar_t* P, const scalar_t* Wt, acc_t* V) {
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < 4; ++c) {
       acc_t sum = 0;
-      for (int k = 0; k < 4; ++k) sum += static_cast<acc_t>(P[r * 4 + k]) * static_cast<acc_t>(Wt[k * 4 + c]);
+      for (int k = 0; k < 4; ++k)
+        sum += static_cast<acc_t>(P[r * 4 + k]) * static_cast<acc_t>(Wt[k * 4 + c]);
       V[r * 4 + c] = sum;
     }
 }
@@ -35,7 +36,8 @@ CAPSROUTE_HD acc_t log_posterior(const acc_t* V, const acc_t* mu, const acc_t* p
 
 // g_r of an assignment (em_m_step_backward's coefficients co: g_mass, g_mu / M, g_var / M).
 template <typename acc_t>
-CAPSROUTE_HD acc_t assignment_grad(const acc_t* V, const acc_t* mu, const acc_t* var, const acc_t* co, acc_t eps) {
+CAPSROUTE_HD acc_t assignment_grad(const acc_t* V, const acc_t* mu, const acc_t* var,
+                                   const acc_t* co, acc_t eps) {
   acc_t g_r = co[0];
   for (int64_t h = 0; h < kPoseSize; ++h) {
     const acc_t diff = V[h] - mu[h];
