@@ -17,6 +17,7 @@
 
 #include "../common/checks.h"
 #include "../common/conv_em_math.h"
+#include "../common/kernel_path.h"
 #include "em_element.h"
 
 namespace capsroute {
@@ -250,6 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_em_routing_cpu(
     int64_t padding, double final_lambda, double eps) {
   check_conv_em_routing_inputs(pose_in, a_in_in, weight_in, beta_u_in, beta_a_in, iters, stride,
                                padding, final_lambda, eps);
+  record_kernel_path("conv_em_routing", Direction::forward, "cpu");
   const at::Tensor pose = pose_in.contiguous(), a_in = a_in_in.contiguous(),
                    weight = weight_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
@@ -463,6 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
   const ConvEmDims d = conv_em_dims(pose_in, weight_in, iters, stride, padding, final_lambda);
   const int64_t Ho = d.Ho(), Wo = d.Wo(), J = d.C_out;
   check_conv_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, d.B, Ho, Wo, J);
+  record_kernel_path("conv_em_routing", Direction::backward, "cpu");
   const at::ScalarType acc = acc_dtype(pose_in.scalar_type());
   const at::TensorOptions acc_options = pose_in.options().dtype(acc);
   const at::Tensor pose = pose_in.contiguous(), a_in = a_in_in.contiguous(),
