@@ -28,7 +28,7 @@ def build(tmp_path_factory):
         pytest.skip("no C++ compiler (CXX or g++) on PATH")
     out = tmp_path_factory.mktemp("emulator")
 
-    @functools.cache  # one build serves the quick and the full run
+    @functools.cache  # one build serves both runs
     def compile_program(name: str, thread_sanitizer: bool = False) -> Path:
         exe = out / (name + ("-tsan" if thread_sanitizer else ""))
         flags = ["-O1", "-g", "-fsanitize=thread"] if thread_sanitizer else ["-O2"]
@@ -42,8 +42,12 @@ def build(tmp_path_factory):
     return compile_program
 
 
-# quick (before every commit): a few shapes through every launch path; full: all shapes, dtypes
-@pytest.mark.parametrize("mode", ["quick", pytest.param("full", marks=pytest.mark.slow)])
+# The default loop runs the programs' tsan workload without the sanitizer: every kernel once on a
+# small shape, in seconds (their quick mode takes minutes on 2 cores). The full run is slow.
+EVERY_KERNEL_ONCE = pytest.param("tsan", id="every-kernel-once")
+
+
+@pytest.mark.parametrize("mode", [EVERY_KERNEL_ONCE, pytest.param("full", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("program", ["routing_test", "em_test"])
 def test_cuda_kernels_match_the_cpu_code(build, program, mode):
     run = subprocess.run([str(build(program)), mode], capture_output=True, text=True, timeout=1200)
