@@ -54,6 +54,15 @@ def _em_activations(B, I, J, device, dtype, generator):
     return a_in.to(device, dtype), *betas
 
 
+def _conv_em_inputs(shape, device, dtype, generator):
+    """conv_em_routing's tensors for shape (B, H, W, C_in, C_out, K)."""
+    B, H, W, C_in, C_out, K = shape
+    a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64, generator=generator)
+    return (_randn((B, H, W, C_in, 4, 4), device, dtype, generator), a_in.to(device, dtype),
+            _randn((K, K, C_in, C_out, 4, 4), device, dtype, generator, 0.5),
+            *(_randn((C_out,), device, dtype, generator, 0.5) for _ in range(2)))
+
+
 @dataclass(frozen=True)
 class OpCheck:
     """How the doctor draws an op's inputs and calls it: call(module, *tensors) with module
@@ -66,13 +75,13 @@ class OpCheck:
     small: dict  # label -> shape: odd sizes (J > 32 or D > 16 where the op has the warp rows)
     canonical: dict  # label -> shape: the canonical ones at a small batch
     timing: tuple  # (label, shape on the CPU, shape on CUDA): where it is timed against eager
-    family: str  # which CUDA paths it has: "squash", "routing", "dense" or "em"
+    family: str  # which CUDA paths it has: "squash", "routing", "dense", "em" or "conv-em"
 
     def shapes(self, quick: bool) -> dict:
         return self.small if quick else {**self.small, **self.canonical}
 
     def tolerance(self, dtype) -> float:
-        return TOLERANCE[dtype] * (EM_TOLERANCE_FACTOR.get(dtype, 1) if self.family == "em" else 1)
+        return TOLERANCE[dtype] * (EM_TOLERANCE_FACTOR.get(dtype, 1) if "em" in self.family else 1)
 
 
 OPS = [
@@ -104,6 +113,12 @@ OPS = [
             lambda m, *tensors: m.em_routing_pose(*tensors), 2,
             {"3,37,7": (3, 37, 7)}, {"em-class B=2": (2, 512, 10), "em-conv B=4": (4, 288, 32)},
             ("em-class", (16, 512, 10), (256, 512, 10)), "em"),
+    # Every shape with stride 2 and padding 1: overlapping windows, padding and a stride at once.
+    OpCheck("conv_em_routing", _conv_em_inputs,
+            lambda m, *tensors: m.conv_em_routing(*tensors, stride=2, padding=1), 2,
+            {"2,5,5,3,4 K=3": (2, 5, 5, 3, 4, 3), "1,6,6,2,3 K=2": (1, 6, 6, 2, 3, 2)},
+            {"conv1 12x12 8->16 B=2": (2, 12, 12, 8, 16, 3)},
+            ("conv1 12x12 8->16", (16, 12, 12, 8, 16, 3), (64, 12, 12, 8, 16, 3)), "conv-em"),
 ]
 
 
@@ -146,6 +161,8 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
     clusters = torch.cuda.get_device_capability(device) >= (9, 0)
     if check.family == "squash":
         return [KernelPath("-", {}, lambda shape: "cuda")]
+    if check.family == "conv-em":  # no CUDA kernel yet: the CPU kernel on host copies
+        return [KernelPath("-", {}, lambda shape: "cuda-host-copy")]
     if check.family == "routing":
         return _routing_paths("", "", clusters)
     if check.family == "dense":
