@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Ten
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   check_cuda(u_in, "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
-  const at::Tensor u = u_in.contiguous();
+  const at::Tensor u = u_in.contiguous();  // (DenseVotes: a tenth of the votes' size, copied)
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t Din = u.size(2);
@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Ten
                                                                  const at::Tensor&, const at::Tensor& votes) {
       const int64_t Bc = chunk_dims.B;
       at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc), c_chunk = c.narrow(0, b0, Bc);
-      const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(), dims.I, dims.J * dims.D};
+      const auto chunk_votes = MemoryVotes<acc_t, acc_t>::packed(votes.const_data_ptr<acc_t>(), dims.I, dims.J, dims.D);
       add_distinct_path(routing_paths,
                         launch_routing_forward(chunk_votes, bias_ptr, chunk_dims, eps, s_chunk, v_chunk, c_chunk));
     });
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
         // (The cluster backward writes the gradient over the votes itself: each block reads its
         // rows' votes into shared memory before it writes their gradient.)
         const BackwardBuffers<acc_t> buf = launch_routing_backward(
-            MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
+            MemoryVotes<acc_t, acc_t>::packed(votes.const_data_ptr<acc_t>(), I, dims.J, dims.D),
             grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
             grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
         add_distinct_path(routing_paths, buf.path);

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
+#include "../common/layout.h"
 #include "routing_launch.cuh"
 #include "host_checks.cuh"
 
@@ -19,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(const at::Te
   check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
-  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2);  // rows of J capsules (MemoryVotes)
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const RoutingDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, leaky};
   at::Tensor v = at::empty({dims.B, dims.J, dims.D}, votes.options());
@@ -30,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(const at::Te
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
+    const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), capsule_strides(votes, 3), dims.D};
     record_kernel_path("dynamic_routing", Direction::forward,
                        launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr, dims,
                                               eps, s_hist, v, c));
@@ -48,12 +49,12 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
   check_same_device(grad_v_in, votes_in, "grad_v", "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
   const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
-  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2);
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_votes = at::empty_like(votes);
+  at::Tensor grad_votes = at::empty(votes.sizes(), votes.options());  // contiguous, whatever votes' layout
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
 
@@ -61,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.D};
+      const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), capsule_strides(votes, 3), dims.D};
       const BackwardBuffers<acc_t> buf = launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims,
                                                                  detach, eps, grad_bias_items,
                                                                  grad_votes.mutable_data_ptr<scalar_t>());

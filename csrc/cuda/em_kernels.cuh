@@ -42,17 +42,18 @@ namespace cuda {
 // ---- the pose vote source (em_routing_pose) ----
 
 // V[b, i, j, (r, c)] = sum_k P[b, i, r, k] W[i, j, k, c] in the accumulation type, k in order
-// (the CPU's compute_votes): pose (B, I, 4, 4), weight (I, J, 4, 4), both contiguous; H = 16,
-// jh = j * 16 + r * 4 + c.
+// (the CPU's compute_votes): pose (B, I, 4, 4) at any strides over b and i (pose_strides), each
+// P_bi's 16 values contiguous; weight (I, J, 4, 4) contiguous; H = 16, jh = j * 16 + r * 4 + c.
 template <typename scalar_t, typename acc_t>
 struct PoseVotes {
   using acc_type = acc_t;
   const scalar_t* pose;
+  CapsuleStrides pose_strides;
   const scalar_t* weight;
-  int64_t I, J;
+  int64_t J;
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jh) const {
     const int64_t j = jh / kPoseSize, rc = jh - j * kPoseSize, r = rc / 4, c = rc - r * 4;
-    const scalar_t* P = pose + (b * I + i) * kPoseSize + r * 4;   // row r of P_i
+    const scalar_t* P = pose + pose_strides.offset(b, i) + r * 4;  // row r of P_i
     const scalar_t* W = weight + (i * J + j) * kPoseSize + c;     // column c of W_ij
     acc_t sum = 0;
 #pragma unroll
@@ -766,11 +767,12 @@ __global__ void __launch_bounds__(kBlockThreads)
 // g_W[i, j, k, c] = (accumulate ? g_W[i, j, k, c] : 0) + sum_b sum_r P[b, i, r, k] G[b, i, j, r, c],
 // b then r in order; thread per (i, j, k, c). Called chunk after chunk of the batch with
 // accumulate set after the first, it adds the elements one by one in batch order into one
-// running sum in the accumulation dtype: the result does not depend on the chunking.
+// running sum in the accumulation dtype: the result does not depend on the chunking. pose at
+// pose_strides (PoseVotes).
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
-    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose, int64_t B, int64_t I, int64_t J, bool accumulate,
-                            acc_t* g_W) {
+    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose, const CapsuleStrides pose_strides, int64_t B,
+                            int64_t I, int64_t J, bool accumulate, acc_t* g_W) {
   const int64_t n = I * J * kPoseSize;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -778,7 +780,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t i = ij / J;
     acc_t sum = accumulate ? g_W[idx] : acc_t(0);
     for (int64_t b = 0; b < B; ++b) {
-      const scalar_t* P = pose + (b * I + i) * kPoseSize + k;    // column k of P_i
+      const scalar_t* P = pose + pose_strides.offset(b, i) + k;  // column k of P_i
       const acc_t* G = g_V + (b * I * J + ij) * kPoseSize + c;   // column c of G_ij
 #pragma unroll
       for (int r = 0; r < 4; ++r) sum += static_cast<acc_t>(P[r * 4]) * G[r * 4];

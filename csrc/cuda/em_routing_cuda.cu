@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "../common/checks.h"
+#include "../common/layout.h"
 #include "em_launch.cuh"
 #include "em_kernels.cuh"
 #include "routing_kernels.cuh"  // MemoryVotes
@@ -24,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cuda(const at::Tensor&
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
-  const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2), a_in = a_in_in.contiguous();  // rows (MemoryVotes)
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const EmDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, final_lambda};
   at::Tensor pose, a_out, stats;  // (not structured bindings: the dispatch lambda captures them)
@@ -33,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cuda(const at::Tensor&
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.H};
+    const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), capsule_strides(votes, 3), dims.H};
     record_kernel_path("em_routing", Direction::forward,
                        launch_em_forward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
                                          beta_a.const_data_ptr<scalar_t>(), dims, eps, stats, pose, a_out));
@@ -53,15 +54,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const c10::cuda::CUDAGuard guard(votes_in.device());
   const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
   const EmBackwardArgs args = prepare_em_backward(grad_pose_in, grad_a_out_in, stats_in, votes_in, "votes", B, dims.J);
-  const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous();
-  at::Tensor grad_votes = at::empty_like(votes);
+  at::Tensor grad_votes = at::empty(votes.sizes(), votes.options());  // contiguous, whatever votes' layout
   at::Tensor grad_a_in = at::empty_like(a_in);
 
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I, dims.J * dims.H};
+      const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), capsule_strides(votes, 3), dims.H};
       // The kernel accumulates in the accumulation dtype (em_launch.cuh).
       at::Tensor g_V = acc_buffer_for(grad_votes), g_a = acc_buffer_for(grad_a_in);
       at::Tensor g_beta = args.grad_beta_items;

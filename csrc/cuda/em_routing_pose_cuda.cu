@@ -34,6 +34,7 @@
 #include <tuple>
 
 #include "../common/checks.h"
+#include "../common/layout.h"
 #include "em_launch.cuh"
 #include "em_kernels.cuh"
 #include "host_checks.cuh"
@@ -64,8 +65,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(const at::Te
   check_em_routing_pose_inputs(pose_in, weight_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   check_cuda(pose_in, "pose");
   const c10::cuda::CUDAGuard guard(pose_in.device());
-  const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
-  const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
+  const at::Tensor pose = with_contiguous_capsules(pose_in, 2), weight = weight_in.contiguous();
+  const at::Tensor a_in = a_in_in.contiguous(), beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const EmDims dims{pose.size(0), pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
   at::Tensor pose_out, a_out, stats;  // (not structured bindings: the dispatch lambda captures them)
   std::tie(pose_out, a_out, stats) = em_forward_outputs(pose, dims);
@@ -73,8 +74,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(const at::Te
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pose.scalar_type(), "em_routing_pose_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const PoseVotes<scalar_t, acc_t> src{pose.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
-                                         dims.J};
+    const PoseVotes<scalar_t, acc_t> src{pose.const_data_ptr<scalar_t>(), capsule_strides(pose, 2),
+                                         weight.const_data_ptr<scalar_t>(), dims.J};
     record_kernel_path("em_routing_pose", Direction::forward,
                        launch_em_forward(src, a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
                                          beta_a.const_data_ptr<scalar_t>(), dims, eps, stats, pose_out, a_out));
@@ -82,13 +83,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(const at::Te
   return {pose_out, a_out, stats};
 }
 
-// The chunked backward (B > 0): grad_pose (B, I, 4, 4) in the storage dtype; g_a (B, I),
-// g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype. Returns the path
-// it ran (em_path_name).
+// The chunked backward (B > 0): pose at pose_strides; grad_pose (B, I, 4, 4) in the storage dtype;
+// g_a (B, I), g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype.
+// Returns the path it ran (em_path_name).
 template <typename scalar_t, typename acc_t>
-const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in,
-                                 const scalar_t* beta_u, const EmBackwardArgs& args, const EmDims& dims, double eps,
-                                 scalar_t* grad_pose, acc_t* g_a, acc_t* g_W) {
+const char* launch_pose_backward(const scalar_t* pose, const CapsuleStrides& pose_strides, const scalar_t* weight,
+                                 const scalar_t* a_in, const scalar_t* beta_u, const EmBackwardArgs& args,
+                                 const EmDims& dims, double eps, scalar_t* grad_pose, acc_t* g_a, acc_t* g_W) {
   const int64_t splits = em_splits(dims);  // for every chunk: the same sums whatever the chunking
   const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, splits, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
@@ -97,7 +98,7 @@ const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, c
   // Reused by every chunk: stream order runs each chunk's kernels after the previous chunk's.
   const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(chunk_dims, splits, acc_options);
   at::Tensor g_V_buffer = at::empty({chunk, dims.I, dims.J, kPoseSize}, acc_options);
-  run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, weight, a_in, beta_u,
+  run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, pose_strides, weight, a_in, beta_u,
                     args.stats.const_data_ptr<acc_t>(), args.grad_pose.const_data_ptr<acc_t>(),
                     args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, chunk, buf.ws,
                     g_V_buffer.mutable_data_ptr<acc_t>(), grad_pose, g_a, g_W,
@@ -117,9 +118,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   const c10::cuda::CUDAGuard guard(pose_in.device());
   const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
   const EmBackwardArgs args = prepare_em_backward(grad_pose_out_in, grad_a_out_in, stats_in, pose_in, "pose", B, J);
-  const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
-  const at::Tensor beta_u = beta_u_in.contiguous();
-  at::Tensor grad_pose = at::empty_like(pose);
+  const at::Tensor pose = with_contiguous_capsules(pose_in, 2), weight = weight_in.contiguous();
+  const at::Tensor a_in = a_in_in.contiguous(), beta_u = beta_u_in.contiguous();
+  at::Tensor grad_pose = at::empty(pose.sizes(), pose.options());  // contiguous, whatever pose's layout
   at::Tensor grad_a_in = at::empty_like(a_in);
   // With B == 0 the sum over the batch is empty: a zero weight gradient.
   at::Tensor grad_weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
@@ -131,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
       at::Tensor g_a = acc_buffer_for(grad_a_in), g_W = acc_buffer_for(grad_weight);
       record_kernel_path("em_routing_pose", Direction::backward,
                          launch_pose_backward<scalar_t, acc_t>(
-                             pose.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
+                             pose.const_data_ptr<scalar_t>(), capsule_strides(pose, 2), weight.const_data_ptr<scalar_t>(),
                              a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(), args, dims, eps,
                              grad_pose.mutable_data_ptr<scalar_t>(), g_a.mutable_data_ptr<acc_t>(),
                              g_W.mutable_data_ptr<acc_t>()));

@@ -26,18 +26,17 @@ namespace cuda {
 constexpr int kClusterBlocks = 8;
 
 // Element b's rows `rows` into shared memory, capsule q of them at votes_s + q * stride: a
-// capsule's vector per thread (the rows are contiguous in memory, so consecutive threads read
-// consecutive vectors), unrolled so that each thread keeps two vectors' loads in flight.
+// capsule's vector per thread (consecutive threads read a row's consecutive capsules), unrolled
+// so that each thread keeps two vectors' loads in flight.
 template <int kD, typename Source>
 __device__ __forceinline__ void copy_rows_to_shared(const Source& src, int64_t b, RowRange rows, int64_t J, int D,
                                                     int64_t stride, bool vectors,
                                                     typename Source::acc_type* votes_s) {
   using acc_t = typename Source::acc_type;
-  const auto* votes_b = src.row(b, rows.begin);
 #pragma unroll 2
   for (int64_t q = threadIdx.x; q < (rows.end - rows.begin) * J; q += blockDim.x) {
     acc_t u[kD];
-    load_capsule(votes_b + q * D, D, true, vectors, u);
+    load_capsule(src.capsule(b, rows.begin + q / J, q % J), D, true, vectors, u);
 #pragma unroll
     for (int d = 0; d < kD; ++d)
       if (d < D) votes_s[q * stride + d] = u[d];
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const RowRange rows = split_rows(I, kClusterBlocks, rank);
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
   const CapsuleLanes lanes(J, lane);
-  const bool vectors = vector_capsules(src.row(0, 0), D);
+  const bool vectors = vector_capsules(src, D);
   const int64_t clusters = gridDim.x / kClusterBlocks;
   for (int64_t b = blockIdx.x / kClusterBlocks; b < dims.B; b += clusters) {
     copy_rows_to_shared<kD>(src, b, rows, J, D, stride, vectors, votes_s);
@@ -211,7 +210,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t n = layout.rows * J;  // values per kept iteration of c_s and g_s
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
   const CapsuleLanes lanes(J, lane);
-  const bool vectors = vector_capsules(src.row(0, 0), D), grad_vectors = vector_capsules(grad_votes, D);
+  const bool vectors = vector_capsules(src, D), grad_vectors = vector_capsules(grad_votes, D);
   const auto for_each_local_row = [&](bool with_votes, auto&& f) {
     for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, with_votes, f);
   };

@@ -59,21 +59,39 @@ constexpr int source_min_blocks() {
   return routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>();
 }
 
-// votes (B, I, J, D), contiguous.
+// votes (B, I, J, D) at any strides over b and i, each row (b, i) of J * D votes contiguous
+// (common/dims.h, CapsuleStrides, whose capsule stride is D; docs/ops.md, "Layouts": the host
+// copies other layouts). Rows, not capsules: a capsule stride of its own costs a 64-bit division
+// per vote, a call that made ptxas spill the block kernels.
 template <typename scalar_t, typename acc_t>
 struct MemoryVotes {
   using acc_type = acc_t;
   static constexpr bool kComputesVotes = false;
   const scalar_t* votes;
-  int64_t I, JD;
-  __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
-    return static_cast<acc_t>(votes[(b * I + i) * JD + jd]);
+  CapsuleStrides strides;
+  int64_t D;
+  __host__ __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
+    return static_cast<acc_t>(votes[strides.offset(b, i) + jd]);
   }
-  // Row (b, i)'s J * D votes (the warp-rows kernels index it in 32-bit arithmetic).
-  __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const { return votes + (b * I + i) * JD; }
+  // Capsule (b, i, j)'s D votes.
+  __host__ __device__ __forceinline__ const scalar_t* capsule(int64_t b, int64_t i, int64_t j) const {
+    return votes + strides.offset(b, i, j);
+  }
+  // Contiguous votes (B, I, J, D).
+  static MemoryVotes packed(const scalar_t* votes, int64_t I, int64_t J, int64_t D) {
+    return {votes, {I * J * D, J * D, D}, D};
+  }
+  // Whether every capsule starts on a 16-byte boundary: the first, and every stride in bytes.
+  __host__ __device__ __forceinline__ bool capsules_aligned16() const {
+    const auto aligned = [](int64_t values) { return values * static_cast<int64_t>(sizeof(scalar_t)) % 16 == 0; };
+    return reinterpret_cast<uintptr_t>(votes) % 16 == 0 && aligned(strides.element) && aligned(strides.row) &&
+           aligned(strides.capsule);
+  }
 };
 
-// votes_bij = weight_ij @ u_bi: u (B, I, Din), weight (I, J, D, Din), both contiguous.
+// votes_bij = weight_ij @ u_bi: u (B, I, Din), weight (I, J, D, Din), both contiguous (u is
+// copied where it is not: a tenth of the votes' size at MNIST's shape, and strides here made
+// ptxas spill the block kernels).
 template <typename scalar_t, typename acc_t>
 struct DenseVotes {
   using acc_type = acc_t;

@@ -89,6 +89,13 @@ __device__ __forceinline__ bool vector_capsules(const T* p, int64_t D) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (D * sizeof(T)) % 16 == 0;
 }
 
+// Whether every capsule of votes read from memory can be read as 16-byte vectors: each starts
+// on a 16-byte boundary (its strides included) and D fills whole vectors.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ bool vector_capsules(const MemoryVotes<scalar_t, acc_t>& src, int64_t D) {
+  return src.capsules_aligned16() && (D * sizeof(scalar_t)) % 16 == 0;
+}
+
 // The D <= kD values at p into x (0 beyond D, and everywhere when !valid); as 16-byte vectors
 // when `vectors` (vector_capsules of the rows read).
 template <int kD, typename T, typename acc_t>
@@ -169,7 +176,7 @@ __device__ __forceinline__ void for_each_row(const Source& src, const CapsuleLan
   using acc_t = typename Source::acc_type;
   const auto load = [&](int64_t i, acc_t(&x)[kD]) {
     const bool valid = lanes.active && i < rows.end;
-    load_capsule(valid ? src.row(b, i) + lanes.j * D : nullptr, D, valid, vectors, x);
+    load_capsule(valid ? src.capsule(b, i, lanes.j) : nullptr, D, valid, vectors, x);
   };
   acc_t next[kD];
   if (rows.begin < rows.end) load(rows.begin + lanes.slot, next);
@@ -231,7 +238,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t I = dims.I, J = dims.J;
   const int D = static_cast<int>(dims.D);
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D);
+  const bool vectors = vector_capsules(src, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     acc_t v_prev[kD], s_sum[kD];
     // v^{r-1} (not yet written at r = 0)
@@ -276,7 +283,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int D = static_cast<int>(dims.D);
   const bool walks_back = R - 1 > st.first_r;
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D), state_vectors = vector_capsules(st.v_hist, D);
+  const bool vectors = vector_capsules(src, D), state_vectors = vector_capsules(st.v_hist, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     const acc_t* v_j = st.v_hist + (b * R * J + lanes.j) * D;  // v^r_j at v_j + r * J * D
     acc_t gs[kD], gv_sum[kD];
@@ -318,7 +325,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t I = dims.I, J = dims.J, k_r = r - st.first_r;
   const int D = static_cast<int>(dims.D);
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D);
+  const bool vectors = vector_capsules(src, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     const acc_t* c_b = st.coupling + (b * st.nkeep + k_r) * I * J;
     const acc_t* g_next_b = st.g_logits + (b * st.nkeep + k_r) * I * J;  // G^r = dL/db^{r+1}

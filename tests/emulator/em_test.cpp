@@ -12,6 +12,7 @@
 // Prints one line per failure; exits 1 if there is any.
 //   em_test [quick | tsan]   (tsan: every kernel once on one small shape, for a ThreadSanitizer build)
 #include "emu.h"
+#include "strided.h"
 
 #include <algorithm>
 #include <cmath>
@@ -124,11 +125,13 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
   std::vector<A> gb(cs.B * 2 * J, A(0));
   cpu::EmElement<S, A, 0> em(d, eps);  // 0: H not fixed at compile time
   for (int64_t n = 0; n < cs.B; ++n)
-    em.forward(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(), o.stats.data() + n * sn,
+    em.forward(cpu::VoteRows<S>{V.data() + n * I * JH, JH, cs.H}, a.data() + n * I, bu.data(), ba.data(),
+               o.stats.data() + n * sn,
                o.pose.data() + n * JH, o.a_out.data() + n * J);
   cpu::EmBackward<S, A, 0> back(d, eps);
   for (int64_t n = 0; n < cs.B; ++n)
-    back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn, gp.data() + n * JH,
+    back.run(cpu::VoteRows<S>{V.data() + n * I * JH, JH, cs.H}, a.data() + n * I, bu.data(), o.stats.data() + n * sn,
+             gp.data() + n * JH,
              ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I, gb.data() + n * 2 * J,
              gb.data() + n * 2 * J + J);
   o.g_beta.assign(2 * J, A(0));
@@ -138,12 +141,11 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
 
 // splits: kEmFused (the fused kernels) or the row ranges per element of the row-range kernels.
 template <typename S, typename A>
-Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
+Results<S, A> emu_run(const Case& cs, const MemoryVotes<S, A>& src, const std::vector<S>& a, const std::vector<S>& bu,
                       const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps,
                       int64_t splits) {
   const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters, ranges = std::max<int64_t>(splits, 1);
   const EmDims dims{B, I, J, H, R, cs.final_lambda};
-  const MemoryVotes<S, A> src{V.data(), I, JH};
   const EmuLaunch launch{cs.grid, kBlockThreads};
   Results<S, A> o;
   o.stats = nans<A>(B * R * dims.stats_block()); o.pose = nans<S>(B * JH); o.a_out = nans<S>(B * J);
@@ -189,24 +191,32 @@ void test_case(const Case& cs, const char* tname, double tol) {
   const auto truth = cpu_run<S, long double>(cs, Vs, as, bus, bas, cast<long double>(gp), cast<long double>(ga), eps);
   // Outputs stored in S are rounded to S: allow one ulp of S.
   const double out_tol = std::max(tol, double(std::numeric_limits<S>::epsilon()));
+  // The votes contiguous and, read in place, input-capsule-major at an odd offset (not 16-byte
+  // aligned), as einsum and slicing leave them.
+  const StridedCapsules<S> strided = strided_capsules(Vs, B, I, J, H, CapsuleLayout{0, 1});
+  const MemoryVotes<S, A> packed_src = MemoryVotes<S, A>::packed(Vs.data(), I, J, H);
+  const MemoryVotes<S, A> strided_src{strided.data(), strided.strides, H};
   // The fused kernels, and the row-range kernels with 1 to 4 ranges (more ranges than rows where I is small).
   for (const int64_t splits : {kEmFused, (cs.B + cs.I) % 4 + 1}) {
-    const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits);
-    const std::string p = std::string(tname) + (splits == kEmFused ? " fused " : " splits=" + std::to_string(splits) + " ");
-    judge(p + "stats", got.stats, want.stats, truth.stats, tol);
-    judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
-    judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
-    judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
-    judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
-    judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
-    // No NaN anywhere unless one was planted in the input.
-    if (sp != "nan") {
-      bool bad = false;
-      for (auto x : got.stats) bad |= !std::isfinite(double(x));
-      for (auto x : got.g_V) bad |= !std::isfinite(double(x));
-      for (auto x : got.g_a) bad |= !std::isfinite(double(x));
-      for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
-      if (bad) { std::printf("  FAIL %s: non-finite output\n", p.c_str()); ++failures; }
+    for (const bool is_strided : {false, true}) {
+      const auto got = emu_run<S, A>(cs, is_strided ? strided_src : packed_src, as, bus, bas, gp, ga, eps, splits);
+      const std::string p = std::string(tname) + (is_strided ? " strided" : "") +
+                            (splits == kEmFused ? " fused " : " splits=" + std::to_string(splits) + " ");
+      judge(p + "stats", got.stats, want.stats, truth.stats, tol);
+      judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
+      judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
+      judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
+      judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
+      judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
+      // No NaN anywhere unless one was planted in the input.
+      if (sp != "nan") {
+        bool bad = false;
+        for (auto x : got.stats) bad |= !std::isfinite(double(x));
+        for (auto x : got.g_V) bad |= !std::isfinite(double(x));
+        for (auto x : got.g_a) bad |= !std::isfinite(double(x));
+        for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
+        if (bad) { std::printf("  FAIL %s: non-finite output\n", p.c_str()); ++failures; }
+      }
     }
   }
 }
@@ -215,10 +225,11 @@ void test_case(const Case& cs, const char* tname, double tol) {
 // em_routing_pose: votes V_ij = P_i W_ij (4x4) computed inside the kernels (PoseVotes), the
 // backward over the batch in chunks of `chunk` elements (run_pose_backward, as the op runs it), and
 // the vote gradient contracted into grad_pose and grad_weight. S is the accumulation type too,
-// so the CPU code can be given the same votes the kernels compute.
+// so the CPU code can be given the same votes the kernels compute. strided: the kernels read the
+// poses input-capsule-major, 3 values apart, at an odd offset (strided.h), not contiguous.
 template <typename S>
 void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, int64_t splits, unsigned grid,
-                    double tol) {
+                    double tol, bool strided = false) {
   constexpr int64_t H = kPoseSize;
   const int64_t JH = J * H;
   const double eps = 1e-6;
@@ -229,7 +240,8 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   std::vector<S> V(B * I * JH);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < I; ++i)
-      for (int64_t jh = 0; jh < JH; ++jh) V[(b * I + i) * JH + jh] = PoseVotes<S, S>{pose.data(), weight.data(), I, J}(b, i, jh);
+      for (int64_t jh = 0; jh < JH; ++jh)
+        V[(b * I + i) * JH + jh] = PoseVotes<S, S>{pose.data(), {I * H, H, 0}, weight.data(), J}(b, i, jh);
   const auto want = cpu_run<S, S>(cs, V, a, bu, ba, gp, ga, eps);
   const auto truth = cpu_run<S, long double>(cs, V, a, bu, ba, cast<long double>(gp), cast<long double>(ga), eps);
   // grad_pose and grad_weight from the CPU's vote gradient (and from the long double one).
@@ -253,7 +265,9 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   const auto [true_g_pose, true_g_weight] = contract(truth.g_V);
 
   const EmDims dims{B, I, J, H, iters, 1.0};
-  const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
+  const StridedCapsules<S> laid_out = strided ? strided_capsules(pose, B, I, 1, H, CapsuleLayout{3, 1})
+                                              : StridedCapsules<S>{pose, 0, {I * H, H, 0}};
+  const PoseVotes<S, S> src{laid_out.data(), laid_out.strides, weight.data(), J};
   auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH), a_out = nans<S>(B * J);
   const int64_t ranges = std::max<int64_t>(splits, 1);
   auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J), partial = nans<S>(B * ranges * (J + JH));
@@ -270,13 +284,15 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
                                   g_var.data(), g_logit.data(), chunk_mass.data(), g_mass.data(),
                                   partial_cols.data(), partial_mass.data()};
   auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H), g_weight = nans<S>(I * J * H);
-  run_pose_backward(launch, pose.data(), weight.data(), a.data(), bu.data(), static_cast<const S*>(stats.data()),
+  run_pose_backward(launch, laid_out.data(), laid_out.strides, weight.data(), a.data(), bu.data(),
+                    static_cast<const S*>(stats.data()),
                     gp.data(), ga.data(), dims, S(eps), splits, chunk, ws, g_V.data(), g_pose.data(), g_a.data(),
                     g_weight.data(), g_beta.data());
   std::vector<S> g_beta_sum(2 * J, S(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];
-  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") + " pose B=" + std::to_string(B) + " I=" +
+  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") + (strided ? " strided" : "") +
+                        " pose B=" + std::to_string(B) + " I=" +
                         std::to_string(I) + " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) +
                         " splits=" + std::to_string(splits) + " ";
   judge(p + "stats", stats, want.stats, truth.stats, tol);
@@ -342,6 +358,7 @@ int main(int argc, char** argv) {
     if (tsan && chunk > 2) break;
     for (int64_t splits : {kEmFused, chunk + 1}) {
       test_pose_case<double>(5, 9, 4, 3, chunk, splits, 2, 1e-12);
+      test_pose_case<double>(5, 9, 4, 3, chunk, splits, 2, 1e-12, /*strided=*/true);
       if (mode == "full") test_pose_case<float>(5, 9, 4, 3, chunk, splits, 2, 2e-5);
     }
   }

@@ -16,10 +16,12 @@
 // tsan: one shape in double, fused and split launches, every kernel once: small enough for a
 // ThreadSanitizer build (each emulated CUDA thread is a thread it follows).
 #include "emu.h"
+#include "strided.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -117,7 +119,7 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes, const std
   cpu::RoutingBackward<0, double> backward(d, eps, cs.detach);
   std::vector<double> state(cpu::BackwardState<double>::numel(d));
   for (int64_t b = 0; b < cs.B; ++b) {
-    const cpu::VoteRows<double> u{votes.data() + b * cs.I * JD, JD};
+    const cpu::VoteRows<double> u{votes.data() + b * cs.I * JD, JD, cs.D};
     cpu::route_forward<0>(u, cs.bias ? bias.data() : nullptr, d, eps, scratch, e.s_hist.data() + b * cs.iters * JD,
                           e.v.data() + b * JD, e.c.data() + b * cs.I * cs.J);
     const cpu::BackwardState<double> st(state.data(), d);
@@ -182,12 +184,16 @@ void check_kernels(const char* label, const Case& cs, const RowSplit& split, con
 // Votes read from memory in type V, their gradient written in V (V = S as dynamic_routing, or
 // V = the accumulation dtype as dense_capsules' v2 kernel set), outputs in S; by the block
 // kernels and, where the capsules fit them, the warp-rows kernels (the v2 kernel set).
+// With a layout, the votes read in place from it (strided.h: input-capsule-major; pad 0, as
+// MemoryVotes reads rows of J capsules), their gradient written to a contiguous buffer of its own.
 template <typename S, typename V>
 void check_memory_votes(const char* case_label, const Case& cs, const std::vector<double>& votes,
                         const std::vector<double>& bias, const std::vector<double>& grad_v, const Expected& want,
-                        double eps, double tol) {
+                        double eps, double tol, std::optional<CapsuleLayout> layout = std::nullopt) {
   using A = acc_of<S>;
   const std::vector<V> votes_v = cast<V>(votes);
+  const StridedCapsules<V> strided =
+      strided_capsules(votes_v, cs.B, cs.I, cs.J, cs.D, layout.value_or(CapsuleLayout{}));
   // The block kernels, the warp rows, and (they ignore the splits: once) the cluster forward with
   // the warp rows' backward, then both directions on clusters (8 and 16 blocks; as many clusters
   // as the forward alone gets, so some loop over the elements).
@@ -196,15 +202,21 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
                                RowSplit{cs.splits, true, true, true}}) {
     if ((split.warp_rows && !fit) || (split.cluster_forward && cs.splits != 1)) break;
     if (tsan_mode && split.cluster_forward && !split.cluster_backward) continue;
-    const std::string label = std::string(case_label) + (split.cluster_backward  ? " clusters"
-                                                         : split.cluster_forward ? " cluster forward"
-                                                         : split.warp_rows       ? " warp rows"
-                                                                                 : "");
+    const std::string path = split.cluster_backward  ? " clusters"
+                             : split.cluster_forward ? " cluster forward"
+                             : split.warp_rows       ? " warp rows"
+                                                     : "";
+    const std::string label = std::string(case_label) + path +
+                              (layout ? " strided pad=" + std::to_string(layout->pad) + " offset=" +
+                                            std::to_string(layout->offset)
+                                      : "");
     Case launch_cs = cs;
     if (split.cluster_forward && (tsan_mode || !std::is_same_v<S, double>)) launch_cs.grid = 1;
-    // The cluster backward writes the vote gradient over the votes, as dense_capsules' v2 asks.
-    std::vector<V> votes_then_grad = votes_v;
-    check_kernels<S>(label.c_str(), launch_cs, split, MemoryVotes<V, A>{votes_then_grad.data(), cs.I, cs.J * cs.D},
+    // The cluster backward writes the vote gradient over contiguous votes, as dense_capsules' v2 asks.
+    std::vector<V> votes_then_grad = layout ? nans<V>(votes.size()) : votes_v;
+    const MemoryVotes<V, A> src = layout ? MemoryVotes<V, A>{strided.data(), strided.strides, cs.D}
+                                         : MemoryVotes<V, A>::packed(votes_then_grad.data(), cs.I, cs.J, cs.D);
+    check_kernels<S>(label.c_str(), launch_cs, split, src,
                      bias, grad_v, want, eps, tol, split.cluster_backward ? votes_then_grad.data() : nullptr,
                      [&](const BackwardState<A>& st) {
                      if (votes.empty()) return;
@@ -241,6 +253,12 @@ void check_case(const Case& cs, double tol) {
 
   const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
   check_memory_votes<S, S>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
+  // The layouts einsum and permute give, read in place, input-capsule-major: with one range (so the
+  // cluster kernels too) 16-byte aligned (the vector loads), with rows split at an odd offset (not
+  // aligned). One layout per case: the cluster kernels' thousands of emulated threads set the
+  // run's time.
+  check_memory_votes<S, S>(label, cs, votes, bias, grad_v, from_votes, eps, tol,
+                           cs.splits == 1 ? CapsuleLayout{0, 0} : CapsuleLayout{0, 1});
   // dense_capsules' v2 kernel set: votes (and their gradient) in the accumulation dtype.
   if constexpr (!std::is_same_v<S, A>) check_memory_votes<S, A>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
 
