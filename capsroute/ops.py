@@ -246,7 +246,8 @@ def _(votes, bias, iters, leaky, detach, eps):
 
 @torch.library.register_fake("capsroute::_dynamic_routing_backward")
 def _(grad_v, votes, s_hist, leaky, detach, eps):
-    return torch.empty_like(votes), votes.new_empty(votes.shape[2], votes.shape[3])
+    return (torch.empty_like(votes, memory_format=torch.contiguous_format),
+            votes.new_empty(votes.shape[2], votes.shape[3]))
 
 
 @torch.library.register_fake("capsroute::dense_capsules")
@@ -257,7 +258,8 @@ def _(u, weight, bias, iters, leaky, detach, eps):
 
 @torch.library.register_fake("capsroute::_dense_capsules_backward")
 def _(grad_v, u, weight, s_hist, leaky, detach, eps):
-    return torch.empty_like(u), torch.empty_like(weight), u.new_empty(weight.shape[1], weight.shape[2])
+    return (torch.empty_like(u, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            u.new_empty(weight.shape[1], weight.shape[2]))
 
 
 @torch.library.register_fake("capsroute::em_routing")
@@ -269,7 +271,8 @@ def _(votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
 
 @torch.library.register_fake("capsroute::_em_routing_backward")
 def _(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, final_lambda, eps):
-    return torch.empty_like(votes), torch.empty_like(a_in), torch.empty_like(beta_u), torch.empty_like(beta_a)
+    return (torch.empty_like(votes, memory_format=torch.contiguous_format), torch.empty_like(a_in),
+            torch.empty_like(beta_u), torch.empty_like(beta_a))
 
 
 @torch.library.register_fake("capsroute::em_routing_pose")
@@ -281,8 +284,8 @@ def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
 
 @torch.library.register_fake("capsroute::_em_routing_pose_backward")
 def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
-    return (torch.empty_like(pose), torch.empty_like(weight), torch.empty_like(a_in), torch.empty_like(beta_u),
-            torch.empty_like(beta_a))
+    return (torch.empty_like(pose, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            torch.empty_like(a_in), torch.empty_like(beta_u), torch.empty_like(beta_a))
 
 
 @torch.library.register_fake("capsroute::conv_em_routing")

@@ -44,6 +44,7 @@ class OpSpec:
     backward_args: Callable      # (sample, outputs of the schema op, output gradients) -> backward op arguments
     gradcheck: list              # (shape, options): finite differences in float64 (small shapes)
     opcheck: list                # (shape, options): torch.library.opcheck of both schema ops; the first is compiled
+    capsule_dims: int = 0        # the first input's capsule (read in place in every CAPSULE_LAYOUTS): its last dims
 
     @property
     def op(self):
@@ -94,6 +95,44 @@ class OpSpec:
     def names(self, sample: Sample) -> list[str]:
         """The names of what run returns: the outputs, then grad_<input> for every tensor given."""
         return [*self.output_names, *(f"grad_{n}" for n, t in zip(self.input_names, sample.tensors) if t is not None)]
+
+
+# ---- layouts: the same values laid out as einsum, permute and slicing leave them ----
+
+def capsule_layout(t: torch.Tensor, layout: str, capsule_dims: int) -> torch.Tensor:
+    """t's values (B, I, ..., capsule) in `layout`, a leaf like t, each capsule (the last
+    capsule_dims dims) still contiguous (docs/ops.md, "Layouts"): "einsum" input-capsule-major, as
+    torch.einsum("bik,ijdk->bijd", u, W) returns votes; "permute" the dims before the capsule stored
+    in reverse order; "slice" every other input capsule of a tensor twice as long, each capsule a
+    slice of a wider row (votes[:, ::2, :, 1:D + 1]: capsule and row strides not D), at an odd
+    storage offset; "offset" contiguous but one value into its storage (not 16-byte aligned);
+    "inner" the capsule's values every other one of a buffer (not readable in place: copied)."""
+    x = t.detach()
+    outer = x.dim() - capsule_dims
+    if layout == "einsum":
+        y = x.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "permute":
+        order = [*reversed(range(outer)), *range(outer, x.dim())]
+        y = x.permute(order).contiguous().permute(order)
+    elif layout == "slice":
+        flat = x.flatten(outer)  # a capsule's values as the last dim
+        n = flat.shape[-1]
+        wide = torch.zeros(flat.shape[0], 2 * flat.shape[1], *flat.shape[2:-1], n + 3, dtype=x.dtype, device=x.device)
+        wide[:, ::2, ..., 1:n + 1] = flat
+        y = wide[:, ::2, ..., 1:n + 1].unflatten(-1, x.shape[outer:])
+    elif layout == "offset":
+        storage = torch.zeros(x.numel() + 1, dtype=x.dtype, device=x.device)
+        y = storage[1:].view(x.shape)
+        y.copy_(x)
+    elif layout == "inner":
+        y = torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+    else:
+        raise ValueError(f"unknown layout {layout}")
+    assert torch.equal(y, x)
+    return y.requires_grad_(t.requires_grad)
+
+
+CAPSULE_LAYOUTS = ["einsum", "permute", "slice", "offset"]  # read in place by every op with capsule_dims
 
 
 # ---- samplers: random values with odd sizes, shared with the per-op test files ----
@@ -195,6 +234,7 @@ DYNAMIC_ROUTING = OpSpec(
     # With detach=True the coupling is a constant: no finite differences (test_dynamic_routing checks it).
     gradcheck=[((2, 5, 3, 4), dict(leaky=False)), ((2, 5, 3, 4), dict(leaky=True))],
     opcheck=[((2, 7, 3, 4), {}), ((2, 7, 3, 4), dict(bias=False, iters=2, leaky=True, detach=True))],
+    capsule_dims=1,
 )
 
 DENSE_CAPSULES = OpSpec(
@@ -209,6 +249,7 @@ DENSE_CAPSULES = OpSpec(
     backward_args=lambda sample, out, grads: (*grads, *sample.tensors[:2], out[2], *list(sample.options.values())[1:]),
     gradcheck=[((2, 4, 3, 4, 3), dict(leaky=True))],
     opcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(bias=False, iters=2, leaky=True, detach=True))],
+    capsule_dims=1,
 )
 
 EM_ROUTING = OpSpec(
@@ -223,6 +264,7 @@ EM_ROUTING = OpSpec(
     backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
     gradcheck=[((2, 5, 3, 4), dict(final_lambda=0.5))],
     opcheck=[((2, 7, 3, 4), {})],
+    capsule_dims=1,
 )
 
 EM_ROUTING_POSE = OpSpec(
@@ -237,6 +279,7 @@ EM_ROUTING_POSE = OpSpec(
     backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
     gradcheck=[((2, 3, 2), dict(iters=2, final_lambda=0.5))],
     opcheck=[((2, 3, 2), {})],
+    capsule_dims=2,
 )
 
 CONV_EM_ROUTING = OpSpec(

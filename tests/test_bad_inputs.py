@@ -1,9 +1,15 @@
-"""docs/ops.md, "Bad input": bad input raises an error that says what is wrong (wrong dtypes: test_op_contract)."""
+"""docs/ops.md, "Bad input": bad input raises an error that says what is wrong (wrong dtypes: test_op_contract);
+strides the kernels read in place, copy, or refuse, never with a wrong result."""
+import math
+import random
+from dataclasses import replace
+
 import pytest
 import torch
 
 import capsroute
-from helpers import HAS_CUDA, randn
+from helpers import HAS_CUDA, assert_rel_close, randn
+from op_db import OP_DB, capsule_layout
 
 
 def votes(*shape, **kw):
@@ -38,3 +44,70 @@ def test_device_mismatch():
         capsroute.dynamic_routing(votes(device="cuda"), bias=randn(3, 4))
     with pytest.raises(RuntimeError, match="weight is on"):
         capsroute.dense_capsules(randn(2, 5, 8, device="cuda"), randn(5, 3, 4, 8))
+
+
+# ---- strides (docs/ops.md, "Layouts"): read in place, copied, or refused; never wrong ----
+
+with_capsules = pytest.mark.parametrize("spec", [spec for spec in OP_DB if spec.capsule_dims],
+                                        ids=lambda spec: spec.name)
+
+
+def fuzzed_layout(x: torch.Tensor, capsule_dims: int, rng: random.Random) -> torch.Tensor:
+    """x's values in a random layout (a leaf like x): the dims before the capsule stored in a random
+    order, each every 1st, 2nd or 3rd of a longer one, the capsules 0-3 values apart (a capsule not
+    split: the layouts read in place), at a storage offset of 0-3 values (16-byte alignment broken);
+    the gaps hold NaN, so a read outside the values shows."""
+    outer = x.dim() - capsule_dims
+    order = rng.sample(range(outer), outer)
+    steps = [rng.choice([1, 2, 3]) for _ in range(outer)]
+    n, pad, offset = math.prod(x.shape[outer:]), rng.randrange(4), rng.randrange(4)
+    stored = [x.shape[d] * steps[d] for d in order] + [n + pad]
+    storage = torch.full((offset + math.prod(stored),), float("nan"), dtype=x.dtype, device=x.device)
+    y = storage[offset:].view(stored)[tuple(slice(None, None, steps[d]) for d in order)][..., :n]
+    y = y.permute([order.index(d) for d in range(outer)] + [outer]).unflatten(-1, x.shape[outer:])
+    y.copy_(x.detach())
+    return y.requires_grad_(x.requires_grad)
+
+
+def assert_matches_reference(spec, sample, label):
+    for name, actual, expected in spec.compare(sample):
+        assert actual.shape == expected.shape, f"{label} {name}: shape {tuple(actual.shape)}"
+        assert_rel_close(actual, expected, spec.tolerance(torch.float64), f"{label} {name}")
+
+
+@with_capsules
+def test_fuzzed_strides_match_the_reference(spec, device):
+    rng = random.Random(spec.name)
+    for trial in range(8):
+        sample = spec.draw(spec.shapes[torch.float64][trial % 2], device, torch.float64)
+        first, *rest = sample.tensors
+        laid_out = fuzzed_layout(first, spec.capsule_dims, rng)
+        label = f"strides {laid_out.stride()} offset {laid_out.storage_offset()}"
+        assert_matches_reference(spec, replace(sample, tensors=(laid_out, *rest)), label)
+
+
+@with_capsules
+def test_overlapping_strides_from_expand(spec, device):
+    """A dimension broadcast by expand (stride 0), the batch, an input capsule or a capsule's own
+    values: the overlapping input is read in place or copied, and its gradient is the reference's
+    (the broadcast values' gradients summed by autograd)."""
+    sample = spec.draw(spec.shapes[torch.float64][0], device, torch.float64)
+    first, *rest = sample.tensors
+    for dim in (0, 1, first.dim() - 1):
+        one = first.detach().narrow(dim, 0, 1)
+        expanded = one.expand(first.shape).requires_grad_()
+        assert expanded.stride(dim) == 0
+        assert_matches_reference(spec, replace(sample, tensors=(expanded, *rest)), f"expanded dim {dim}")
+
+
+@with_capsules
+@pytest.mark.parametrize("empty_dim", [0, 1], ids=["B=0", "I=0"])
+def test_zero_size_strided(spec, device, empty_dim):
+    """No batch or no input capsules, in a strided layout: the reference's empty outputs and
+    gradients (zeros for what is shared across the batch)."""
+    shape = list(spec.shapes[torch.float64][0])
+    shape[empty_dim] = 0
+    sample = spec.draw(tuple(shape), device, torch.float64)
+    first, *rest = sample.tensors
+    laid_out = capsule_layout(first, "einsum", spec.capsule_dims)
+    assert_matches_reference(spec, replace(sample, tensors=(laid_out, *rest)), f"{spec.name} {shape}")

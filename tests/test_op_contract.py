@@ -12,7 +12,7 @@ import torch
 
 from capsroute import _autocast, ops
 from helpers import assert_rel_close, noncontiguous, randn
-from op_db import DTYPES, OP_DB
+from op_db import CAPSULE_LAYOUTS, DTYPES, OP_DB, capsule_layout
 
 per_op = pytest.mark.parametrize("spec", OP_DB, ids=lambda spec: spec.name)
 
@@ -87,6 +87,52 @@ def test_non_contiguous(spec, device):
     sample = replace(sample, tensors=tuple(noncontiguous(t) for t in sample.tensors))
     for name, actual, expected in spec.compare(sample):
         assert_rel_close(actual, expected, spec.tolerance(torch.float64), name)
+
+
+with_capsules = pytest.mark.parametrize("spec", [spec for spec in OP_DB if spec.capsule_dims],
+                                        ids=lambda spec: spec.name)
+
+
+def in_layout(sample, layout, capsule_dims):
+    """The sample with its first input (votes, u or pose) in `layout` (op_db.capsule_layout)."""
+    first, *rest = sample.tensors
+    return replace(sample, tensors=(capsule_layout(first, layout, capsule_dims), *rest))
+
+
+@with_capsules
+@pytest.mark.parametrize("layout", CAPSULE_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=lambda dtype: str(dtype).removeprefix("torch."))
+def test_capsule_layouts(spec, device, layout, dtype):
+    """The layouts einsum, permute and slicing give: outputs and every gradient match the reference;
+    the first input's gradient comes back contiguous (docs/ops.md, "Layouts")."""
+    for shape in spec.shapes[dtype][:2]:
+        sample = in_layout(spec.draw(shape, device, dtype), layout, spec.capsule_dims)
+        compared = spec.compare(sample)
+        for name, actual, expected in compared:
+            assert_rel_close(actual, expected, spec.tolerance(dtype), f"{shape} {name}")
+        grad_first = compared[len(spec.output_names)][1]
+        assert grad_first.is_contiguous(), f"{shape} grad_{spec.input_names[0]} strides {grad_first.stride()}"
+
+
+def copies_of(spec, sample, like: torch.Tensor) -> list[str]:
+    """The copies (aten::clone, contiguous, copy_) of a tensor of like's shape that a forward and
+    backward of the sample make, from the profiler's record of every aten op the kernels call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        spec.run(spec.fn, sample)
+    copy_ops = {"aten::clone", "aten::contiguous", "aten::copy_"}
+    return [e.name for e in prof.events() if e.name in copy_ops and list(like.shape) in e.input_shapes]
+
+
+@with_capsules
+def test_capsule_layouts_are_not_copied(spec):
+    """On the CPU the einsum layout (and the others of CAPSULE_LAYOUTS) run without a copy of the
+    first input; one whose capsules are not contiguous is copied, which this check must see."""
+    sample = spec.draw(spec.shapes[torch.float32][0], "cpu", torch.float32)
+    for layout in CAPSULE_LAYOUTS:
+        laid_out = in_layout(sample, layout, spec.capsule_dims)
+        assert copies_of(spec, laid_out, laid_out.tensors[0]) == [], layout
+    strided = in_layout(sample, "inner", spec.capsule_dims)
+    assert copies_of(spec, strided, strided.tensors[0]), "no copy seen of capsules that are not contiguous"
 
 
 @per_op

@@ -25,6 +25,10 @@ MODEL_OPS = {  # a whole training step of a model of capsroute.models; the short
 }
 ALL_OPS = {**OPS, **MODEL_OPS}
 IMPLS = ("capsroute", "eager", "compiled")
+# The layouts of the first input (votes, u) the ops with a layout dimension are timed in; every
+# implementation of a case gets the same tensors. The other ops run on contiguous inputs.
+LAYOUTS = ("contiguous", "einsum")
+LAYOUT_OPS = ("dynamic_routing", "dense_capsules")
 SHAPES = {  # the canonical shapes (bench/README.md); for EM ops D is the pose size H (16: 4x4 matrices)
     "mnist": dict(I=1152, J=10, D=16, Din=8),   # MNIST DigitCaps
     "large": dict(I=4608, J=100, D=16, Din=8),
@@ -55,6 +59,7 @@ class Case:
     J: int
     D: int
     Din: int
+    layout: str = "contiguous"   # LAYOUTS
 
     def shape(self) -> dict:
         if self.op in MODEL_OPS:
@@ -67,7 +72,7 @@ class Case:
         return s
 
     def label(self) -> str:
-        return f"{self.op} {self.shape_name} B={self.B}"
+        return f"{self.op} {self.shape_name} B={self.B}" + (f" {self.layout}" if self.layout != "contiguous" else "")
 
 
 def parse_shape(spec: str) -> tuple[str, dict]:
@@ -94,9 +99,10 @@ def op_name(name: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown op {name!r}; choose from {op_list()}")
 
 
-def make_cases(ops, shapes, batches, device_type: str) -> list[Case]:
+def make_cases(ops, shapes, batches, device_type: str, layouts=("contiguous",)) -> list[Case]:
     """shapes: parse_shape results, or None for each op's default shapes. Model ops (MODEL_OPS) have
-    no shape (MNIST-sized images): shapes do not apply to them, batches (else MODEL_BATCHES) do."""
+    no shape (MNIST-sized images): shapes do not apply to them, batches (else MODEL_BATCHES) do.
+    layouts (LAYOUTS): a case per layout for the ops of LAYOUT_OPS, contiguous only for the rest."""
     cases = []
     for op in ops:
         if op in MODEL_OPS:
@@ -113,12 +119,25 @@ def make_cases(ops, shapes, batches, device_type: str) -> list[Case]:
                 raise argparse.ArgumentTypeError(f"em_routing_pose needs 4x4 poses (H = 16), got shape {name}")
             bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
             for B in bs:
-                cases.append(Case(op, name, B, **dims))
+                for layout in layouts if op in LAYOUT_OPS else ("contiguous",):
+                    cases.append(Case(op, name, B, **dims, layout=layout))
     return cases
 
 
+def lay_out(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """x's values in `layout`: "contiguous", or "einsum" input-capsule-major: votes (B, I, J, D) at
+    strides (J*D, B*J*D, D, 1), as torch.einsum("bik,ijdk->bijd", u, W) returns them, and u
+    (B, I, Din) at (Din, B*Din, 1), as a permute of (I, B, Din) capsules (or a matmul over them) gives."""
+    if layout == "contiguous":
+        return x.contiguous()
+    if layout == "einsum":
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
 def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
-    """Fresh random inputs (never zeros): (tuple of leaf tensors requiring grad, grad_v)."""
+    """Fresh random inputs (never zeros), the first in the case's layout: (tuple of leaf tensors
+    requiring grad, grad_v)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, std=1.0, cast=True):
@@ -139,6 +158,7 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
             inputs = (randn(case.B, case.I, 4, 4), randn(case.I, case.J, 4, 4, std=0.5)) + activations
     else:
         raise ValueError(f"unknown op {op!r}")
+    inputs = (lay_out(inputs[0], case.layout), *inputs[1:])
     for t in inputs:
         t.requires_grad_(True)
     if op in EM_OPS:  # gradients of (pose, a_out)

@@ -10,7 +10,7 @@ import torch
 import capsroute
 
 from .._runinfo import device_name, git_commit, resolve_device, write_json_atomic
-from .cases import DTYPES, IMPLS, OPS, SHAPES, make_cases, op_list, op_name, parse_shape
+from .cases import DTYPES, IMPLS, LAYOUT_OPS, LAYOUTS, OPS, SHAPES, make_cases, op_list, op_name, parse_shape
 from .model_bench import MAX_BATCH_CAP
 from .report import default_out, format_table, report_path, unique_path
 from .runner import run_benchmarks
@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--batch", nargs="+", type=_positive, default=None,
                    help="batch sizes for every shape and model op (default: 32 on CPU (8 for large); 32 128 512 2048 "
                         "on CUDA; model ops: 16 on CPU, 32 128 512 on CUDA)")
+    p.add_argument("--layout", nargs="+", default=["contiguous"], choices=LAYOUTS,
+                   help=f"layouts of the first input of {' and '.join(LAYOUT_OPS)} (einsum: input-capsule-major, as "
+                        "torch.einsum or a permute returns it), a case each; every impl gets the same tensors; "
+                        "the other ops run contiguous (default: contiguous)")
     p.add_argument("--iters", type=_positive, default=3)
     p.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default: 10 CPU, 50 CUDA)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default: 2 CPU, 5 CUDA)")
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     impls = [i for i in args.impl if not (args.no_compile and i == "compiled")]
     shapes = args.shape  # None: each op's default shapes
-    cases = make_cases(dict.fromkeys(args.op), shapes, args.batch, device.type)
+    cases = make_cases(dict.fromkeys(args.op), shapes, args.batch, device.type, dict.fromkeys(args.layout))
     repeats = args.repeats or (50 if device.type == "cuda" else 10)
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 2)
 

@@ -70,8 +70,8 @@ def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: tor
         else "compute"
 
     def base(impl):
-        return {"op": case.op, "shape": case.shape(), "dtype": dtype_name(dtype), "impl": impl,
-                "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": f_all,
+        return {"op": case.op, "shape": case.shape(), "layout": case.layout, "dtype": dtype_name(dtype),
+                "impl": impl, "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": f_all,
                 "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": f_fwd, "floor_bound": bound,
                 **fm}
 

@@ -71,13 +71,15 @@ def plot_report(report: dict, json_path: str | Path, out_dir: str | Path | None 
             continue
         shape = r["shape"]
         point = (r["fwd_bwd_ms"], r["peak_mb"])
-        by_batch[r["op"], _dims(shape, "B")][r["impl"]].append((shape["B"], *point))
-        if "I" in shape:  # model ops (capsnet, matrixcapsnet) have no I
+        by_batch[r["op"], _dims(shape, "B")][r["impl"], r.get("layout", "contiguous")].append((shape["B"], *point))
+        # (model ops (capsnet, matrixcapsnet) have no I; the other layouts have figures by batch only)
+        if "I" in shape and r.get("layout", "contiguous") == "contiguous":
             by_inputs[r["op"], _dims(shape, "B", "I")][r["impl"], shape["B"]].append((shape["I"], *point))
 
     paths = []
     for (op, dims), impls in by_batch.items():
-        lines = {impl: (impl, "-", points) for impl, points in impls.items()}
+        lines = {impl if layout == "contiguous" else f"{impl} ({layout})":
+                 (impl, "-" if layout == "contiguous" else "--", points) for (impl, layout), points in impls.items()}
         name = f"{json_path.stem}-{op}-{dims.replace('=', '').replace(' ', '-')}.png"
         paths.append(_figure(out_dir / name, f"{op}, {dims}\n{about}", "batch size B", lines))
     for (op, dims), series in by_inputs.items():

@@ -50,7 +50,8 @@ def format_table(report: dict) -> str:
     rows = []
     for r in report["results"]:
         s = r["shape"]
-        shape = r.get("shape_name") or f"{s['I']},{s['J']},{s['D']}"
+        shape = (r.get("shape_name") or f"{s['I']},{s['J']},{s['D']}") + (
+            f" {r['layout']}" if r.get("layout", "contiguous") != "contiguous" else "")
         row = [r["op"], shape, str(s["B"]), r["impl"]]
         if "skipped" in r:
             rows.append(row + [f"skipped: {r['skipped']}"])

@@ -46,6 +46,16 @@ struct ConvEmDims {
   CAPSROUTE_HD int64_t window_children() const { return K * K * C_in; }
 };
 
+// Where the capsules of a (B, I, J, ...) or (B, I, ...) input are, in values: capsule (b, i, j)
+// at b * element + i * row + j * capsule, its values contiguous (capsule is 0 for inputs without
+// a J dimension: u of dense_capsules, pose of em_routing_pose).
+struct CapsuleStrides {
+  int64_t element, row, capsule;
+  CAPSROUTE_HD int64_t offset(int64_t b, int64_t i, int64_t j = 0) const {
+    return b * element + i * row + j * capsule;
+  }
+};
+
 // The values of a 4x4 pose matrix, row-major: H of em_routing_pose.
 constexpr int64_t kPoseSize = 16;
 

@@ -17,6 +17,7 @@
 
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
+#include "../common/layout.h"
 #include "routing_element.h"
 
 namespace capsroute {
@@ -34,16 +35,24 @@ constexpr int64_t kContractionGrain = 16;
 // rows for every element, in L2.
 constexpr int64_t kVoteGradBlockBytes = 256 << 10;
 
-// The operands of the vote transform in the accumulation type, in their own layouts: u (B, I, Din)
-// and weight (I, J*D, Din), so that the votes of element n and input capsule i are
-// weight[i] @ u[n, i].
+// The operands of the vote transform in the accumulation type: u (B, I, Din), in place where
+// each u_bi is contiguous (u_strides), and weight (I, J*D, Din), so that the votes of element n
+// and input capsule i are weight[i] @ u[n, i].
 struct VoteOperands {
   at::Tensor u;       // (B, I, Din)
+  CapsuleStrides u_strides;
   at::Tensor weight;  // (I, J*D, Din)
 
   VoteOperands(const at::Tensor& u_in, const at::Tensor& weight_in, at::ScalarType acc)
-      : u(u_in.to(acc).contiguous()),
-        weight(weight_in.to(acc).contiguous().view({weight_in.size(0), -1, weight_in.size(3)})) {}
+      : u(with_contiguous_capsules(u_in.to(acc))),
+        u_strides(capsule_strides(u, 2)),
+        weight(weight_in.to(acc).contiguous().view(
+            {weight_in.size(0), weight_in.size(1) * weight_in.size(2), weight_in.size(3)})) {}  // I = 0 too
+
+  template <typename acc_t>
+  const acc_t* u_capsule(int64_t n, int64_t i) const {
+    return u.const_data_ptr<acc_t>() + u_strides.offset(n, i);
+  }
 };
 
 // weight_i (JD, Din) transposed into w_t (Din, JD), where the vote and input-gradient loops want
@@ -99,7 +108,6 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
   const int64_t element_bytes = std::max<int64_t>(I * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
   const int64_t threads = at::get_num_threads();
   const int64_t group = std::min(std::max(kVoteSlabBytes * threads / element_bytes, threads), B);
-  const acc_t* u = ops.u.const_data_ptr<acc_t>();
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
   // Left uninitialised: every value is written. Not a tensor: malloc hands the same pages back
   // call after call, where the torch allocator's fresh pages were page-faulted on every call
@@ -112,7 +120,7 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
       for (int64_t i = begin; i < end; ++i) {
         transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
         for (int64_t e = 0; e < G; ++e)
-          vote_row(u + ((n0 + e) * I + i) * Din, w_t.data(), Din, JD, slab.get() + (e * I + i) * JD);
+          vote_row(ops.u_capsule<acc_t>(n0 + e, i), w_t.data(), Din, JD, slab.get() + (e * I + i) * JD);
       }
     });
     at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
@@ -124,8 +132,8 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
 // The backward's contractions for input capsule i, from the vote gradient rows G (B, J*D) of
 // its elements: grad_weight[i, :, k] = sum_n u[n, i, k] G[n] and grad_u[n, i, k] = <w_t[k], G[n]>
 // (w_t: weight_i transposed, (Din, J*D)), for kRows values of k from k0 per call, their sums
-// held in registers (a GEMM micro-kernel each). u_i and g_u_i step by u_stride from one element
-// to the next; grad_weight's row i is (J*D, Din), so the sums are written transposed.
+// held in registers (a GEMM micro-kernel each). u_i steps by u_stride from one element to the
+// next, g_u_i by g_u_stride; grad_weight's row i is (J*D, Din), so the sums are written transposed.
 template <int kRows, typename acc_t>
 void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_stride, int64_t Din, int64_t JD,
                       int64_t k0, acc_t* g_w_i) {
@@ -149,7 +157,7 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
 }
 
 template <int kRows, typename acc_t>
-void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t u_stride, int64_t JD, int64_t k0,
+void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t g_u_stride, int64_t JD, int64_t k0,
                      acc_t* g_u_i) {
   constexpr int64_t W = cpu::Vec<acc_t>::size();
   for (int64_t e = 0; e < B; ++e) {
@@ -164,9 +172,9 @@ void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t u_stri
     if constexpr (kRows > 1 && kRows <= W) {  // the rows' horizontal sums together (lanes past kRows: 0)
       cpu::Vec<acc_t> sums[W];
       for (int r = 0; r < W; ++r) sums[r] = r < kRows ? sum[r] : cpu::Vec<acc_t>(acc_t(0));
-      cpu::lane_sums(sums).store(g_u_i + e * u_stride + k0, kRows);
+      cpu::lane_sums(sums).store(g_u_i + e * g_u_stride + k0, kRows);
     } else {
-      for (int r = 0; r < kRows; ++r) g_u_i[e * u_stride + k0 + r] = cpu::reduce_sum(sum[r]);
+      for (int r = 0; r < kRows; ++r) g_u_i[e * g_u_stride + k0 + r] = cpu::reduce_sum(sum[r]);
     }
   }
 }
@@ -201,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
         cpu::ForwardScratch<acc_t> scratch(dims);
         for (int64_t n = n0; n < n0 + T; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
-              cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd()}, b, dims, static_cast<acc_t>(eps),
+              cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd(), dims.D}, b, dims, static_cast<acc_t>(eps),
               scratch, s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
               v.mutable_data_ptr<scalar_t>() + n * dims.jd(), c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
@@ -240,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
       for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
         Backward backward(dims, static_cast<acc_t>(eps), detach);
         for (int64_t n = n0; n < n0 + T; ++n) {
-          backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD}, g_v + n * JD,
+          backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD, dims.D}, g_v + n * JD,
                        s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
                        grad_bias_items.mutable_data_ptr<acc_t>() + n * JD,
                        State(states_p + n * State::numel(dims), dims));
@@ -254,11 +262,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
       //    are built a block of capsules at a time, element by element, so that an element's
       //    coupling and g_logits (tiled by kTileRows capsules) are read once per block while in L1;
       //    capsule by capsule over all elements, they fell out of L1 between capsules.
-      const acc_t* u = ops.u.const_data_ptr<acc_t>();
       const acc_t* w = ops.weight.const_data_ptr<acc_t>();
       acc_t* g_u = grad_u.mutable_data_ptr<acc_t>();
       acc_t* g_w = grad_weight.mutable_data_ptr<acc_t>();
-      const int64_t u_stride = dims.I * Din;
+      const int64_t u_stride = ops.u_strides.element, g_u_stride = dims.I * Din;  // grad_u: contiguous
       const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
       const int64_t block = std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
       at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
@@ -274,8 +281,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
             const acc_t* G_i = G.data() + (i - i0) * B * JD;
             transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
             for_each_row_block(Din, [&](auto k_rows, int64_t k0) {
-              weight_grad_rows<decltype(k_rows)::value>(G_i, u + i * Din, B, u_stride, Din, JD, k0, g_w + i * JD * Din);
-              input_grad_rows<decltype(k_rows)::value>(G_i, w_t.data(), B, u_stride, JD, k0, g_u + i * Din);
+              weight_grad_rows<decltype(k_rows)::value>(G_i, ops.u_capsule<acc_t>(0, i), B, u_stride, Din, JD, k0,
+                                                        g_w + i * JD * Din);
+              input_grad_rows<decltype(k_rows)::value>(G_i, w_t.data(), B, g_u_stride, JD, k0, g_u + i * Din);
             });
           }
         }

@@ -5,6 +5,7 @@
 
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
+#include "../common/layout.h"
 #include "routing_element.h"
 
 namespace capsroute {
@@ -16,7 +17,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
                                                                    double eps) {
   check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
   record_kernel_path("dynamic_routing", Direction::forward, "cpu");
-  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in);
+  const CapsuleStrides strides = capsule_strides(votes, 3);
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const int64_t B = votes.size(0);
   const RoutingDims dims{B, votes.size(1), votes.size(2), votes.size(3), iters, leaky};
@@ -33,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(const at::Ten
         cpu::ForwardScratch<acc_t> scratch(dims);
         for (int64_t n = begin; n < end; ++n) {
           cpu::route_forward<decltype(capsule_dim)::value>(
-              cpu::VoteRows<scalar_t>{u + n * dims.I * dims.jd(), dims.jd()}, b, dims, static_cast<acc_t>(eps), scratch,
+              cpu::element_votes(u, strides, n), b, dims, static_cast<acc_t>(eps), scratch,
               s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(), v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
               c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
         }
@@ -50,12 +52,13 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
   record_kernel_path("dynamic_routing", Direction::backward, "cpu");
   const int64_t B = votes_in.size(0);
   const RoutingDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
-  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in);
+  const CapsuleStrides strides = capsule_strides(votes, 3);
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_votes = at::empty_like(votes);
+  at::Tensor grad_votes = at::empty(votes.sizes(), votes.options());  // contiguous, whatever votes' layout
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
 
@@ -69,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
         std::vector<acc_t> state_storage(cpu::BackwardState<acc_t>::numel(dims)), g_u(dims.jd());
         const cpu::BackwardState<acc_t> state(state_storage.data(), dims);
         for (int64_t n = begin; n < end; ++n) {
-          backward.run(cpu::VoteRows<scalar_t>{u + n * dims.I * dims.jd(), dims.jd()}, g_v + n * dims.jd(),
+          backward.run(cpu::element_votes(u, strides, n), g_v + n * dims.jd(),
                        s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
                        grad_bias_items.mutable_data_ptr<acc_t>() + n * dims.jd(), state);
           scalar_t* g_un = grad_votes.mutable_data_ptr<scalar_t>() + n * dims.I * dims.jd();

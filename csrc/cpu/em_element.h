@@ -25,7 +25,7 @@ inline void for_each_pose_chunk(int64_t H, F&& f) {
   for (int64_t h = 0; h < H; h += W) f(h, std::min(W, H - h));
 }
 
-// One element: votes V (I, J, H), a_in (I), betas (J); statistics per iteration in `stats`
+// One element: votes (I, J, H) as VoteRows, a_in (I), betas (J); statistics per iteration in `stats`
 // (iters, J, 2H + 1). kH: H when fixed at compile time (dispatch_size), else 0. All scratch is per thread.
 template <typename vote_t, typename acc_t, int kH>
 class EmElement {
@@ -35,11 +35,10 @@ class EmElement {
 
   // The M-step of iteration t from the assignments in R_: writes mu, var, logit into st.
   template <typename beta_t>
-  void m_step(const vote_t* V, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, int64_t t,
+  void m_step(VoteRows<vote_t> votes, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, int64_t t,
               acc_t* st) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H;
-    const VoteRows<vote_t> votes{V, JH};
     const acc_t eps = static_cast<acc_t>(eps_);
     acc_t* mu = st;
     acc_t* var = st + JH;
@@ -53,7 +52,7 @@ class EmElement {
       for (int64_t j = 0; j < J; ++j) {
         (Vec<acc_t>::loadu(R_.data() + i0 * J + j * W) * a).store(r);
         for (int64_t k = 0; k < n; ++k) mass_[j] += r[k];
-        tile_axpy(r, votes, i0, n, j * H, mu + j * H, H);
+        tile_axpy(r, votes, i0, n, j, mu + j * H, H);
       }
     }
     for (int64_t jh = 0; jh < JH; ++jh) mu[jh] /= mass_[jh / H] + eps;
@@ -69,7 +68,7 @@ class EmElement {
           const Vec<acc_t> mean = load_part(mu_j + h, m);
           Vec<acc_t> sum = load_part(var_j + h, m);
           for (int64_t k = 0; k < n; ++k) {
-            const Vec<acc_t> diff = load_acc<acc_t>(votes[i0 + k] + j * H + h, m) - mean;
+            const Vec<acc_t> diff = load_acc<acc_t>(votes.capsule(i0 + k, j) + h, m) - mean;
             sum = at::vec::fmadd(Vec<acc_t>(r[k]) * diff, diff, sum);
           }
           store_part(sum, var_j + h, m);
@@ -89,10 +88,9 @@ class EmElement {
   }
 
   // The E-step after iteration t (statistics st): R_ = softmax_j(log a_j + log p_ij), in the log domain.
-  void e_step(const vote_t* V, const acc_t* st) {
+  void e_step(VoteRows<vote_t> votes, const acc_t* st) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H;
-    const VoteRows<vote_t> votes{V, JH};
     const acc_t* mu = st;
     const acc_t* var = st + JH;
     const acc_t* logit = st + 2 * JH;
@@ -105,7 +103,7 @@ class EmElement {
         const acc_t* mu_j = mu + j * H;
         const acc_t* inv_2var_j = inv_2var_.data() + j * H;
         const Vec<acc_t> distance = tile_sums<acc_t>(n, [&](int64_t k) {  // sum_h (V - mu)^2 / (2 var)
-          const vote_t* v = votes[i0 + k] + j * H;
+          const vote_t* v = votes.capsule(i0 + k, j);
           Vec<acc_t> sum(acc_t(0));
           for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
             const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
@@ -122,13 +120,13 @@ class EmElement {
   // The whole forward of one element: statistics of every iteration into st (iters, J, 2H + 1),
   // the last means into pose_out (J, H) and the activations into a_out (J).
   template <typename beta_t, typename out_t>
-  void forward(const vote_t* V, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, acc_t* st,
+  void forward(VoteRows<vote_t> votes, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, acc_t* st,
                out_t* pose_out, out_t* a_out) {
     const int64_t JH = d_.J * d_.H, row = d_.J * d_.stats_row();
     reset_assignments();
     for (int64_t t = 0; t < d_.iters; ++t) {
-      m_step(V, a_in, beta_u, beta_a, t, st + t * row);
-      if (t < d_.iters - 1) e_step(V, st + t * row);
+      m_step(votes, a_in, beta_u, beta_a, t, st + t * row);
+      if (t < d_.iters - 1) e_step(votes, st + t * row);
     }
     const acc_t* last = st + (d_.iters - 1) * row;
     for (int64_t jh = 0; jh < JH; ++jh) pose_out[jh] = static_cast<out_t>(last[jh]);
@@ -175,11 +173,10 @@ class EmBackward {
         g_var_M_(d.J * d.H) {}
 
   template <typename beta_t>
-  void run(const vote_t* Vn, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
+  void run(VoteRows<vote_t> votes, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
            const acc_t* g_a_out, acc_t* g_V, acc_t* g_a, acc_t* g_beta_u, acc_t* g_beta_a) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row(), IJ = tiled_ij_;
-    const VoteRows<vote_t> votes{Vn, JH};
     const acc_t e = static_cast<acc_t>(eps_);
     std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_, &g_logit = g_logit_,  // short names
                        &mass = mass_, &g_mass = g_mass_, &inv_var = inv_var_, &g_mu_M = g_mu_M_, &g_var_M = g_var_M_;
@@ -187,7 +184,7 @@ class EmBackward {
     em_.reset_assignments();
     for (int64_t t = 0; t < iters; ++t) {
       std::copy(em_.assignments().begin(), em_.assignments().end(), R_hist.begin() + t * IJ);
-      if (t < iters - 1) em_.e_step(Vn, st + t * J * row);
+      if (t < iters - 1) em_.e_step(votes, st + t * J * row);
     }
     // Gradients reaching the last M-step's outputs.
     const acc_t* last = st + (iters - 1) * J * row;
@@ -229,7 +226,7 @@ class EmBackward {
               const Vec<acc_t> mean = load_part(mu_j + h, m), iv = load_part(iv_j + h, m);
               Vec<acc_t> sum_mu = load_part(g_mu_j + h, m), sum_var = load_part(g_var_j + h, m);
               for (int64_t k = 0; k < n; ++k) {
-                const Vec<acc_t> diff = load_acc<acc_t>(votes[i0 + k] + j * H + h, m) - mean;
+                const Vec<acc_t> diff = load_acc<acc_t>(votes.capsule(i0 + k, j) + h, m) - mean;
                 const Vec<acc_t> q = diff * iv;
                 const Vec<acc_t> gl(g_L[k]);
                 acc_t* gv = g_V + (i0 + k) * JH + j * H + h;
@@ -271,7 +268,7 @@ class EmBackward {
           const acc_t* gvar_j = g_var_M.data() + j * H;
           // g_r = g_m + sum_h gm diff + gvar (diff^2 - var0); g_V += r (gm + 2 gvar diff).
           const Vec<acc_t> g_r = Vec<acc_t>(g_mass[j]) + tile_sums<acc_t>(n, [&](int64_t k) {
-            const vote_t* v = votes[i0 + k] + j * H;
+            const vote_t* v = votes.capsule(i0 + k, j);
             acc_t* gv = g_V + (i0 + k) * JH + j * H;
             const Vec<acc_t> rk(r[k]);
             Vec<acc_t> sum(acc_t(0));

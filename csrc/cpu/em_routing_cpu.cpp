@@ -12,6 +12,7 @@
 
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
+#include "../common/layout.h"
 #include "em_element.h"
 
 namespace capsroute {
@@ -25,7 +26,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
                                                               int64_t iters, double final_lambda, double eps) {
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   record_kernel_path("em_routing", Direction::forward, "cpu");
-  const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in), a_in = a_in_in.contiguous();
+  const CapsuleStrides strides = capsule_strides(votes, 3);
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const int64_t B = votes.size(0);
   const EmDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, final_lambda};
@@ -44,7 +46,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(const at::Tensor& 
       at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
         EmElement<scalar_t, acc_t, decltype(pose_dim)::value> em(dims, eps);
         for (int64_t n = begin; n < end; ++n) {
-          em.forward(V + n * dims.I * JH, a + n * dims.I, bu, ba, stats.mutable_data_ptr<acc_t>() + n * stats_numel,
+          em.forward(cpu::element_votes(V, strides, n), a + n * dims.I, bu, ba,
+                     stats.mutable_data_ptr<acc_t>() + n * stats_numel,
                      pose.mutable_data_ptr<scalar_t>() + n * JH, a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
         }
       });
@@ -64,11 +67,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, row = dims.stats_row();
   const at::ScalarType acc = acc_dtype(votes_in.scalar_type());
-  const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in), a_in = a_in_in.contiguous();
+  const CapsuleStrides strides = capsule_strides(votes, 3);
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const at::Tensor grad_pose = grad_pose_in.to(acc).contiguous(), grad_a_out = grad_a_out_in.to(acc).contiguous();
   const at::Tensor stats = stats_in.to(acc).contiguous();
-  at::Tensor grad_votes = at::empty_like(votes);
+  at::Tensor grad_votes = at::empty(votes.sizes(), votes.options());  // contiguous, whatever votes' layout
   at::Tensor grad_a_in = at::empty_like(a_in);
   // Per-item beta gradients, summed afterwards in a fixed order (deterministic).
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, votes.options().dtype(acc));
@@ -86,7 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
           std::fill(g_V.begin(), g_V.end(), acc_t(0));
           std::fill(g_a.begin(), g_a.end(), acc_t(0));
           acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
-          backward.run(V + n * I * JH, a_all + n * I, bu, stats.const_data_ptr<acc_t>() + n * iters * J * row,
+          backward.run(cpu::element_votes(V, strides, n), a_all + n * I, bu,
+                       stats.const_data_ptr<acc_t>() + n * iters * J * row,
                        grad_pose.const_data_ptr<acc_t>() + n * JH, grad_a_out.const_data_ptr<acc_t>() + n * J,
                        g_V.data(), g_a.data(), g_beta_u, g_beta_u + J);
           std::copy(g_a.begin(), g_a.end(), grad_a_in.mutable_data_ptr<scalar_t>() + n * I);

@@ -12,6 +12,7 @@
 
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
+#include "../common/layout.h"
 #include "em_element.h"
 
 namespace capsroute {
@@ -22,11 +23,12 @@ using cpu::EmElement;
 
 constexpr int64_t kWeightChunks = 16;  // batch chunks of the weight gradient
 
-// votes (I, J, 16) of one element: V_ij = P_i @ W_ij.
+// votes (I, J, 16) of one element: V_ij = P_i @ W_ij, pose_i at pose + i * pose_row_stride.
 template <typename scalar_t, typename acc_t>
-void compute_votes(const scalar_t* pose, const scalar_t* weight, int64_t I, int64_t J, acc_t* votes) {
+void compute_votes(const scalar_t* pose, int64_t pose_row_stride, const scalar_t* weight, int64_t I, int64_t J,
+                   acc_t* votes) {
   for (int64_t i = 0; i < I; ++i) {
-    const scalar_t* P = pose + i * kPoseSize;
+    const scalar_t* P = pose + i * pose_row_stride;
     for (int64_t j = 0; j < J; ++j) {
       const scalar_t* W = weight + (i * J + j) * kPoseSize;
       acc_t* V = votes + (i * J + j) * kPoseSize;
@@ -46,8 +48,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(const at::Ten
                                                                    double final_lambda, double eps) {
   check_em_routing_pose_inputs(pose_in, weight_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   record_kernel_path("em_routing_pose", Direction::forward, "cpu");
-  const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
-  const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
+  const at::Tensor pose = with_contiguous_capsules(pose_in, 2), weight = weight_in.contiguous();
+  const at::Tensor a_in = a_in_in.contiguous(), beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
+  const CapsuleStrides strides = capsule_strides(pose, 2);
   const int64_t B = pose.size(0);
   const EmDims dims{B, pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
   const int64_t JH = dims.J * kPoseSize, stats_numel = iters * dims.J * dims.stats_row();
@@ -64,9 +67,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(const at::Ten
       EmElement<acc_t, acc_t, kPoseSize> em(dims, eps);
       std::vector<acc_t> votes(dims.I * JH), a_acc(dims.I);
       for (int64_t n = begin; n < end; ++n) {
-        compute_votes(P + n * dims.I * kPoseSize, W, dims.I, dims.J, votes.data());
+        compute_votes(P + strides.offset(n, 0), strides.row, W, dims.I, dims.J, votes.data());
         for (int64_t i = 0; i < dims.I; ++i) a_acc[i] = static_cast<acc_t>(a[n * dims.I + i]);
-        em.forward(votes.data(), a_acc.data(), beta_u.const_data_ptr<scalar_t>(), beta_a.const_data_ptr<scalar_t>(),
+        em.forward(cpu::VoteRows<acc_t>{votes.data(), JH, kPoseSize}, a_acc.data(), beta_u.const_data_ptr<scalar_t>(),
+                   beta_a.const_data_ptr<scalar_t>(),
                    stats.mutable_data_ptr<acc_t>() + n * stats_numel, pose_out.mutable_data_ptr<scalar_t>() + n * JH,
                    a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
       }
@@ -86,11 +90,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   record_kernel_path("em_routing_pose", Direction::backward, "cpu");
   const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
   const at::ScalarType acc = acc_dtype(pose_in.scalar_type());
-  const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(), a_in = a_in_in.contiguous();
-  const at::Tensor beta_u = beta_u_in.contiguous();
+  const at::Tensor pose = with_contiguous_capsules(pose_in, 2), weight = weight_in.contiguous();
+  const at::Tensor a_in = a_in_in.contiguous(), beta_u = beta_u_in.contiguous();
+  const CapsuleStrides strides = capsule_strides(pose, 2);
   const at::Tensor grad_pose_out = grad_pose_out_in.to(acc).contiguous(), grad_a_out = grad_a_out_in.to(acc).contiguous();
   const at::Tensor stats = stats_in.to(acc).contiguous();
-  at::Tensor grad_pose = at::empty_like(pose);
+  at::Tensor grad_pose = at::empty(pose.sizes(), pose.options());  // contiguous, whatever pose's layout
   at::Tensor grad_a_in = at::empty_like(a_in);
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, pose.options().dtype(acc));
   const int64_t chunks = std::max<int64_t>(1, std::min(B, kWeightChunks));
@@ -107,13 +112,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
       for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
         acc_t* g_W = grad_weight_parts.mutable_data_ptr<acc_t>() + chunk * I * JH;
         for (int64_t n = chunk * B / chunks; n < (chunk + 1) * B / chunks; ++n) {
-          const scalar_t* Pn = P + n * I * kPoseSize;
-          compute_votes(Pn, W, I, J, votes.data());
+          const scalar_t* Pn = P + strides.offset(n, 0);
+          compute_votes(Pn, strides.row, W, I, J, votes.data());
           for (int64_t i = 0; i < I; ++i) a_acc[i] = static_cast<acc_t>(a[n * I + i]);
           std::fill(g_V.begin(), g_V.end(), acc_t(0));
           std::fill(g_a.begin(), g_a.end(), acc_t(0));
           acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
-          backward.run(votes.data(), a_acc.data(), beta_u.const_data_ptr<scalar_t>(),
+          backward.run(cpu::VoteRows<acc_t>{votes.data(), JH, kPoseSize}, a_acc.data(), beta_u.const_data_ptr<scalar_t>(),
                        stats.const_data_ptr<acc_t>() + n * iters * J * dims.stats_row(),
                        grad_pose_out.const_data_ptr<acc_t>() + n * JH, grad_a_out.const_data_ptr<acc_t>() + n * J,
                        g_V.data(), g_a.data(), g_beta_u, g_beta_u + J);
@@ -121,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
           // V_ij = P_i W_ij: g_P_i = sum_j g_V_ij W_ij^T, g_W_ij += P_i^T g_V_ij.
           for (int64_t i = 0; i < I; ++i) {
             acc_t g_P[kPoseSize] = {};
-            const scalar_t* Pi = Pn + i * kPoseSize;
+            const scalar_t* Pi = Pn + i * strides.row;
             for (int64_t j = 0; j < J; ++j) {
               const acc_t* gV = g_V.data() + (i * J + j) * kPoseSize;
               const scalar_t* Wij = W + (i * J + j) * kPoseSize;

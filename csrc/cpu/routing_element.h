@@ -43,7 +43,7 @@ C10_ALWAYS_INLINE void add_tile_agreement(VoteRows<vote_t> u, int64_t i0, int64_
                                           acc_t* logits) {
   constexpr int64_t W = kTileRows<acc_t>;
   for (int64_t j = 0; j < J; ++j)
-    (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j * D, v + j * D, D)).store(logits + j * W);
+    (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j, v + j * D, D)).store(logits + j * W);
 }
 
 // Per-thread scratch of route_forward.
@@ -76,7 +76,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
       acc_t* logits = scratch.logits.data() + i0 * J;  // this tile's (J, W)
       if (r > 0) add_tile_agreement(u, i0, n, v, J, D, logits);
       softmax_lanes(logits, J, d.leaky, c);
-      for (int64_t j = 0; j < J; ++j) tile_axpy(c + j * W, u, i0, n, j * D, s + j * D, D);
+      for (int64_t j = 0; j < J; ++j) tile_axpy(c + j * W, u, i0, n, j, s + j * D, D);
       if (r == d.iters - 1) {
         for (int64_t k = 0; k < n; ++k)
           for (int64_t j = 0; j < J; ++j) c_out[(i0 + k) * J + j] = static_cast<out_t>(c[j * W + k]);
@@ -148,7 +148,7 @@ class RoutingBackward {
         acc_t* g_here = st.g_logits + (r - 1) * IJ + i0 * J;
         Vec<acc_t> weighted(acc_t(0));
         for (int64_t j = 0; j < J; ++j) {
-          const Vec<acc_t> dots = tile_dots(u, i0, n, j * D, gs + j * D, D);
+          const Vec<acc_t> dots = tile_dots(u, i0, n, j, gs + j * D, D);
           dots.store(gc + j * W);
           weighted = at::vec::fmadd(Vec<acc_t>::loadu(c + j * W), dots, weighted);
         }
@@ -157,7 +157,7 @@ class RoutingBackward {
           at::vec::fmadd(cj, Vec<acc_t>::loadu(gc + j * W) - weighted, Vec<acc_t>::loadu(g_next + j * W))
               .store(g_here + j * W);
         }
-        for (int64_t j = 0; j < J; ++j) tile_axpy(g_here + j * W, u, i0, n, j * D, gv_next_.data() + j * D, D);
+        for (int64_t j = 0; j < J; ++j) tile_axpy(g_here + j * W, u, i0, n, j, gv_next_.data() + j * D, D);
       }
       std::swap(gv_, gv_next_);
     }

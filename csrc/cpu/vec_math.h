@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "../common/dims.h"
+
 namespace capsroute {
 namespace cpu {
 
@@ -234,13 +236,24 @@ C10_ALWAYS_INLINE void transpose(const T* src, int64_t ld_src, T* dst, int64_t l
   at::vec::transpose_mxn<T, M, N>(src, ld_src, dst, ld_dst);
 }
 
-// Rows of a matrix: row i at data + i * row_stride (the votes of one element, a row per input capsule).
+// The votes of one element, a row of capsules per input capsule: capsule (i, j) at
+// data + i * row_stride + j * capsule_stride, its values contiguous. Strides, not a packed
+// layout, so that the layouts einsum, matmul, permute and slicing give are read in place.
 template <typename vote_t>
 struct VoteRows {
   const vote_t* data;
-  int64_t row_stride;
-  const vote_t* operator[](int64_t i) const { return data + i * row_stride; }
+  int64_t row_stride, capsule_stride;
+  // (A constructor, not an aggregate: a stride left out does not compile.)
+  VoteRows(const vote_t* data, int64_t row_stride, int64_t capsule_stride)
+      : data(data), row_stride(row_stride), capsule_stride(capsule_stride) {}
+  const vote_t* capsule(int64_t i, int64_t j) const { return data + i * row_stride + j * capsule_stride; }
 };
+
+// The votes of element n of a (B, I, J, D) tensor at data with the given strides.
+template <typename vote_t>
+VoteRows<vote_t> element_votes(const vote_t* data, const CapsuleStrides& strides, int64_t n) {
+  return {data + strides.offset(n, 0), strides.row, strides.capsule};
+}
 
 // Lane k: the sum of the lanes of row_sum(k) (a Vec<acc_t>) for the n rows of a tile (lanes past
 // n: 0), the tile's horizontal sums done together. (Always inlined, here and below: the caller's
@@ -252,27 +265,27 @@ C10_ALWAYS_INLINE Vec<acc_t> tile_sums(int64_t n, RowSum&& row_sum) {
   return lane_sums(partial);
 }
 
-// Lane k: the dot of x (D values) with the votes of row i0 + k at offset, for the n rows of the
-// tile at i0 (lanes past n: 0).
+// Lane k: the dot of x (D values) with capsule j of row i0 + k, for the n rows of the tile at i0
+// (lanes past n: 0).
 template <typename acc_t, typename vote_t>
-C10_ALWAYS_INLINE Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, const acc_t* x, int64_t D) {
+C10_ALWAYS_INLINE Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t j, const acc_t* x, int64_t D) {
   // tile_sums spelled out: through its lambda, dynamic routing's forward ran 2-4% slower (GCC 12).
   Vec<acc_t> partial[kTileRows<acc_t>];
   for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
-    partial[k] = k < n ? dot_lanes<acc_t>(u[i0 + k] + offset, x, D) : Vec<acc_t>(acc_t(0));
+    partial[k] = k < n ? dot_lanes<acc_t>(u.capsule(i0 + k, j), x, D) : Vec<acc_t>(acc_t(0));
   return lane_sums(partial);
 }
 
-// y (D values) += coef[k] times the votes of row i0 + k at offset, k < n in order.
+// y (D values) += coef[k] times capsule j of row i0 + k, k < n in order.
 template <typename acc_t, typename vote_t>
-C10_ALWAYS_INLINE void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t offset, acc_t* y,
+C10_ALWAYS_INLINE void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t j, acc_t* y,
                       int64_t D) {
   constexpr int64_t W = Vec<acc_t>::size();
   for (int64_t d0 = 0; d0 < D; d0 += W) {
     const int64_t m = std::min(W, D - d0);
     Vec<acc_t> sum = load_part(y + d0, m);
     for (int64_t k = 0; k < n; ++k)
-      sum = at::vec::fmadd(Vec<acc_t>(coef[k]), load_acc<acc_t>(u[i0 + k] + offset + d0, m), sum);
+      sum = at::vec::fmadd(Vec<acc_t>(coef[k]), load_acc<acc_t>(u.capsule(i0 + k, j) + d0, m), sum);
     store_part(sum, y + d0, m);
   }
 }
