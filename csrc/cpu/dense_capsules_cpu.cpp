@@ -219,6 +219,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
   return {v, c, s_hist};
 }
 
+// Backward step 1: the routing backward of every element, on the votes recomputed a group of
+// elements at a time; fills each element's BackwardState and adds its dL/dbias.
+template <typename Backward, typename acc_t>
+void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, acc_t eps, bool detach,
+                             const acc_t* g_v, const acc_t* s_hist, acc_t* grad_bias_items, acc_t* states) {
+  using State = cpu::BackwardState<acc_t>;
+  const int64_t JD = dims.jd();
+  for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
+    Backward backward(dims, eps, detach);
+    for (int64_t n = n0; n < n0 + T; ++n) {
+      backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD, dims.D}, g_v + n * JD,
+                   s_hist + n * dims.iters * JD, grad_bias_items + n * JD,
+                   State(states + n * State::numel(dims), dims));
+    }
+  });
+}
+
+// The vote gradient rows of capsules [i0, i0 + rows) of every element into G (rows, B, J*D),
+// element by element, so that an element's coupling and g_logits (tiled by kTileRows capsules)
+// are read once per block while in L1; capsule by capsule over all elements, they fell out of L1
+// between capsules.
+template <typename Backward, typename acc_t>
+void vote_grad_block(const Backward& backward, const RoutingDims& dims, acc_t* states, int64_t i0, int64_t rows,
+                     acc_t* G) {
+  using State = cpu::BackwardState<acc_t>;
+  const int64_t B = dims.B, JD = dims.jd();
+  for (int64_t n = 0; n < B; ++n) {
+    const State state(states + n * State::numel(dims), dims);
+    for (int64_t i = i0; i < i0 + rows; ++i) backward.vote_grad_row(state, i, G + ((i - i0) * B + n) * JD);
+  }
+}
+
+// Backward step 2: per input capsule i, the vote gradient rows of all elements (B x J*D values,
+// in L2) contracted with u_i into grad_weight_i and with weight_i into grad_u_i. Each task owns
+// its capsules' rows of both, so the sum over elements runs in order whatever the thread count.
+template <typename Backward, typename acc_t>
+void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t eps, bool detach, int64_t Din,
+                         acc_t* states, acc_t* g_u, acc_t* g_w) {
+  const int64_t B = dims.B, JD = dims.jd();
+  const acc_t* w = ops.weight.const_data_ptr<acc_t>();
+  const int64_t u_stride = ops.u_strides.element, g_u_stride = dims.I * Din;  // grad_u: contiguous
+  const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
+  const int64_t block = std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
+  at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
+    const Backward backward(dims, eps, detach);
+    std::vector<acc_t> G(block * B * JD), w_t(Din * JD);
+    for (int64_t i0 = begin; i0 < end; i0 += block) {
+      const int64_t rows = std::min(block, end - i0);
+      vote_grad_block(backward, dims, states, i0, rows, G.data());
+      for (int64_t i = i0; i < i0 + rows; ++i) {
+        const acc_t* G_i = G.data() + (i - i0) * B * JD;
+        transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
+        for_each_row_block(Din, [&](auto k_rows, int64_t k0) {
+          constexpr int kRows = decltype(k_rows)::value;
+          weight_grad_rows<kRows>(G_i, ops.u_capsule<acc_t>(0, i), B, u_stride, Din, JD, k0, g_w + i * JD * Din);
+          input_grad_rows<kRows>(G_i, w_t.data(), B, g_u_stride, JD, k0, g_u + i * Din);
+        });
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const at::Tensor& grad_v_in, const at::Tensor& u_in,
                                                                            const at::Tensor& weight_in, const at::Tensor& s_hist_in,
                                                                            bool leaky, bool detach, double eps) {
@@ -226,7 +288,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   record_kernel_path("dense_capsules", Direction::backward, "cpu");
   const int64_t B = u_in.size(0), Din = u_in.size(2);
   const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
-  const int64_t JD = dims.jd();
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
@@ -237,57 +298,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    using State = cpu::BackwardState<acc_t>;
-    const acc_t* g_v = grad_v.const_data_ptr<acc_t>();
     // The backward state of every element (about a third of the votes' size at iters = 3).
-    at::Tensor states = at::empty({B, State::numel(dims)}, u_in.options().dtype(acc));
-    acc_t* states_p = states.mutable_data_ptr<acc_t>();
+    at::Tensor states = at::empty({B, cpu::BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
     cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
       using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
-      // 1. Routing backward per element, on the votes recomputed a tile at a time.
-      for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
-        Backward backward(dims, static_cast<acc_t>(eps), detach);
-        for (int64_t n = n0; n < n0 + T; ++n) {
-          backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD, dims.D}, g_v + n * JD,
-                       s_hist.const_data_ptr<acc_t>() + n * dims.iters * JD,
-                       grad_bias_items.mutable_data_ptr<acc_t>() + n * JD,
-                       State(states_p + n * State::numel(dims), dims));
-        }
-      });
+      routing_backward_states<Backward>(ops, dims, static_cast<acc_t>(eps), detach, grad_v.const_data_ptr<acc_t>(),
+                                        s_hist.const_data_ptr<acc_t>(), grad_bias_items.mutable_data_ptr<acc_t>(),
+                                        states.mutable_data_ptr<acc_t>());
       grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
       grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
-      // 2. Per input capsule i, the vote gradient rows of all elements (B x J*D values, in L2),
-      //    contracted with u_i and weight_i; each task owns its capsules' rows of grad_weight
-      //    and grad_u, so the sum over elements runs in order whatever the thread count. The rows
-      //    are built a block of capsules at a time, element by element, so that an element's
-      //    coupling and g_logits (tiled by kTileRows capsules) are read once per block while in L1;
-      //    capsule by capsule over all elements, they fell out of L1 between capsules.
-      const acc_t* w = ops.weight.const_data_ptr<acc_t>();
-      acc_t* g_u = grad_u.mutable_data_ptr<acc_t>();
-      acc_t* g_w = grad_weight.mutable_data_ptr<acc_t>();
-      const int64_t u_stride = ops.u_strides.element, g_u_stride = dims.I * Din;  // grad_u: contiguous
-      const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
-      const int64_t block = std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
-      at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
-        const Backward backward(dims, static_cast<acc_t>(eps), detach);
-        std::vector<acc_t> G(block * B * JD), w_t(Din * JD);
-        for (int64_t i0 = begin; i0 < end; i0 += block) {
-          const int64_t rows = std::min(block, end - i0);
-          for (int64_t n = 0; n < B; ++n) {
-            const State state(states_p + n * State::numel(dims), dims);
-            for (int64_t i = i0; i < i0 + rows; ++i) backward.vote_grad_row(state, i, G.data() + ((i - i0) * B + n) * JD);
-          }
-          for (int64_t i = i0; i < i0 + rows; ++i) {
-            const acc_t* G_i = G.data() + (i - i0) * B * JD;
-            transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
-            for_each_row_block(Din, [&](auto k_rows, int64_t k0) {
-              weight_grad_rows<decltype(k_rows)::value>(G_i, ops.u_capsule<acc_t>(0, i), B, u_stride, Din, JD, k0,
-                                                        g_w + i * JD * Din);
-              input_grad_rows<decltype(k_rows)::value>(G_i, w_t.data(), B, g_u_stride, JD, k0, g_u + i * Din);
-            });
-          }
-        }
-      });
+      contract_vote_grads<Backward>(ops, dims, static_cast<acc_t>(eps), detach, Din, states.mutable_data_ptr<acc_t>(),
+                                    grad_u.mutable_data_ptr<acc_t>(), grad_weight.mutable_data_ptr<acc_t>());
     });
   });
   const at::ScalarType dtype = u_in.scalar_type();
