@@ -3,6 +3,7 @@
 Environment: CAPSROUTE_FORCE_CUDA, CAPSROUTE_FORCE_CPU, TORCH_CUDA_ARCH_LIST, MAX_JOBS,
 CAPSROUTE_CPU_ARCH and CUDA_HOME; what each does is in docs/install.md.
 """
+
 import glob
 import importlib.util
 import os
@@ -33,7 +34,8 @@ def want_cuda():
     if env_flag("CAPSROUTE_FORCE_CUDA") and not found:
         raise RuntimeError(
             "CAPSROUTE_FORCE_CUDA=1 but no CUDA build of torch with a CUDA toolkit was found "
-            f"(torch {torch.__version__}, CUDA_HOME={cpp_extension.CUDA_HOME})")
+            f"(torch {torch.__version__}, CUDA_HOME={cpp_extension.CUDA_HOME})"
+        )
     return found
 
 
@@ -44,7 +46,9 @@ def version():
 
 def load_cpu_arch_module():
     """capsroute/_cpu_arch.py, loaded by its path: importing the package would load the unbuilt _C."""
-    spec = importlib.util.spec_from_file_location("capsroute_cpu_arch", os.path.join(ROOT, "capsroute", "_cpu_arch.py"))
+    spec = importlib.util.spec_from_file_location(
+        "capsroute_cpu_arch", os.path.join(ROOT, "capsroute", "_cpu_arch.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -62,8 +66,11 @@ def cpu_arch():
     arch = _cpu_arch.auto_arch(capability)
     if arch != ARCH_OF_CAPABILITY.get(capability):
         missing = _cpu_arch.missing_features(ARCH_OF_CAPABILITY[capability])
-        print(f"capsroute: torch runs its {capability} kernels here, but this CPU lacks {', '.join(missing)}: "
-              f"building for {arch or 'the compiler baseline'} (CAPSROUTE_CPU_ARCH sets the level)", file=sys.stderr)
+        print(
+            f"capsroute: torch runs its {capability} kernels here, but this CPU lacks {', '.join(missing)}: "
+            f"building for {arch or 'the compiler baseline'} (CAPSROUTE_CPU_ARCH sets the level)",
+            file=sys.stderr,
+        )
     return arch
 
 
@@ -89,17 +96,35 @@ def extension():
         # uninitialised (GCC bug 105593, fixed in 13): over a thousand false warnings per build.
         cxx.append("-Wno-maybe-uninitialized")
     if not with_cuda:
-        return cpp_extension.CppExtension("capsroute._C", sources, define_macros=defines,
-                                          extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+        return cpp_extension.CppExtension(
+            "capsroute._C",
+            sources,
+            define_macros=defines,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
     archs = os.environ["TORCH_CUDA_ARCH_LIST"]
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
-    defines += [("CAPSROUTE_WITH_CUDA", None),
-                ("CAPSROUTE_CUDA_VERSION", f'"{torch.version.cuda}"'),
-                ("CAPSROUTE_CUDA_ARCHS", f'"{archs}"')]
+    defines += [
+        ("CAPSROUTE_WITH_CUDA", None),
+        ("CAPSROUTE_CUDA_VERSION", f'"{torch.version.cuda}"'),
+        ("CAPSROUTE_CUDA_ARCHS", f'"{archs}"'),
+    ]
     # --resource-usage: ptxas reports each kernel's registers and spills (scripts/kernel_resources.py)
-    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler=-fvisibility=hidden", "--resource-usage"]
-    return cpp_extension.CUDAExtension("capsroute._C", sources, define_macros=defines,
-                                       extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"])
+    nvcc = [
+        "-O3",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        "-Xcompiler=-fvisibility=hidden",
+        "--resource-usage",
+    ]
+    return cpp_extension.CUDAExtension(
+        "capsroute._C",
+        sources,
+        define_macros=defines,
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=["-fopenmp"],
+    )
 
 
 class BuildExtension(cpp_extension.BuildExtension):
@@ -110,8 +135,10 @@ class BuildExtension(cpp_extension.BuildExtension):
         super().run()
         package_dir = os.path.dirname(self.get_ext_fullpath("capsroute._C"))
         with open(os.path.join(package_dir, "_build_config.py"), "w") as f:
-            f.write('"""Written by setup.py when it built capsroute._C: the -march of its C++ sources."""\n'
-                    f"CPU_ARCH = {CPU_ARCH_NAME!r}\n")
+            f.write(
+                '"""Written by setup.py when it built capsroute._C: the -march of its C++ sources."""\n'
+                f"CPU_ARCH = {CPU_ARCH_NAME!r}\n"
+            )
 
 
 setup(

@@ -8,6 +8,7 @@ full comparison (torch.compile baseline, memory, floor) use `capsroute bench`.
 Compare runs with e.g. `pytest bench/ --benchmark-only --benchmark-autosave` and
 `pytest-benchmark compare`.
 """
+
 import pytest
 import torch
 
@@ -17,8 +18,14 @@ rb = pytest.importorskip("capsroute.bench")
 CASE = dict(shape_name="mnist-b8", B=8, I=1152, J=10, D=16, Din=8)
 DEVICES = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[
-        pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ],
+    ),
 ]
 
 
@@ -39,8 +46,16 @@ def test_fwd_bwd(benchmark, op, impl, device):
         rb.synchronize(device)
 
     benchmark.group = f"{op} fwd+bwd {device.type} B={case.B}"
-    benchmark.extra_info.update(shape=case.shape(), dtype="float32", iters=3, impl=impl, torch=torch.__version__,
-                                threads=torch.get_num_threads())
+    benchmark.extra_info.update(
+        shape=case.shape(),
+        dtype="float32",
+        iters=3,
+        impl=impl,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
     run()  # warm-up outside the measurement
-    benchmark.pedantic(run, rounds=10 if device.type == "cpu" else 50, warmup_rounds=1, iterations=1)
+    benchmark.pedantic(
+        run, rounds=10 if device.type == "cpu" else 50, warmup_rounds=1, iterations=1
+    )
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in inputs)

@@ -1,4 +1,5 @@
 """capsroute: fused routing kernels for capsule networks, as PyTorch operators."""
+
 __version__ = "0.1.0"
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -6,15 +7,25 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 try:
     from ._build_config import CPU_ARCH  # written by setup.py at build time
 except ModuleNotFoundError as error:
-    raise ImportError("capsroute is not built here, or was built by an older setup.py: run "
-                      "`pip install --no-build-isolation -e .` (README, Install)") from error
+    raise ImportError(
+        "capsroute is not built here, or was built by an older setup.py: run "
+        "`pip install --no-build-isolation -e .` (README, Install)"
+    ) from error
 from ._cpu_arch import check_cpu_arch
 
 check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal instruction
 
 from . import _C  # noqa: E402  (registers the capsroute:: operators)
-from .ops import conv_em_routing, dense_capsules, dynamic_routing, dynamic_routing_coupling, em_routing, em_routing_pose, squash
-from .ops import OPS
+from .ops import (
+    OPS,
+    conv_em_routing,
+    dense_capsules,
+    dynamic_routing,
+    dynamic_routing_coupling,
+    em_routing,
+    em_routing_pose,
+    squash,
+)
 
 
 def build_info():
@@ -53,4 +64,16 @@ def clear_kernel_paths() -> None:
     _C.clear_kernel_paths()
 
 
-__all__ = ["build_info", "clear_kernel_paths", "conv_em_routing", "cuda_kernel_set", "dense_capsules", "dynamic_routing", "dynamic_routing_coupling", "em_routing", "em_routing_pose", "last_kernel_path", "squash"]
+__all__ = [
+    "build_info",
+    "clear_kernel_paths",
+    "conv_em_routing",
+    "cuda_kernel_set",
+    "dense_capsules",
+    "dynamic_routing",
+    "dynamic_routing_coupling",
+    "em_routing",
+    "em_routing_pose",
+    "last_kernel_path",
+    "squash",
+]

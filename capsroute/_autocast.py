@@ -9,6 +9,7 @@ its reference and the layers built on either compute in the same dtypes.
 
 As in torch's own rules, float64 tensors and tensors on another device type are left alone.
 """
+
 import functools
 
 import torch
@@ -19,8 +20,12 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 
 def _cast(value, device_type: str, dtype: torch.dtype):
-    if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
-            and value.device.type == device_type):
+    if (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dtype != torch.float64
+        and value.device.type == device_type
+    ):
         return value.to(dtype)
     return value
 
@@ -29,11 +34,16 @@ def register(lib: torch.library.Library):
     """Registers the rules on the capsroute:: operators (the backward operators run outside autocast)."""
     for name in IN_FLOAT32:
         for device_type in DEVICE_TYPES:
-            torch.library.register_autocast(f"capsroute::{name}", device_type, torch.float32, lib=lib)
+            torch.library.register_autocast(
+                f"capsroute::{name}", device_type, torch.float32, lib=lib
+            )
     for name in IN_AUTOCAST_DTYPE:
         for device_type in DEVICE_TYPES:
-            lib.impl(name, _autocast_dtype_kernel(getattr(torch.ops.capsroute, name).default, device_type),
-                     "Autocast" + device_type.upper())
+            lib.impl(
+                name,
+                _autocast_dtype_kernel(getattr(torch.ops.capsroute, name).default, device_type),
+                "Autocast" + device_type.upper(),
+            )
 
 
 def _autocast_dtype_kernel(op, device_type: str):
@@ -42,6 +52,7 @@ def _autocast_dtype_kernel(op, device_type: str):
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
             return op(*(_cast(a, device_type, dtype) for a in args))
+
     return kernel
 
 
@@ -65,5 +76,7 @@ def like_op(name: str):
                 return fn(*args, **kwargs)
             with torch.autocast(device_type, enabled=False):
                 return fn(*args, **kwargs)
+
         return wrapper
+
     return decorate

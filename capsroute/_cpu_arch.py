@@ -2,6 +2,7 @@
 picks, and the check before _C loads. A build made on an AVX-512 machine stops with an illegal
 instruction on a CPU without AVX-512; the check turns that into an error that says why and what to
 do. setup.py loads this file by its path (before capsroute is built): it imports only torch."""
+
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,9 @@ def missing_features(arch: str, capabilities=None) -> list[str]:
     if not features:
         return []
     if capabilities is None:
-        get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # not in every torch version
+        get_capabilities = getattr(
+            torch.cpu, "get_capabilities", None
+        )  # not in every torch version
         if get_capabilities is None:
             return []
         capabilities = get_capabilities()
@@ -43,7 +46,8 @@ def check_cpu_arch(arch: str, capabilities=None) -> None:
             f"capsroute._C was compiled with -march={arch}, and this CPU lacks {', '.join(missing)}: "
             "its kernels would stop with an illegal instruction. Rebuild capsroute on this machine "
             "(pip install --no-build-isolation -e .), or build with CAPSROUTE_CPU_ARCH=x86-64 for any "
-            "x86-64 CPU.")
+            "x86-64 CPU."
+        )
 
 
 def auto_arch(capability: str, capabilities=None) -> str | None:
@@ -54,7 +58,7 @@ def auto_arch(capability: str, capabilities=None) -> str | None:
     levels = list(ARCH_OF_CAPABILITY.values())
     if capability not in ARCH_OF_CAPABILITY:
         return None
-    for level in levels[levels.index(ARCH_OF_CAPABILITY[capability]):]:
+    for level in levels[levels.index(ARCH_OF_CAPABILITY[capability]) :]:
         if not missing_features(level, capabilities):
             return level
     return None

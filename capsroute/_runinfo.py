@@ -2,6 +2,7 @@
 uses, and the atomic file writes both commands make. A leaf: it imports nothing from capsroute, so
 the benchmark, the trainer and their figures can all use it without importing each other.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-_CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root when capsroute runs from a checkout
+_CHECKOUT = (
+    Path(__file__).resolve().parent.parent
+)  # the repository root when capsroute runs from a checkout
 
 
 def command_line(program: str, argv: list[str] | None) -> str:
@@ -29,13 +32,18 @@ def command_line(program: str, argv: list[str] | None) -> str:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
             return shlex.join(f.read().decode().rstrip("\0").split("\0"))
     except OSError:
-        nodes, per_node = os.environ.get("GROUP_WORLD_SIZE", "1"), os.environ.get("LOCAL_WORLD_SIZE", "1")
+        nodes, per_node = (
+            os.environ.get("GROUP_WORLD_SIZE", "1"),
+            os.environ.get("LOCAL_WORLD_SIZE", "1"),
+        )
         return f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m {command.replace(' ', '.', 1)}"
 
 
 def _git(*args, cwd=None) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -107,7 +115,9 @@ def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {spec}: no CUDA device is available")
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device() if local_rank is None else local_rank)
+            device = torch.device(
+                "cuda", torch.cuda.current_device() if local_rank is None else local_rank
+            )
         torch.cuda.set_device(device)
     return device
 

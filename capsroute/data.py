@@ -16,6 +16,7 @@
 The data are never fetched implicitly: `load_dataset` downloads only with download=True, and
 otherwise names the places it looked and how to point it at a copy of the files.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -62,7 +63,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     with open(path, "rb") as f:
         compressed = f.read(2) == _GZIP_MAGIC
     try:
-        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
+        with gzip.open(path, "rb") if compressed else open(path, "rb") as f:
             data = f.read()
     except (EOFError, OSError, zlib.error) as e:
         if not compressed:
@@ -73,23 +74,31 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise ValueError(f"{path}: truncated IDX header ({len(data)} bytes, need at least 4)")
     zero0, zero1, type_code, ndim = data[:4]
     if zero0 != 0 or zero1 != 0:
-        raise ValueError(f"{path}: bad IDX magic number 0x{data[:4].hex()} (must start with two zero bytes)")
+        raise ValueError(
+            f"{path}: bad IDX magic number 0x{data[:4].hex()} (must start with two zero bytes)"
+        )
     if type_code not in _IDX_DTYPES:
         known = ", ".join(f"0x{c:02X}" for c in _IDX_DTYPES)
         raise ValueError(f"{path}: unknown IDX type code 0x{type_code:02X} (known: {known})")
     header = 4 + 4 * ndim
     if len(data) < header:
-        raise ValueError(f"{path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need {header})")
+        raise ValueError(
+            f"{path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need {header})"
+        )
     shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
     dtype = _IDX_DTYPES[type_code]
     expected = math.prod(shape) * dtype.itemsize
     found = len(data) - header
     if found < expected:
-        raise ValueError(f"{path}: truncated IDX payload: shape {shape} of {dtype.name} needs "
-                         f"{expected} bytes of data, the file has {found}")
+        raise ValueError(
+            f"{path}: truncated IDX payload: shape {shape} of {dtype.name} needs "
+            f"{expected} bytes of data, the file has {found}"
+        )
     if found > expected:
-        raise ValueError(f"{path}: {found - expected} unexpected trailing bytes after the IDX payload "
-                         f"(shape {shape} of {dtype.name} needs {expected} bytes)")
+        raise ValueError(
+            f"{path}: {found - expected} unexpected trailing bytes after the IDX payload "
+            f"(shape {shape} of {dtype.name} needs {expected} bytes)"
+        )
     array = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=header)
     return array.reshape(shape).astype(dtype.newbyteorder("="))
 
@@ -107,6 +116,7 @@ class DatasetInfo:
     zero_fraction: the fraction of the published training images' pixels that are 0, which tells
                 the datasets apart by content where the files are not the published ones (a subset).
     """
+
     files: dict[str, tuple[str, str]]
     sha256: dict[str, str]
     md5: dict[str, str]
@@ -147,8 +157,10 @@ DATASETS: dict[str, DatasetInfo] = {
             "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
             "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
         },
-        mirrors=("https://ossci-datasets.s3.amazonaws.com/mnist/",
-                 "https://storage.googleapis.com/cvdf-datasets/mnist/"),
+        mirrors=(
+            "https://ossci-datasets.s3.amazonaws.com/mnist/",
+            "https://storage.googleapis.com/cvdf-datasets/mnist/",
+        ),
         torchvision_dir="MNIST",
         zero_fraction=0.809,
     ),
@@ -200,8 +212,9 @@ def _find_in(directory: Path, gz_name: str) -> Path | None:
     return None
 
 
-def find_dataset_files(name: str, root: str | os.PathLike,
-                       download: bool = False) -> dict[str, tuple[Path, Path]]:
+def find_dataset_files(
+    name: str, root: str | os.PathLike, download: bool = False
+) -> dict[str, tuple[Path, Path]]:
     """Locates a dataset's four IDX files under root: split -> (images path, labels path).
 
     Looks, in this order, in root/<name>/, torchvision's root/<MNIST or FashionMNIST>/raw/ and
@@ -216,7 +229,10 @@ def find_dataset_files(name: str, root: str | os.PathLike,
     for directory in _candidate_dirs(name, root):
         found = {f: _find_in(directory, f) for f in info.filenames()}
         if all(found.values()):
-            return {split: (found[images], found[labels]) for split, (images, labels) in info.files.items()}
+            return {
+                split: (found[images], found[labels])
+                for split, (images, labels) in info.files.items()
+            }
         if directory.is_dir():
             missing = ", ".join(f for f, p in found.items() if p is None)
             looked.append(f"{directory}: missing {missing}")
@@ -228,7 +244,8 @@ def find_dataset_files(name: str, root: str | os.PathLike,
     raise FileNotFoundError(
         f"could not find the {name} IDX files ({', '.join(info.filenames())}; gzipped or not); "
         f"looked in {'; '.join(looked)}. Pass --data-dir FOLDER with the four files, "
-        f"or --download to fetch them (checksum-verified) into {root / name}")
+        f"or --download to fetch them (checksum-verified) into {root / name}"
+    )
 
 
 class ChecksumError(ValueError):
@@ -258,8 +275,10 @@ def verify_files(name: str, files: dict[str, tuple[Path, Path]]) -> None:
                 algorithm, expected = "md5", info.raw_md5[path.name]
             actual = _digest(path, algorithm)
             if actual != expected:
-                raise ChecksumError(f"{path}: {algorithm.upper()} mismatch: expected {expected}, got {actual} "
-                                    f"(not the {name} file of that name, or a damaged copy)")
+                raise ChecksumError(
+                    f"{path}: {algorithm.upper()} mismatch: expected {expected}, got {actual} "
+                    f"(not the {name} file of that name, or a damaged copy)"
+                )
 
 
 def published_as(files: dict[str, tuple[Path, Path]]) -> str | None:
@@ -281,9 +300,17 @@ class WrongDatasetError(ValueError):
 def looks_like(images: torch.Tensor) -> str | None:
     """The registered dataset whose images these look like (uint8): the one whose share of 0
     pixels is nearest theirs (MNIST's digits leave 81% of the pixels 0, Fashion-MNIST's clothes 50%)."""
-    known = {name: info.zero_fraction for name, info in DATASETS.items() if info.zero_fraction is not None}
+    known = {
+        name: info.zero_fraction
+        for name, info in DATASETS.items()
+        if info.zero_fraction is not None
+    }
     zeros = (images == 0).float().mean().item() if len(images) else None
-    return None if zeros is None else min(known, key=lambda name: abs(known[name] - zeros), default=None)
+    return (
+        None
+        if zeros is None
+        else min(known, key=lambda name: abs(known[name] - zeros), default=None)
+    )
 
 
 def load_checked(name: str, root: str | os.PathLike, download: bool = False):
@@ -299,17 +326,23 @@ def load_checked(name: str, root: str | os.PathLike, download: bool = False):
     folder = files["train"][0].parent
     published = published_as(files)
     if published not in (name, None):
-        raise WrongDatasetError(f"the files in {folder} are the published {published} files, not "
-                                f"{name}'s: pass --dataset {published}, or a --data-dir with {name}'s")
+        raise WrongDatasetError(
+            f"the files in {folder} are the published {published} files, not "
+            f"{name}'s: pass --dataset {published}, or a --data-dir with {name}'s"
+        )
     splits = {split: load_dataset(name, root, split) for split in SPLITS}
     if published == name:
         return splits, None
     resembled = looks_like(splits["train"][0])
     if resembled not in (name, None):
-        raise WrongDatasetError(f"the images in {folder} look like {resembled}'s, not {name}'s: pass "
-                                f"--dataset {resembled}, or a --data-dir with {name}'s")
-    return splits, (f"{folder} does not hold the published {name} files (a subset, or another copy): "
-                    f"their checksums are not checked")
+        raise WrongDatasetError(
+            f"the images in {folder} look like {resembled}'s, not {name}'s: pass "
+            f"--dataset {resembled}, or a --data-dir with {name}'s"
+        )
+    return splits, (
+        f"{folder} does not hold the published {name} files (a subset, or another copy): "
+        f"their checksums are not checked"
+    )
 
 
 # The URL opener `download` uses; tests replace it to serve bytes without a network.
@@ -379,16 +412,19 @@ def download(name: str, root: str | os.PathLike, progress: bool = True) -> Path:
             except (OSError, http.client.HTTPException, ChecksumError) as e:
                 failures.append(f"  {url}: {e}")
         else:
-            raise RuntimeError(f"could not download {name} file {filename}; no file was written. Tried:\n"
-                               + "\n".join(failures))
+            raise RuntimeError(
+                f"could not download {name} file {filename}; no file was written. Tried:\n"
+                + "\n".join(failures)
+            )
     return dest
 
 
 _download = download  # the `download` arguments of find_dataset_files and load_dataset shadow it
 
 
-def load_dataset(name: str, root: str | os.PathLike, split: str, download: bool = False,
-                 verify: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def load_dataset(
+    name: str, root: str | os.PathLike, split: str, download: bool = False, verify: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One split ("train" or "test") of a dataset: images uint8 (N, 1, H, W), labels int64 (N,).
 
     The files are located with `find_dataset_files`; when they are missing and download=True,
@@ -404,17 +440,24 @@ def load_dataset(name: str, root: str | os.PathLike, split: str, download: bool 
     images_path, labels_path = files[split]
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.dtype != np.uint8 or images.ndim != 3:
-        raise ValueError(f"{images_path}: expected uint8 images (N, H, W), got {images.dtype} {images.shape}")
+        raise ValueError(
+            f"{images_path}: expected uint8 images (N, H, W), got {images.dtype} {images.shape}"
+        )
     if labels.dtype != np.uint8 or labels.ndim != 1:
-        raise ValueError(f"{labels_path}: expected uint8 labels (N,), got {labels.dtype} {labels.shape}")
+        raise ValueError(
+            f"{labels_path}: expected uint8 labels (N,), got {labels.dtype} {labels.shape}"
+        )
     if len(images) != len(labels):
-        raise ValueError(f"{name} {split}: {len(images)} images in {images_path} but {len(labels)} labels "
-                         f"in {labels_path}")
+        raise ValueError(
+            f"{name} {split}: {len(images)} images in {images_path} but {len(labels)} labels "
+            f"in {labels_path}"
+        )
     return torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
 
 
-def shift_augment(images: torch.Tensor, max_shift: int = 2,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def shift_augment(
+    images: torch.Tensor, max_shift: int = 2, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Shifts each image by a random whole number of pixels, zero filling (Sabour et al. 2017).
 
     images: (N, C, H, W), any dtype and device. Each image gets its own shifts dy and dx, drawn
@@ -425,15 +468,22 @@ def shift_augment(images: torch.Tensor, max_shift: int = 2,
     a function of the generator's state whatever the images' device.
     """
     if images.dim() != 4:
-        raise ValueError(f"shift_augment: images must be (N, C, H, W), got shape {tuple(images.shape)}")
+        raise ValueError(
+            f"shift_augment: images must be (N, C, H, W), got shape {tuple(images.shape)}"
+        )
     if max_shift < 0:
         raise ValueError(f"shift_augment: max_shift must be >= 0, got {max_shift}")
     n, c, h, w = images.shape
     m = max_shift
     padded = images.new_zeros(n, c, h + 2 * m, w + 2 * m)
-    padded[:, :, m:m + h, m:m + w] = images
-    shifts = torch.randint(-m, m + 1, (2, n), generator=generator,
-                           device=generator.device if generator is not None else "cpu").to(images.device)
+    padded[:, :, m : m + h, m : m + w] = images
+    shifts = torch.randint(
+        -m,
+        m + 1,
+        (2, n),
+        generator=generator,
+        device=generator.device if generator is not None else "cpu",
+    ).to(images.device)
     # The crop window of image n starts at (m - dy, m - dx) in the padded image.
     rows = (m - shifts[0])[:, None] + torch.arange(h, device=images.device)  # (N, H)
     cols = (m - shifts[1])[:, None] + torch.arange(w, device=images.device)  # (N, W)
@@ -447,8 +497,17 @@ def num_batches(n: int, batch_size: int, *, drop_last: bool = False, world_size:
     return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
 
 
-def batch_indices(n: int, batch_size: int, *, shuffle: bool = True, generator: torch.Generator | None = None,
-                  drop_last: bool = False, rank: int = 0, world_size: int = 1, skip: int = 0) -> Iterator[torch.Tensor]:
+def batch_indices(
+    n: int,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    generator: torch.Generator | None = None,
+    drop_last: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    skip: int = 0,
+) -> Iterator[torch.Tensor]:
     """The sample indices (int64, CPU) of each of this rank's minibatches of one epoch of n samples.
 
     The order is drawn when `batch_indices` is called (not lazily on first use): a random permutation
@@ -464,7 +523,9 @@ def batch_indices(n: int, batch_size: int, *, shuffle: bool = True, generator: t
     if batch_size < 1:
         raise ValueError(f"batches: batch_size must be >= 1, got {batch_size}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"batches: need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
+        raise ValueError(
+            f"batches: need 0 <= rank < world_size, got rank {rank}, world_size {world_size}"
+        )
     if skip < 0:
         raise ValueError(f"batches: skip must be >= 0, got {skip}")
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
@@ -473,12 +534,21 @@ def batch_indices(n: int, batch_size: int, *, shuffle: bool = True, generator: t
         order = order.repeat(math.ceil(total / n))[:total]
     shard = order[rank::world_size]
     count = num_batches(n, batch_size, drop_last=drop_last, world_size=world_size)
-    return (shard[b * batch_size:(b + 1) * batch_size] for b in range(skip, count))
+    return (shard[b * batch_size : (b + 1) * batch_size] for b in range(skip, count))
 
 
-def batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuffle: bool = True,
-            generator: torch.Generator | None = None, drop_last: bool = False, rank: int = 0,
-            world_size: int = 1, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    *,
+    shuffle: bool = True,
+    generator: torch.Generator | None = None,
+    drop_last: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    skip: int = 0,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """One epoch of minibatches (images, labels) for this rank; uint8 images come out as float32 / 255.
 
     Order, sharding, drop_last and skip as `batch_indices` (the order is drawn at the call).
@@ -487,12 +557,22 @@ def batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuf
     n = len(images)
     if len(labels) != n:
         raise ValueError(f"batches: {n} images but {len(labels)} labels")
-    indices = batch_indices(n, batch_size, shuffle=shuffle, generator=generator, drop_last=drop_last, rank=rank,
-                            world_size=world_size, skip=skip)
+    indices = batch_indices(
+        n,
+        batch_size,
+        shuffle=shuffle,
+        generator=generator,
+        drop_last=drop_last,
+        rank=rank,
+        world_size=world_size,
+        skip=skip,
+    )
     return (_batch(images, labels, index.to(images.device)) for index in indices)
 
 
-def _batch(images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = images[index]
     if x.dtype == torch.uint8:
         x = x.float().div_(255)

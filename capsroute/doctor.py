@@ -9,6 +9,7 @@ did not run; a forced path that the device cannot schedule is reported as refuse
 
   capsroute doctor [--device cpu|cuda] [--quick] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, tor
 EM_TOLERANCE_FACTOR = {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}
 
 # The environment switches of the CUDA kernels (csrc/cuda/kernel_options.h and the launch files).
-SWITCHES = ("CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_ROUTING_SPLITS", "CAPSROUTE_ROUTING_CLUSTER",
-            "CAPSROUTE_EM_SPLITS", "CAPSROUTE_DENSE_CHUNK", "CAPSROUTE_EM_POSE_BACKWARD_CHUNK")
+SWITCHES = (
+    "CAPSROUTE_CUDA_KERNELS",
+    "CAPSROUTE_ROUTING_SPLITS",
+    "CAPSROUTE_ROUTING_CLUSTER",
+    "CAPSROUTE_EM_SPLITS",
+    "CAPSROUTE_DENSE_CHUNK",
+    "CAPSROUTE_EM_POSE_BACKWARD_CHUNK",
+)
 REFUSED = "CAPSROUTE_ROUTING_CLUSTER=force, but"  # a forced cluster path refusing to run
 WARP_ROW_MAX_J, WARP_ROW_MAX_D = 32, 16  # warp_rows_fit (csrc/cuda/routing_warp_kernels.cuh)
 
@@ -58,9 +65,12 @@ def _conv_em_inputs(shape, device, dtype, generator):
     """conv_em_routing's tensors for shape (B, H, W, C_in, C_out, K)."""
     B, H, W, C_in, C_out, K = shape
     a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64, generator=generator)
-    return (_randn((B, H, W, C_in, 4, 4), device, dtype, generator), a_in.to(device, dtype),
-            _randn((K, K, C_in, C_out, 4, 4), device, dtype, generator, 0.5),
-            *(_randn((C_out,), device, dtype, generator, 0.5) for _ in range(2)))
+    return (
+        _randn((B, H, W, C_in, 4, 4), device, dtype, generator),
+        a_in.to(device, dtype),
+        _randn((K, K, C_in, C_out, 4, 4), device, dtype, generator, 0.5),
+        *(_randn((C_out,), device, dtype, generator, 0.5) for _ in range(2)),
+    )
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class OpCheck:
     """How the doctor draws an op's inputs and calls it: call(module, *tensors) with module
     capsroute or capsroute.reference (looked up at every call) returns the outputs, the first
     grad_outputs of them differentiable."""
+
     name: str
     make: Callable  # (shape, device, dtype, generator) -> the differentiable input tensors
     call: Callable
@@ -85,40 +96,75 @@ class OpCheck:
 
 
 OPS = [
-    OpCheck("squash", lambda s, d, t, g: (_randn(s, d, t, g),), lambda m, s: (m.squash(s),), 1,
-            {"7x16": (7, 16), "3x5x33": (3, 5, 33)}, {"primary B=2": (2, 1152, 8)},
-            ("primary", (32, 1152, 8), (512, 1152, 8)), "squash"),
-    OpCheck("dynamic_routing",
-            lambda s, d, t, g: (_randn(s, d, t, g), _randn(s[2:], d, t, g, 0.1)),
-            lambda m, votes, bias: (m.dynamic_routing(votes, bias=bias),), 1,
-            {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
-            {"mnist B=2": (2, 1152, 10, 16)},
-            ("mnist", (32, 1152, 10, 16), (512, 1152, 10, 16)), "routing"),
-    OpCheck("dense_capsules",
-            lambda s, d, t, g: (_randn((s[0], s[1], s[4]), d, t, g), _randn(s[1:], d, t, g, 0.5),
-                                _randn(s[2:4], d, t, g, 0.1)),
-            lambda m, u, weight, bias: (m.dense_capsules(u, weight, bias=bias),), 1,
-            {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
-            {"mnist B=2": (2, 1152, 10, 16, 8)},
-            ("mnist", (32, 1152, 10, 16, 8), (512, 1152, 10, 16, 8)), "dense"),
-    OpCheck("em_routing",
-            lambda s, d, t, g: (_randn(s, d, t, g), *_em_activations(*s[:3], d, t, g)),
-            lambda m, *tensors: m.em_routing(*tensors), 2,
-            {"3,37,7,16": (3, 37, 7, 16), "2,19,10,4": (2, 19, 10, 4)},
-            {"em-class B=2": (2, 512, 10, 16), "em-conv B=4": (4, 288, 32, 16)},
-            ("em-class", (16, 512, 10, 16), (256, 512, 10, 16)), "em"),
-    OpCheck("em_routing_pose",
-            lambda s, d, t, g: (_randn((*s[:2], 4, 4), d, t, g), _randn((*s[1:], 4, 4), d, t, g, 0.5),
-                                *_em_activations(*s, d, t, g)),
-            lambda m, *tensors: m.em_routing_pose(*tensors), 2,
-            {"3,37,7": (3, 37, 7)}, {"em-class B=2": (2, 512, 10), "em-conv B=4": (4, 288, 32)},
-            ("em-class", (16, 512, 10), (256, 512, 10)), "em"),
+    OpCheck(
+        "squash",
+        lambda s, d, t, g: (_randn(s, d, t, g),),
+        lambda m, s: (m.squash(s),),
+        1,
+        {"7x16": (7, 16), "3x5x33": (3, 5, 33)},
+        {"primary B=2": (2, 1152, 8)},
+        ("primary", (32, 1152, 8), (512, 1152, 8)),
+        "squash",
+    ),
+    OpCheck(
+        "dynamic_routing",
+        lambda s, d, t, g: (_randn(s, d, t, g), _randn(s[2:], d, t, g, 0.1)),
+        lambda m, votes, bias: (m.dynamic_routing(votes, bias=bias),),
+        1,
+        {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
+        {"mnist B=2": (2, 1152, 10, 16)},
+        ("mnist", (32, 1152, 10, 16), (512, 1152, 10, 16)),
+        "routing",
+    ),
+    OpCheck(
+        "dense_capsules",
+        lambda s, d, t, g: (
+            _randn((s[0], s[1], s[4]), d, t, g),
+            _randn(s[1:], d, t, g, 0.5),
+            _randn(s[2:4], d, t, g, 0.1),
+        ),
+        lambda m, u, weight, bias: (m.dense_capsules(u, weight, bias=bias),),
+        1,
+        {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
+        {"mnist B=2": (2, 1152, 10, 16, 8)},
+        ("mnist", (32, 1152, 10, 16, 8), (512, 1152, 10, 16, 8)),
+        "dense",
+    ),
+    OpCheck(
+        "em_routing",
+        lambda s, d, t, g: (_randn(s, d, t, g), *_em_activations(*s[:3], d, t, g)),
+        lambda m, *tensors: m.em_routing(*tensors),
+        2,
+        {"3,37,7,16": (3, 37, 7, 16), "2,19,10,4": (2, 19, 10, 4)},
+        {"em-class B=2": (2, 512, 10, 16), "em-conv B=4": (4, 288, 32, 16)},
+        ("em-class", (16, 512, 10, 16), (256, 512, 10, 16)),
+        "em",
+    ),
+    OpCheck(
+        "em_routing_pose",
+        lambda s, d, t, g: (
+            _randn((*s[:2], 4, 4), d, t, g),
+            _randn((*s[1:], 4, 4), d, t, g, 0.5),
+            *_em_activations(*s, d, t, g),
+        ),
+        lambda m, *tensors: m.em_routing_pose(*tensors),
+        2,
+        {"3,37,7": (3, 37, 7)},
+        {"em-class B=2": (2, 512, 10), "em-conv B=4": (4, 288, 32)},
+        ("em-class", (16, 512, 10), (256, 512, 10)),
+        "em",
+    ),
     # Every shape with stride 2 and padding 1: overlapping windows, padding and a stride at once.
-    OpCheck("conv_em_routing", _conv_em_inputs,
-            lambda m, *tensors: m.conv_em_routing(*tensors, stride=2, padding=1), 2,
-            {"2,5,5,3,4 K=3": (2, 5, 5, 3, 4, 3), "1,6,6,2,3 K=2": (1, 6, 6, 2, 3, 2)},
-            {"conv1 12x12 8->16 B=2": (2, 12, 12, 8, 16, 3)},
-            ("conv1 12x12 8->16", (16, 12, 12, 8, 16, 3), (64, 12, 12, 8, 16, 3)), "conv-em"),
+    OpCheck(
+        "conv_em_routing",
+        _conv_em_inputs,
+        lambda m, *tensors: m.conv_em_routing(*tensors, stride=2, padding=1),
+        2,
+        {"2,5,5,3,4 K=3": (2, 5, 5, 3, 4, 3), "1,6,6,2,3 K=2": (1, 6, 6, 2, 3, 2)},
+        {"conv1 12x12 8->16 B=2": (2, 12, 12, 8, 16, 3)},
+        ("conv1 12x12 8->16", (16, 12, 12, 8, 16, 3), (64, 12, 12, 8, 16, 3)),
+        "conv-em",
+    ),
 ]
 
 
@@ -126,6 +172,7 @@ OPS = [
 class KernelPath:
     """A kernel path forced through the switches; expect(shape) is the path it must record, or None
     where the dispatch chooses (automatic mode: any path is right)."""
+
     label: str
     switches: dict
     expect: Callable = lambda shape: None
@@ -133,22 +180,32 @@ class KernelPath:
 
 def _routing_paths(prefix: str, v2_prefix: str, with_clusters: bool) -> list[KernelPath]:
     """dynamic_routing's (prefix "") or dense_capsules' ("dense-v1+", "dense-v2-gemm+") paths."""
+
     def v2_path(cluster):
         def expect(shape):
             J, D = shape[2], shape[3]
             if J > WARP_ROW_MAX_J or D > WARP_ROW_MAX_D:
                 return v2_prefix + "v2-block"  # the warp rows do not fit these capsules
             return v2_prefix + ("v2-cluster" if cluster else "v2-warp-rows")
+
         return expect
+
     v1, v2 = {"CAPSROUTE_CUDA_KERNELS": "v1"}, {"CAPSROUTE_CUDA_KERNELS": "v2"}
-    paths = [KernelPath("v1 fused", {**v1, "CAPSROUTE_ROUTING_SPLITS": "1"},
-                        lambda shape: prefix + "v1-fused"),
-             KernelPath("v1 split=3", {**v1, "CAPSROUTE_ROUTING_SPLITS": "3"},
-                        lambda shape: prefix + "v1-split"),
-             KernelPath("v2 no clusters", {**v2, "CAPSROUTE_ROUTING_CLUSTER": "0"}, v2_path(False))]
+    paths = [
+        KernelPath(
+            "v1 fused", {**v1, "CAPSROUTE_ROUTING_SPLITS": "1"}, lambda shape: prefix + "v1-fused"
+        ),
+        KernelPath(
+            "v1 split=3", {**v1, "CAPSROUTE_ROUTING_SPLITS": "3"}, lambda shape: prefix + "v1-split"
+        ),
+        KernelPath("v2 no clusters", {**v2, "CAPSROUTE_ROUTING_CLUSTER": "0"}, v2_path(False)),
+    ]
     if with_clusters:
-        paths.append(KernelPath("v2 clusters forced", {**v2, "CAPSROUTE_ROUTING_CLUSTER": "force"},
-                                v2_path(True)))
+        paths.append(
+            KernelPath(
+                "v2 clusters forced", {**v2, "CAPSROUTE_ROUTING_CLUSTER": "force"}, v2_path(True)
+            )
+        )
     paths.append(KernelPath("v2 auto", v2))
     return paths
 
@@ -168,13 +225,19 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
     if check.family == "dense":
         paths = _routing_paths("dense-v1+", "dense-v2-gemm+", clusters)
         # Chunks of 2 elements: the v2 vote workspace reused across chunks.
-        paths[-1] = KernelPath("v2 auto chunk=2",
-                               {**paths[-1].switches, "CAPSROUTE_DENSE_CHUNK": "2"})
+        paths[-1] = KernelPath(
+            "v2 auto chunk=2", {**paths[-1].switches, "CAPSROUTE_DENSE_CHUNK": "2"}
+        )
         return paths
-    return [KernelPath("v1", {"CAPSROUTE_CUDA_KERNELS": "v1"}, lambda shape: "em-block"),
-            KernelPath("v2 splits=3", {"CAPSROUTE_CUDA_KERNELS": "v2", "CAPSROUTE_EM_SPLITS": "3"},
-                 lambda shape: "em-row-ranges"),
-            KernelPath("v2 auto", {"CAPSROUTE_CUDA_KERNELS": "v2"})]
+    return [
+        KernelPath("v1", {"CAPSROUTE_CUDA_KERNELS": "v1"}, lambda shape: "em-block"),
+        KernelPath(
+            "v2 splits=3",
+            {"CAPSROUTE_CUDA_KERNELS": "v2", "CAPSROUTE_EM_SPLITS": "3"},
+            lambda shape: "em-row-ranges",
+        ),
+        KernelPath("v2 auto", {"CAPSROUTE_CUDA_KERNELS": "v2"}),
+    ]
 
 
 @contextlib.contextmanager
@@ -207,12 +270,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual[finite] - expected[finite]).abs().max().item() / max(scale, 1e-300)
 
 
-def outputs_and_grads(check: OpCheck, module, tensors, cotangents=None,
-                      generator=None) -> tuple[list, list]:
+def outputs_and_grads(
+    check: OpCheck, module, tensors, cotangents=None, generator=None
+) -> tuple[list, list]:
     """(the op's outputs, then the gradients of sum(output * cotangent) w.r.t. every input; the
     cotangents): random float64 ones from `generator` unless given."""
     outs = check.call(module, *tensors)
-    diff = outs[:check.grad_outputs]
+    diff = outs[: check.grad_outputs]
     if cotangents is None:
         cotangents = [_randn(o.shape, o.device, torch.float64, generator) for o in diff]
     grads = torch.autograd.grad(diff, tensors, [c.to(o.dtype) for o, c in zip(diff, cotangents)])
@@ -238,14 +302,21 @@ class Result:
         return self.status == "FAIL"
 
 
-def check_one(check: OpCheck, label: str, shape: tuple, dtype, path: KernelPath,
-              device: torch.device) -> Result:
+def check_one(
+    check: OpCheck, label: str, shape: tuple, dtype, path: KernelPath, device: torch.device
+) -> Result:
     generator = torch.Generator().manual_seed(0)
     inputs = check.make(shape, device, dtype, generator)
     # The reference gets the very values capsroute gets (rounded to dtype), in float64.
     ref_inputs = [t.to(torch.float64, copy=True).requires_grad_() for t in inputs]
-    result = Result(check.name, dtype_name(dtype), label, path.label, path.expect(shape),
-                    tolerance=check.tolerance(dtype))
+    result = Result(
+        check.name,
+        dtype_name(dtype),
+        label,
+        path.label,
+        path.expect(shape),
+        tolerance=check.tolerance(dtype),
+    )
     try:
         expected, cotangents = outputs_and_grads(check, reference, ref_inputs, generator=generator)
         with switches(path.switches):
@@ -277,18 +348,24 @@ def time_op(check: OpCheck, device: torch.device, repeats: int) -> dict:
     shape = cpu_shape if device.type == "cpu" else cuda_shape
     generator = torch.Generator().manual_seed(0)
     inputs = [t.requires_grad_() for t in check.make(shape, device, torch.float32, generator)]
-    outs = check.call(reference, *inputs)[:check.grad_outputs]
+    outs = check.call(reference, *inputs)[: check.grad_outputs]
     cotangents = [_randn(o.shape, device, torch.float32, generator) for o in outs]
     row = {"op": check.name, "case": f"{check.name} {label} B={shape[0]}"}
     for impl, module in (("capsroute", capsroute), ("eager", reference)):
+
         def step():
-            torch.autograd.grad(check.call(module, *inputs)[:check.grad_outputs], inputs, cotangents)
+            torch.autograd.grad(
+                check.call(module, *inputs)[: check.grad_outputs], inputs, cotangents
+            )
+
         step()  # warm-up
         times = time_samples(step, device, repeats=repeats, max_seconds=2.0)
         row[f"{impl}_ms"] = statistics.median(times)
         if impl == "capsroute":
-            row["path"] = "/".join(capsroute.last_kernel_path(check.name, direction)
-                                   for direction in ("forward", "backward"))
+            row["path"] = "/".join(
+                capsroute.last_kernel_path(check.name, direction)
+                for direction in ("forward", "backward")
+            )
     row["speedup"] = row["eager_ms"] / row["capsroute_ms"] if row["capsroute_ms"] > 0 else None
     return row
 
@@ -300,18 +377,22 @@ def format_results(results: list[Result]) -> str:
         path = r.forward if r.forward == r.backward else f"{r.forward}/{r.backward}"
         error = "-" if r.error is None else f"{r.error:.1e}"
         status = r.status + (f": {r.note}" if r.note else "")
-        rows.append((r.op, r.dtype, r.shape, r.switch, path or "-", error, f"{r.tolerance:.0e}",
-                     status))
+        rows.append(
+            (r.op, r.dtype, r.shape, r.switch, path or "-", error, f"{r.tolerance:.0e}", status)
+        )
     widths = [max(len(row[k]) for row in rows) for k in range(len(header) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
-                     for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows
+    )
 
 
 def format_timings(rows: list[dict]) -> str:
     lines = [f"{'case':<32} {'capsroute ms':>12} {'eager ms':>10} {'speedup':>8}  path (fwd/bwd)"]
     for r in rows:
-        lines.append(f"{r['case']:<32} {r['capsroute_ms']:>12.3f} {r['eager_ms']:>10.3f} "
-                     f"{r['speedup']:>7.1f}x  {r['path']}")
+        lines.append(
+            f"{r['case']:<32} {r['capsroute_ms']:>12.3f} {r['eager_ms']:>10.3f} "
+            f"{r['speedup']:>7.1f}x  {r['path']}"
+        )
     return "\n".join(lines)
 
 
@@ -328,13 +409,25 @@ def plan(device: torch.device, quick: bool) -> list[tuple]:
 
 def add_arguments(p: argparse.ArgumentParser):
     """The options of `capsroute doctor`."""
-    p.add_argument("--device", default="auto",
-                   help="cpu | cuda | cuda:N | auto (default: auto, cuda where there is one)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu | cuda | cuda:N | auto (default: auto, cuda where there is one)",
+    )
     p.add_argument("--quick", action="store_true", help="the small odd shapes only, no timings")
-    p.add_argument("--repeats", type=whole_number(1), default=None,
-                   help="timed calls per measurement (default: 3 CPU, 20 CUDA)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help="also write the results and timings as JSON")
+    p.add_argument(
+        "--repeats",
+        type=whole_number(1),
+        default=None,
+        help="timed calls per measurement (default: 3 CPU, 20 CUDA)",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the results and timings as JSON",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -343,8 +436,10 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     if device.type == "cuda" and not capsroute.build_info()["cuda"]:
-        raise CommandError("--device cuda: this capsroute was built without its CUDA kernels; "
-                           "rebuild it with CAPSROUTE_FORCE_CUDA=1 where a CUDA toolkit is")
+        raise CommandError(
+            "--device cuda: this capsroute was built without its CUDA kernels; "
+            "rebuild it with CAPSROUTE_FORCE_CUDA=1 where a CUDA toolkit is"
+        )
     print(f"capsroute {capsroute.__version__} on {device_name(device)}, torch {torch.__version__}")
     todo = plan(device, args.quick)
     progress = tqdm(todo, desc="doctor", file=sys.stderr, disable=args.no_progress)
@@ -355,18 +450,27 @@ def run(args: argparse.Namespace) -> int:
         repeats = args.repeats or (3 if device.type == "cpu" else 20)
         with switches({}):
             timings = [time_op(check, device, repeats) for check in OPS]
-        print("\nforward+backward, float32, default switches, against eager PyTorch "
-              "(capsroute.reference):")
+        print(
+            "\nforward+backward, float32, default switches, against eager PyTorch "
+            "(capsroute.reference):"
+        )
         print(format_timings(timings))
     failed = [r for r in results if r.failed]
     refused = sum(r.status == "refused" for r in results)
     passed = len(results) - len(failed) - refused
-    print(f"\n{passed} passed, {len(failed)} failed, {refused} refused "
-          "(a forced path this device cannot run)")
+    print(
+        f"\n{passed} passed, {len(failed)} failed, {refused} refused "
+        "(a forced path this device cannot run)"
+    )
     if args.json is not None:
-        report = {"kind": "doctor", "device": device_name(device), "torch": torch.__version__,
-                  "build": capsroute.build_info(), "results": [vars(r) for r in results],
-                  "timings": timings}
+        report = {
+            "kind": "doctor",
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "build": capsroute.build_info(),
+            "results": [vars(r) for r in results],
+            "timings": timings,
+        }
         write_json_atomic(report, args.json)
     return 1 if failed else 0
 

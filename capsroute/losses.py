@@ -2,14 +2,20 @@
 
 Labels are (N,) for one object per image or (N, k) for k objects of different classes (MultiMNIST, k = 2).
 """
+
 import torch.nn.functional as F
 from torch import Tensor
 
 from .models import CapsNetOutput, CNNOutput, MatrixCapsNetOutput
 
 
-def margin_loss(lengths: Tensor, labels: Tensor, m_pos: float = 0.9, m_neg: float = 0.1,
-                down_weight: float = 0.5) -> Tensor:
+def margin_loss(
+    lengths: Tensor,
+    labels: Tensor,
+    m_pos: float = 0.9,
+    m_neg: float = 0.1,
+    down_weight: float = 0.5,
+) -> Tensor:
     """Sabour et al. 2017, eq. 4: sum_k T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2,
     averaged over the batch. lengths (N, classes), labels (N,) or (N, k): T_k = 1 for every label."""
     target = present_classes(labels, lengths.shape[-1]).to(lengths.dtype)
@@ -59,7 +65,9 @@ def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> T
     the scaled reconstruction loss (images: the reconstruction targets, (N, k, H, W) for k
     objects); MatrixCapsNet, spread loss with `margin` (see spread_margin); CNN, sigmoid loss."""
     if isinstance(out, CapsNetOutput):
-        return margin_loss(out.lengths.float(), labels) + reconstruction_loss(out.reconstructions, images)
+        return margin_loss(out.lengths.float(), labels) + reconstruction_loss(
+            out.reconstructions, images
+        )
     if isinstance(out, MatrixCapsNetOutput):
         return spread_loss(out.activations.float(), labels, margin)
     if isinstance(out, CNNOutput):
@@ -67,4 +75,12 @@ def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> T
     raise TypeError(f"no training loss for {type(out).__name__}")
 
 
-__all__ = ["margin_loss", "present_classes", "reconstruction_loss", "sigmoid_loss", "spread_loss", "spread_margin", "training_loss"]
+__all__ = [
+    "margin_loss",
+    "present_classes",
+    "reconstruction_loss",
+    "sigmoid_loss",
+    "spread_loss",
+    "spread_margin",
+    "training_loss",
+]

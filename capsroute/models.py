@@ -3,6 +3,7 @@
 Both take `backend="fused" | "reference"` (see capsroute.nn) and return a named tuple whose
 `scores` (N, classes) rank the classes.
 """
+
 import ast
 from typing import NamedTuple
 
@@ -14,8 +15,8 @@ from .nn import ClassCapsules, ConvCapsules, DenseCapsules, PrimaryCapsules, Pri
 
 
 class CapsNetOutput(NamedTuple):
-    lengths: Tensor          # (N, classes): the probability that each class is present
-    capsules: Tensor         # (N, classes, dim): the class capsules
+    lengths: Tensor  # (N, classes): the probability that each class is present
+    capsules: Tensor  # (N, classes, dim): the class capsules
     reconstructions: Tensor  # (N, pixels): the decoder's image, from the masked capsules
 
     @property
@@ -48,23 +49,41 @@ class CapsNet(nn.Module):
         one from each label's capsule.
     """
 
-    def __init__(self, classes: int = 10, in_channels: int = 1, image_size: int = 28, *, conv_channels: int = 256,
-                 primary_types: int = 32, primary_dim: int = 8, class_dim: int = 16, iters: int = 3,
-                 decoder: tuple[int, ...] = (512, 1024), backend: str = "fused"):
+    def __init__(
+        self,
+        classes: int = 10,
+        in_channels: int = 1,
+        image_size: int = 28,
+        *,
+        conv_channels: int = 256,
+        primary_types: int = 32,
+        primary_dim: int = 8,
+        class_dim: int = 16,
+        iters: int = 3,
+        decoder: tuple[int, ...] = (512, 1024),
+        backend: str = "fused",
+    ):
         super().__init__()
         self.image_shape = (in_channels, image_size, image_size)
         self.conv = nn.Conv2d(in_channels, conv_channels, 9)
-        self.primary = PrimaryCapsules(conv_channels, primary_types, primary_dim, kernel_size=9, stride=2,
-                                       backend=backend)
+        self.primary = PrimaryCapsules(
+            conv_channels, primary_types, primary_dim, kernel_size=9, stride=2, backend=backend
+        )
         grid = (image_size - 8 - 9) // 2 + 1
         if grid < 1:
-            raise ValueError(f"image_size must be at least 17 for two 9x9 convolutions (the second of stride 2), got {image_size}")
-        self.classes = DenseCapsules(primary_types * grid * grid, primary_dim, classes, class_dim, iters,
-                                     backend=backend)
+            raise ValueError(
+                f"image_size must be at least 17 for two 9x9 convolutions (the second of stride 2), got {image_size}"
+            )
+        self.classes = DenseCapsules(
+            primary_types * grid * grid, primary_dim, classes, class_dim, iters, backend=backend
+        )
         widths = (classes * class_dim, *decoder)
-        layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU(inplace=True))]
-        self.decoder = nn.Sequential(*layers, nn.Linear(widths[-1], in_channels * image_size * image_size),
-                                     nn.Sigmoid())
+        layers = [
+            m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU(inplace=True))
+        ]
+        self.decoder = nn.Sequential(
+            *layers, nn.Linear(widths[-1], in_channels * image_size * image_size), nn.Sigmoid()
+        )
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> CapsNetOutput:
         capsules = self.classes(self.primary(F.relu(self.conv(images))))
@@ -75,7 +94,9 @@ class CapsNet(nn.Module):
     def reconstruct(self, capsules: Tensor, classes: Tensor) -> Tensor:
         """The decoder's image from the capsule of `classes`, the others masked out: (N, pixels)
         for classes (N,), (N, k, pixels) for classes (N, k), one image per class."""
-        mask = F.one_hot(classes, capsules.shape[1]).to(capsules.dtype)[..., None]  # (N, [k,] classes, 1)
+        mask = F.one_hot(classes, capsules.shape[1]).to(capsules.dtype)[
+            ..., None
+        ]  # (N, [k,] classes, 1)
         if classes.dim() == 2:
             capsules = capsules[:, None]
         return self.decoder((capsules * mask).flatten(-2))
@@ -83,7 +104,7 @@ class CapsNet(nn.Module):
 
 class MatrixCapsNetOutput(NamedTuple):
     activations: Tensor  # (N, classes)
-    poses: Tensor        # (N, classes, 16)
+    poses: Tensor  # (N, classes, 16)
 
     @property
     def scores(self) -> Tensor:
@@ -113,15 +134,37 @@ class MatrixCapsNet(nn.Module):
         MatrixCapsNetOutput: activations (N, classes), poses (N, classes, 16).
     """
 
-    def __init__(self, classes: int = 10, in_channels: int = 1, *, A: int = 64, B: int = 8, C: int = 16, D: int = 16,
-                 iters: int = 2, final_lambda: float = 0.01, normalize_cost: bool = False, min_var: float = 1e-6,
-                 weight_std: float = 0.5, pose_norm: bool = False, conv_norm: bool = False, backend: str = "fused"):
+    def __init__(
+        self,
+        classes: int = 10,
+        in_channels: int = 1,
+        *,
+        A: int = 64,
+        B: int = 8,
+        C: int = 16,
+        D: int = 16,
+        iters: int = 2,
+        final_lambda: float = 0.01,
+        normalize_cost: bool = False,
+        min_var: float = 1e-6,
+        weight_std: float = 0.5,
+        pose_norm: bool = False,
+        conv_norm: bool = False,
+        backend: str = "fused",
+    ):
         super().__init__()
         self.conv = nn.Conv2d(in_channels, A, 5, stride=2)
         self.conv_norm = nn.BatchNorm2d(A) if conv_norm else nn.Identity()
         self.primary = PrimaryMatrixCapsules(A, B)
-        routing = dict(iters=iters, final_lambda=final_lambda, normalize_cost=normalize_cost, min_var=min_var,
-                       weight_std=weight_std, pose_norm=pose_norm, backend=backend)
+        routing = dict(
+            iters=iters,
+            final_lambda=final_lambda,
+            normalize_cost=normalize_cost,
+            min_var=min_var,
+            weight_std=weight_std,
+            pose_norm=pose_norm,
+            backend=backend,
+        )
         self.conv_caps1 = ConvCapsules(B, C, 3, stride=2, **routing)
         self.conv_caps2 = ConvCapsules(C, D, 3, stride=1, **routing)
         self.classes = ClassCapsules(D, classes, **routing)
@@ -162,17 +205,33 @@ class CNN(nn.Module):
         Returns CNNOutput: logits (N, classes).
     """
 
-    def __init__(self, classes: int = 10, in_channels: int = 1, image_size: int = 28, *,
-                 channels: tuple[int, int, int] = (64, 128, 128), hidden: int = 1024, backend: str = "fused"):
+    def __init__(
+        self,
+        classes: int = 10,
+        in_channels: int = 1,
+        image_size: int = 28,
+        *,
+        channels: tuple[int, int, int] = (64, 128, 128),
+        hidden: int = 1024,
+        backend: str = "fused",
+    ):
         super().__init__()
         c1, c2, c3 = channels
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, c1, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(c1, c2, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(c2, c3, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten())
+            nn.Conv2d(in_channels, c1, 5, padding=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 5, padding=2),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c2, c3, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Flatten(),
+        )
         side = image_size // 4
-        self.classifier = nn.Sequential(nn.Linear(c3 * side * side, hidden), nn.ReLU(inplace=True),
-                                        nn.Linear(hidden, classes))
+        self.classifier = nn.Sequential(
+            nn.Linear(c3 * side * side, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, classes)
+        )
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> CNNOutput:
         return CNNOutput(self.classifier(self.features(images)))
@@ -211,5 +270,15 @@ def model_for_run(args: dict) -> nn.Module:
     return build_model(args["model"], args["backend"], config)
 
 
-__all__ = ["CNN", "CNNOutput", "MODELS", "CapsNet", "CapsNetOutput", "MatrixCapsNet", "MatrixCapsNetOutput",
-           "build_model", "model_for_run", "parse_model_config"]
+__all__ = [
+    "CNN",
+    "CNNOutput",
+    "MODELS",
+    "CapsNet",
+    "CapsNetOutput",
+    "MatrixCapsNet",
+    "MatrixCapsNetOutput",
+    "build_model",
+    "model_for_run",
+    "parse_model_config",
+]

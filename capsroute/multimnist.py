@@ -20,6 +20,7 @@ vectorised over the batch, with nothing stored; an epoch resumes exactly from it
 Pair i takes digit i mod N as its first digit, so P pairs per digit (N * P pairs) use every digit
 P times, and the second digit uniformly among the digits of the other classes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,10 +32,10 @@ from torch import Tensor
 
 from . import data
 
-SHIFT = 4                      # pixels, in each direction
+SHIFT = 4  # pixels, in each direction
 DIGIT_SIZE = 28
 SIZE = DIGIT_SIZE + 2 * SHIFT  # 36
-MAX_PAIRS_PER_DIGIT = 1000     # the paper's training set: 1,000 pairs per training digit
+MAX_PAIRS_PER_DIGIT = 1000  # the paper's training set: 1,000 pairs per training digit
 TEST_SEED = 2017
 # checksum(test_pairs(*load_dataset("mnist", ..., "test"))): the 10,000 test pairs of the full
 # MNIST test files. A run records the checksum of its test set; equal checksums, same test pairs.
@@ -54,7 +55,9 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
 def random_words(seed: int, index: np.ndarray, count: int) -> np.ndarray:
     """count independent uniform uint64 words per index, (len(index), count): a hash of (seed, index, word)."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64 by design
-        key = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) * _GOLDEN + _GOLDEN)
+        key = _splitmix64(
+            np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64) * _GOLDEN + _GOLDEN
+        )
         counter = _splitmix64(key ^ (index.astype(np.uint64) * _GOLDEN))
         words = np.arange(1, count + 1, dtype=np.uint64) * _GOLDEN
         return _splitmix64(counter[:, None] + words[None, :])
@@ -75,12 +78,18 @@ class MultiMNIST:
 
     def __init__(self, images: Tensor, labels: Tensor, pairs_per_digit: int = 1, seed: int = 0):
         if images.dtype != torch.uint8 or images.shape[-2:] != (DIGIT_SIZE, DIGIT_SIZE):
-            raise ValueError(f"MultiMNIST: images must be uint8 (N, [1,] 28, 28), got {images.dtype} "
-                             f"{tuple(images.shape)}")
+            raise ValueError(
+                f"MultiMNIST: images must be uint8 (N, [1,] 28, 28), got {images.dtype} "
+                f"{tuple(images.shape)}"
+            )
         if labels.dim() != 1 or len(labels) != len(images):
-            raise ValueError(f"MultiMNIST: labels must be (N,) for {len(images)} images, got {tuple(labels.shape)}")
+            raise ValueError(
+                f"MultiMNIST: labels must be (N,) for {len(images)} images, got {tuple(labels.shape)}"
+            )
         if not 1 <= pairs_per_digit <= MAX_PAIRS_PER_DIGIT:
-            raise ValueError(f"MultiMNIST: pairs_per_digit must be in 1..{MAX_PAIRS_PER_DIGIT}, got {pairs_per_digit}")
+            raise ValueError(
+                f"MultiMNIST: pairs_per_digit must be in 1..{MAX_PAIRS_PER_DIGIT}, got {pairs_per_digit}"
+            )
         self.digit_images = images.reshape(-1, DIGIT_SIZE, DIGIT_SIZE)
         self.digit_labels = labels.long()
         self.pairs_per_digit, self.seed = pairs_per_digit, seed
@@ -111,19 +120,36 @@ class MultiMNIST:
         second = self._by_class[position]
         # Four shifts in 0..8 from one word: its base-9 digits (bias of order 9**4 / 2**64).
         w = words[:, 1]
-        shifts = np.stack([(w // np.uint64(9 ** k)) % np.uint64(9) for k in range(4)], 1).astype(np.int64)
+        shifts = np.stack([(w // np.uint64(9**k)) % np.uint64(9) for k in range(4)], 1).astype(
+            np.int64
+        )
         shifts = torch.from_numpy(shifts).view(-1, 2, 2) - SHIFT
         pair = torch.from_numpy(np.stack([first, second], 1))
         digits = _place(self.digit_images[pair], shifts)
         return PairBatch(digits.amax(1, keepdim=True), self.digit_labels[pair], digits, shifts)
 
-    def batches(self, batch_size: int, *, shuffle: bool = True, generator: torch.Generator | None = None,
-                rank: int = 0, world_size: int = 1, skip: int = 0) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        generator: torch.Generator | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        skip: int = 0,
+    ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """One epoch of (images float (B, 1, 36, 36), labels (B, 2), digits float (B, 2, 36, 36)), pixels
         in [0, 1]; order, sharding and skip exactly as `capsroute.data.batches` (a pure function
         of the generator's state, so a resumed epoch yields the same batches)."""
-        for index in data.batch_indices(len(self), batch_size, shuffle=shuffle, generator=generator, rank=rank,
-                                        world_size=world_size, skip=skip):
+        for index in data.batch_indices(
+            len(self),
+            batch_size,
+            shuffle=shuffle,
+            generator=generator,
+            rank=rank,
+            world_size=world_size,
+            skip=skip,
+        ):
             yield self.float_pairs(index)
 
     def float_pairs(self, index: Tensor | np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
@@ -140,7 +166,9 @@ def _place(digits: Tensor, shifts: Tensor) -> Tensor:
     rows = (SHIFT + shifts[..., 0, None] + offsets)[..., :, None]  # (B, 2, 28, 1)
     cols = (SHIFT + shifts[..., 1, None] + offsets)[..., None, :]  # (B, 2, 1, 28)
     canvas = digits.new_zeros(b, k, SIZE, SIZE)
-    canvas[torch.arange(b)[:, None, None, None], torch.arange(k)[None, :, None, None], rows, cols] = digits
+    canvas[
+        torch.arange(b)[:, None, None, None], torch.arange(k)[None, :, None, None], rows, cols
+    ] = digits
     return canvas
 
 
@@ -182,11 +210,27 @@ def bounding_box_overlap(digits: Tensor) -> Tensor:
         last = line.shape[-1] - 1 - line.flip(-1).float().argmax(-1)
         boxes.append((first, last))
     (top, bottom), (left, right) = boxes
-    height = (torch.minimum(bottom[:, 0], bottom[:, 1]) - torch.maximum(top[:, 0], top[:, 1]) + 1).clamp(min=0)
-    width = (torch.minimum(right[:, 0], right[:, 1]) - torch.maximum(left[:, 0], left[:, 1]) + 1).clamp(min=0)
+    height = (
+        torch.minimum(bottom[:, 0], bottom[:, 1]) - torch.maximum(top[:, 0], top[:, 1]) + 1
+    ).clamp(min=0)
+    width = (
+        torch.minimum(right[:, 0], right[:, 1]) - torch.maximum(left[:, 0], left[:, 1]) + 1
+    ).clamp(min=0)
     areas = (bottom - top + 1) * (right - left + 1)
     return (height * width).float() / areas.min(1).values.float()
 
 
-__all__ = ["MAX_PAIRS_PER_DIGIT", "MNIST_TEST_CHECKSUM", "MultiMNIST", "PairBatch", "SHIFT", "SIZE", "TEST_SEED",
-           "bounding_box_overlap", "checksum", "pair_correct", "random_words", "test_pairs"]
+__all__ = [
+    "MAX_PAIRS_PER_DIGIT",
+    "MNIST_TEST_CHECKSUM",
+    "MultiMNIST",
+    "PairBatch",
+    "SHIFT",
+    "SIZE",
+    "TEST_SEED",
+    "bounding_box_overlap",
+    "checksum",
+    "pair_correct",
+    "random_words",
+    "test_pairs",
+]

@@ -7,6 +7,7 @@ parameters, so one model can be A/B-compared by switching the attribute.
 Shapes: vector capsules are (N, capsules, dim); matrix capsules keep the grid,
 poses (N, H, W, types, 16) and activations (N, H, W, types).
 """
+
 import torch
 from torch import Tensor, nn
 
@@ -63,8 +64,15 @@ class PrimaryCapsules(_CapsuleLayer):
         likewise), ordered type-major: capsule (t, y, x) at index t * H' * W' + y * W' + x.
     """
 
-    def __init__(self, in_channels: int, types: int = 32, dim: int = 8, kernel_size: int = 9, stride: int = 2,
-                 backend: str = "fused"):
+    def __init__(
+        self,
+        in_channels: int,
+        types: int = 32,
+        dim: int = 8,
+        kernel_size: int = 9,
+        stride: int = 2,
+        backend: str = "fused",
+    ):
         super().__init__(backend)
         self.types, self.dim = types, dim
         self.conv = nn.Conv2d(in_channels, types * dim, kernel_size, stride)
@@ -72,7 +80,11 @@ class PrimaryCapsules(_CapsuleLayer):
     def forward(self, x: Tensor) -> Tensor:
         y = self.conv(x)
         N, _, H, W = y.shape
-        s = y.view(N, self.types, self.dim, H, W).permute(0, 1, 3, 4, 2).reshape(N, self.types * H * W, self.dim)
+        s = (
+            y.view(N, self.types, self.dim, H, W)
+            .permute(0, 1, 3, 4, 2)
+            .reshape(N, self.types * H * W, self.dim)
+        )
         return self.ops.squash(s)
 
 
@@ -102,16 +114,28 @@ class DenseCapsules(_CapsuleLayer):
     Shapes: u (N, I, Din) -> v (N, J, D).
     """
 
-    def __init__(self, in_capsules: int, in_dim: int, out_capsules: int, out_dim: int, iters: int = 3, *,
-                 bias: bool = True, leaky: bool = False, detach: bool = False, backend: str = "fused"):
+    def __init__(
+        self,
+        in_capsules: int,
+        in_dim: int,
+        out_capsules: int,
+        out_dim: int,
+        iters: int = 3,
+        *,
+        bias: bool = True,
+        leaky: bool = False,
+        detach: bool = False,
+        backend: str = "fused",
+    ):
         super().__init__(backend)
         self.iters, self.leaky, self.detach = iters, leaky, detach
         self.weight = nn.Parameter(0.01 * torch.randn(in_capsules, out_capsules, out_dim, in_dim))
         self.bias = nn.Parameter(torch.zeros(out_capsules, out_dim)) if bias else None
 
     def forward(self, u: Tensor) -> Tensor:
-        return self.ops.dense_capsules(u, self.weight, self.iters, bias=self.bias, leaky=self.leaky,
-                                       detach=self.detach)
+        return self.ops.dense_capsules(
+            u, self.weight, self.iters, bias=self.bias, leaky=self.leaky, detach=self.detach
+        )
 
     def extra_repr(self) -> str:
         I, J, D, Din = self.weight.shape
@@ -162,9 +186,19 @@ class _EmCapsules(_CapsuleLayer):
       mean of many votes) or drifting with training.
     """
 
-    def __init__(self, inputs: int, out_types: int, iters: int, final_lambda: float, backend: str, *,
-                 normalize_cost: bool = False, min_var: float = 1e-6, weight_std: float = 0.5,
-                 pose_norm: bool = False):
+    def __init__(
+        self,
+        inputs: int,
+        out_types: int,
+        iters: int,
+        final_lambda: float,
+        backend: str,
+        *,
+        normalize_cost: bool = False,
+        min_var: float = 1e-6,
+        weight_std: float = 0.5,
+        pose_norm: bool = False,
+    ):
         super().__init__(backend)
         self.iters, self.final_lambda = iters, final_lambda
         self.normalize_cost, self.min_var, self.pose_norm = normalize_cost, min_var, pose_norm
@@ -180,12 +214,18 @@ class _EmCapsules(_CapsuleLayer):
 
     def _routing_options(self, inputs: int) -> dict:
         """The op's keyword arguments for `inputs` votes per output capsule."""
-        lam = self.final_lambda * self.beta_a.numel() / inputs if self.normalize_cost else self.final_lambda
+        lam = (
+            self.final_lambda * self.beta_a.numel() / inputs
+            if self.normalize_cost
+            else self.final_lambda
+        )
         return {"final_lambda": lam, "eps": self.min_var}
 
     def extra_repr(self) -> str:
-        return (f"iters={self.iters}, final_lambda={self.final_lambda}, normalize_cost={self.normalize_cost}, "
-                f"min_var={self.min_var}, pose_norm={self.pose_norm}, {super().extra_repr()}")
+        return (
+            f"iters={self.iters}, final_lambda={self.final_lambda}, normalize_cost={self.normalize_cost}, "
+            f"min_var={self.min_var}, pose_norm={self.pose_norm}, {super().extra_repr()}"
+        )
 
 
 class ConvCapsules(_EmCapsules):
@@ -215,9 +255,21 @@ class ConvCapsules(_EmCapsules):
         16), activation (N, H', W', out_types), H' = (H - kernel_size) // stride + 1 (W' likewise).
     """
 
-    def __init__(self, in_types: int, out_types: int, kernel_size: int = 3, stride: int = 1, iters: int = 3, *,
-                 final_lambda: float = 0.01, backend: str = "fused", **routing):
-        super().__init__(kernel_size * kernel_size * in_types, out_types, iters, final_lambda, backend, **routing)
+    def __init__(
+        self,
+        in_types: int,
+        out_types: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        iters: int = 3,
+        *,
+        final_lambda: float = 0.01,
+        backend: str = "fused",
+        **routing,
+    ):
+        super().__init__(
+            kernel_size * kernel_size * in_types, out_types, iters, final_lambda, backend, **routing
+        )
         self.kernel_size, self.stride = kernel_size, stride
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
@@ -228,9 +280,21 @@ class ConvCapsules(_EmCapsules):
         windows = pose.unfold(1, k, s).unfold(2, k, s)
         Ho, Wo = windows.shape[1], windows.shape[2]
         windows = windows.permute(0, 1, 2, 5, 6, 3, 4).reshape(N * Ho * Wo, k * k * types, 16)
-        a_windows = activation.unfold(1, k, s).unfold(2, k, s).permute(0, 1, 2, 4, 5, 3).reshape(N * Ho * Wo, -1)
-        out_pose, out_a = self.ops.em_routing_pose(windows, self.weight, a_windows, self.beta_u, self.beta_a,
-                                                   self.iters, **self._routing_options(windows.shape[1]))
+        a_windows = (
+            activation.unfold(1, k, s)
+            .unfold(2, k, s)
+            .permute(0, 1, 2, 4, 5, 3)
+            .reshape(N * Ho * Wo, -1)
+        )
+        out_pose, out_a = self.ops.em_routing_pose(
+            windows,
+            self.weight,
+            a_windows,
+            self.beta_u,
+            self.beta_a,
+            self.iters,
+            **self._routing_options(windows.shape[1]),
+        )
         return out_pose.view(N, Ho, Wo, -1, 16), out_a.view(N, Ho, Wo, -1)
 
     def extra_repr(self) -> str:
@@ -267,15 +331,30 @@ class ClassCapsules(_EmCapsules):
         activation (N, classes).
     """
 
-    def __init__(self, in_types: int, classes: int, iters: int = 3, *, coordinate_addition: bool = True,
-                 final_lambda: float = 0.01, backend: str = "fused", **routing):
+    def __init__(
+        self,
+        in_types: int,
+        classes: int,
+        iters: int = 3,
+        *,
+        coordinate_addition: bool = True,
+        final_lambda: float = 0.01,
+        backend: str = "fused",
+        **routing,
+    ):
         super().__init__(in_types, classes, iters, final_lambda, backend, **routing)
         self.coordinate_addition = coordinate_addition
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
         votes = _class_votes(self._normalized(pose), self.weight, self.coordinate_addition)
-        return self.ops.em_routing(votes, activation.flatten(1), self.beta_u, self.beta_a, self.iters,
-                                   **self._routing_options(votes.shape[1]))
+        return self.ops.em_routing(
+            votes,
+            activation.flatten(1),
+            self.beta_u,
+            self.beta_a,
+            self.iters,
+            **self._routing_options(votes.shape[1]),
+        )
 
     def extra_repr(self) -> str:
         return f"coordinate_addition={self.coordinate_addition}, {super().extra_repr()}"
@@ -289,8 +368,12 @@ def _class_votes(pose: Tensor, weight: Tensor, coordinate_addition: bool) -> Ten
     votes = torch.einsum("nhwtrk,tcks->nhwtcrs", pose.view(N, H, W, types, 4, 4), weight)
     if coordinate_addition:
         offsets = votes.new_zeros(H, W, 4, 4)
-        offsets[..., 0, 3] = (torch.arange(H, dtype=votes.dtype, device=votes.device)[:, None] + 0.5) / H
-        offsets[..., 1, 3] = (torch.arange(W, dtype=votes.dtype, device=votes.device)[None, :] + 0.5) / W
+        offsets[..., 0, 3] = (
+            torch.arange(H, dtype=votes.dtype, device=votes.device)[:, None] + 0.5
+        ) / H
+        offsets[..., 1, 3] = (
+            torch.arange(W, dtype=votes.dtype, device=votes.device)[None, :] + 0.5
+        ) / W
         votes = votes + offsets[:, :, None, None]
     return votes.reshape(N, H * W * types, -1, 16)
 

@@ -9,6 +9,7 @@ products) differentiates the reference at the saved inputs, and under a torch.fu
 (grad, vjp, jvp, vmap, jacrev, jacfwd, hessian) or forward-mode AD the functions below call the
 reference instead of the operator.
 """
+
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
@@ -19,7 +20,14 @@ _ops = torch.ops.capsroute
 
 # The public operators, in the order of csrc/ops.cpp. Each has a backward operator _<op>_backward
 # that takes the saved state the forward returns.
-OPS = ("squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose", "conv_em_routing")
+OPS = (
+    "squash",
+    "dynamic_routing",
+    "dense_capsules",
+    "em_routing",
+    "em_routing_pose",
+    "conv_em_routing",
+)
 SCHEMA_OPS = tuple(name for op in OPS for name in (op, f"_{op}_backward"))
 
 
@@ -29,9 +37,14 @@ def _transformed(*tensors: Tensor | None) -> bool:
     if torch.compiler.is_compiling():
         return False
     dual = fwAD._current_level >= 0
-    return any(t is not None and (torch._C._functorch.is_functorch_wrapped_tensor(t)
-                                  or (dual and fwAD.unpack_dual(t).tangent is not None))
-               for t in tensors)
+    return any(
+        t is not None
+        and (
+            torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or (dual and fwAD.unpack_dual(t).tangent is not None)
+        )
+        for t in tensors
+    )
 
 
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
@@ -56,9 +69,11 @@ def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
 
 def _with_args(text: str):
     """Fills the {args} of the decorated function's docstring: the arguments several ops share."""
+
     def decorate(fn):
         fn.__doc__ = fn.__doc__.format(args=text.strip("\n"))
         return fn
+
     return decorate
 
 
@@ -74,54 +89,80 @@ _ROUTING_ARGS = """
 
 
 @_with_args(_ROUTING_ARGS)
-def dynamic_routing(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
-                    detach: bool = False, eps: float = 1e-8) -> Tensor:
+def dynamic_routing(
+    votes: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
     """Routing by agreement (Sabour et al. 2017) over the votes u_ij of input i for output j:
 
-        b = 0;  repeat iters times:  c_ij = softmax_j(b_ij),  s_j = sum_i c_ij u_ij + bias_j,
-        v_j = squash(s_j),  b_ij += <u_ij, v_j>   (not after the last iteration)
+            b = 0;  repeat iters times:  c_ij = softmax_j(b_ij),  s_j = sum_i c_ij u_ij + bias_j,
+            v_j = squash(s_j),  b_ij += <u_ij, v_j>   (not after the last iteration)
 
-    Args:
-        votes: (B, I, J, D), float32, float64, float16 or bfloat16.
-{args}
+        Args:
+            votes: (B, I, J, D), float32, float64, float16 or bfloat16.
+    {args}
 
-    Returns:
-        v: (B, J, D), the output capsules, differentiable w.r.t. votes and bias (exactly,
-        through every iteration).
+        Returns:
+            v: (B, J, D), the output capsules, differentiable w.r.t. votes and bias (exactly,
+            through every iteration).
     """
     return dynamic_routing_coupling(votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps)[0]
 
 
-def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
-                             detach: bool = False, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+def dynamic_routing_coupling(
+    votes: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
     """dynamic_routing that also returns the final couplings c (B, I, J), for inspection.
 
     Takes the arguments of dynamic_routing. Returns (v (B, J, D), c (B, I, J)); c is not
     differentiable (v is).
     """
     if _transformed(votes, bias):
-        v, c = reference.dynamic_routing_coupling(votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps)
+        v, c = reference.dynamic_routing_coupling(
+            votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
+        )
         return v, c.detach()
     v, c, _ = _ops.dynamic_routing(votes, bias, iters, leaky, detach, eps)
     return v, c
 
 
 @_with_args(_ROUTING_ARGS)
-def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
-                   detach: bool = False, eps: float = 1e-8) -> Tensor:
+def dense_capsules(
+    u: Tensor,
+    weight: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
     """A fully connected capsule layer: dynamic_routing over the votes u_ij = weight_ij @ u_i,
-    computed on the fly and never stored.
+        computed on the fly and never stored.
 
-    Args:
-        u: (B, I, Din), the input capsules.
-        weight: (I, J, D, Din), a transform per input and output capsule.
-{args}
+        Args:
+            u: (B, I, Din), the input capsules.
+            weight: (I, J, D, Din), a transform per input and output capsule.
+    {args}
 
-    Returns:
-        v: (B, J, D), differentiable w.r.t. u, weight and bias.
+        Returns:
+            v: (B, J, D), differentiable w.r.t. u, weight and bias.
     """
     if _transformed(u, weight, bias):
-        return reference.dense_capsules(u, weight, iters, bias=bias, leaky=leaky, detach=detach, eps=eps)
+        return reference.dense_capsules(
+            u, weight, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
+        )
     return _ops.dense_capsules(u, weight, bias, iters, leaky, detach, eps)[0]
 
 
@@ -141,49 +182,81 @@ _EM_ARGS = """
 
 
 @_with_args(_EM_ARGS)
-def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
-               final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def em_routing(
+    votes: Tensor,
+    a_in: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """EM routing of matrix capsules (Hinton et al. 2018): each output j is a Gaussian over the
-    votes with mean mu_j and diagonal variance var_j, fitted by EM from R_ij = 1/J:
+        votes with mean mu_j and diagonal variance var_j, fitted by EM from R_ij = 1/J:
 
-        M-step:  r_ij = R_ij a_i,  m_j = sum_i r_ij,  mu_j, var_j = the r-weighted moments,
-                 a_j = sigmoid(lambda (beta_a_j - sum_h (beta_u_j + ln(var_jh) / 2) m_j))
-        E-step:  R_ij = softmax_j(ln a_j + ln N(V_ij; mu_j, var_j)), in the log domain
+            M-step:  r_ij = R_ij a_i,  m_j = sum_i r_ij,  mu_j, var_j = the r-weighted moments,
+                     a_j = sigmoid(lambda (beta_a_j - sum_h (beta_u_j + ln(var_jh) / 2) m_j))
+            E-step:  R_ij = softmax_j(ln a_j + ln N(V_ij; mu_j, var_j)), in the log domain
 
-    Args:
-        votes: (B, I, J, H), float32, float64, float16 or bfloat16 (computed in float32 under
-            autocast).
-{args}
+        Args:
+            votes: (B, I, J, H), float32, float64, float16 or bfloat16 (computed in float32 under
+                autocast).
+    {args}
     """
     if _transformed(votes, a_in, beta_u, beta_a):
-        return reference.em_routing(votes, a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps)
+        return reference.em_routing(
+            votes, a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps
+        )
     pose, a_out, _ = _ops.em_routing(votes, a_in, beta_u, beta_a, iters, final_lambda, eps)
     return pose, a_out
 
 
 @_with_args(_EM_ARGS)
-def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
-                    final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def em_routing_pose(
+    pose: Tensor,
+    weight: Tensor,
+    a_in: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """em_routing over the votes V_ij = pose_i @ weight_ij (4x4 matrix products, H = 16),
-    computed on the fly and never stored.
+        computed on the fly and never stored.
 
-    Args:
-        pose: (B, I, 4, 4) or (B, I, 16), the input poses.
-        weight: (I, J, 4, 4), a transform per input and output capsule.
-{args}
+        Args:
+            pose: (B, I, 4, 4) or (B, I, 16), the input poses.
+            weight: (I, J, 4, 4), a transform per input and output capsule.
+    {args}
     """
     if pose.dim() == 3 and pose.shape[-1] == 16:
         pose = pose.unflatten(-1, (4, 4))
     if _transformed(pose, weight, a_in, beta_u, beta_a):
-        return reference.em_routing_pose(pose, weight, a_in, beta_u, beta_a, iters, final_lambda=final_lambda,
-                                         eps=eps)
-    pose_out, a_out, _ = _ops.em_routing_pose(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps)
+        return reference.em_routing_pose(
+            pose, weight, a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps
+        )
+    pose_out, a_out, _ = _ops.em_routing_pose(
+        pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps
+    )
     return pose_out, a_out
 
 
-def conv_em_routing(pose: Tensor, a_in: Tensor, weight: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
-                    stride: int = 1, padding: int = 0, final_lambda: float = 0.01,
-                    eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def conv_em_routing(
+    pose: Tensor,
+    a_in: Tensor,
+    weight: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """EM routing in a convolutional capsule layer (Hinton et al. 2018) with the paper's E-step:
     a child capsule that lies in several overlapping K x K windows has one assignment
     distribution over every parent of every window that contains it (its assignments sum to 1).
@@ -210,22 +283,37 @@ def conv_em_routing(pose: Tensor, a_in: Tensor, weight: Tensor, beta_u: Tensor, 
     if pose.dim() == 5 and pose.shape[-1] == 16:
         pose = pose.unflatten(-1, (4, 4))
     if _transformed(pose, a_in, weight, beta_u, beta_a):
-        return reference.conv_em_routing(pose, a_in, weight, beta_u, beta_a, iters, stride=stride, padding=padding,
-                                         final_lambda=final_lambda, eps=eps)
-    pose_out, a_out, _ = _ops.conv_em_routing(pose, a_in, weight, beta_u, beta_a, iters, stride, padding,
-                                              final_lambda, eps)
+        return reference.conv_em_routing(
+            pose,
+            a_in,
+            weight,
+            beta_u,
+            beta_a,
+            iters,
+            stride=stride,
+            padding=padding,
+            final_lambda=final_lambda,
+            eps=eps,
+        )
+    pose_out, a_out, _ = _ops.conv_em_routing(
+        pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps
+    )
     return pose_out, a_out
 
 
 # ---- fake (meta) implementations: shapes and dtypes only, for torch.compile ----
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int):
-    return (like.new_empty(B, J, D), like.new_empty(B, I, J),
-            like.new_empty(B, iters, J, D, dtype=_acc_dtype(like.dtype)))
+    return (
+        like.new_empty(B, J, D),
+        like.new_empty(B, I, J),
+        like.new_empty(B, iters, J, D, dtype=_acc_dtype(like.dtype)),
+    )
 
 
 @torch.library.register_fake("capsroute::squash")
@@ -246,8 +334,10 @@ def _(votes, bias, iters, leaky, detach, eps):
 
 @torch.library.register_fake("capsroute::_dynamic_routing_backward")
 def _(grad_v, votes, s_hist, leaky, detach, eps):
-    return (torch.empty_like(votes, memory_format=torch.contiguous_format),
-            votes.new_empty(votes.shape[2], votes.shape[3]))
+    return (
+        torch.empty_like(votes, memory_format=torch.contiguous_format),
+        votes.new_empty(votes.shape[2], votes.shape[3]),
+    )
 
 
 @torch.library.register_fake("capsroute::dense_capsules")
@@ -258,34 +348,52 @@ def _(u, weight, bias, iters, leaky, detach, eps):
 
 @torch.library.register_fake("capsroute::_dense_capsules_backward")
 def _(grad_v, u, weight, s_hist, leaky, detach, eps):
-    return (torch.empty_like(u, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            u.new_empty(weight.shape[1], weight.shape[2]))
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        u.new_empty(weight.shape[1], weight.shape[2]),
+    )
 
 
 @torch.library.register_fake("capsroute::em_routing")
 def _(votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
     B, I, J, H = votes.shape
-    return (votes.new_empty(B, J, H), votes.new_empty(B, J),
-            votes.new_empty(B, iters, J, 2 * H + 1, dtype=_acc_dtype(votes.dtype)))
+    return (
+        votes.new_empty(B, J, H),
+        votes.new_empty(B, J),
+        votes.new_empty(B, iters, J, 2 * H + 1, dtype=_acc_dtype(votes.dtype)),
+    )
 
 
 @torch.library.register_fake("capsroute::_em_routing_backward")
 def _(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, final_lambda, eps):
-    return (torch.empty_like(votes, memory_format=torch.contiguous_format), torch.empty_like(a_in),
-            torch.empty_like(beta_u), torch.empty_like(beta_a))
+    return (
+        torch.empty_like(votes, memory_format=torch.contiguous_format),
+        torch.empty_like(a_in),
+        torch.empty_like(beta_u),
+        torch.empty_like(beta_a),
+    )
 
 
 @torch.library.register_fake("capsroute::em_routing_pose")
 def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
     B, J = pose.shape[0], weight.shape[1]
-    return (pose.new_empty(B, J, 16), pose.new_empty(B, J),
-            pose.new_empty(B, iters, J, 33, dtype=_acc_dtype(pose.dtype)))
+    return (
+        pose.new_empty(B, J, 16),
+        pose.new_empty(B, J),
+        pose.new_empty(B, iters, J, 33, dtype=_acc_dtype(pose.dtype)),
+    )
 
 
 @torch.library.register_fake("capsroute::_em_routing_pose_backward")
 def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
-    return (torch.empty_like(pose, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            torch.empty_like(a_in), torch.empty_like(beta_u), torch.empty_like(beta_a))
+    return (
+        torch.empty_like(pose, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        torch.empty_like(a_in),
+        torch.empty_like(beta_u),
+        torch.empty_like(beta_a),
+    )
 
 
 @torch.library.register_fake("capsroute::conv_em_routing")
@@ -293,14 +401,35 @@ def _(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, 
     B, H, W = pose.shape[:3]
     K, C_out = weight.shape[0], weight.shape[3]
     Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
-    return (pose.new_empty(B, Ho, Wo, C_out, 16), pose.new_empty(B, Ho, Wo, C_out),
-            pose.new_empty(B, Ho, Wo, iters, C_out, 33, dtype=_acc_dtype(pose.dtype)))
+    return (
+        pose.new_empty(B, Ho, Wo, C_out, 16),
+        pose.new_empty(B, Ho, Wo, C_out),
+        pose.new_empty(B, Ho, Wo, iters, C_out, 33, dtype=_acc_dtype(pose.dtype)),
+    )
 
 
 @torch.library.register_fake("capsroute::_conv_em_routing_backward")
-def _(grad_pose_out, grad_a_out, pose, a_in, weight, beta_u, beta_a, stats, stride, padding, final_lambda, eps):
-    return (torch.empty_like(pose), torch.empty_like(a_in), torch.empty_like(weight), torch.empty_like(beta_u),
-            torch.empty_like(beta_a))
+def _(
+    grad_pose_out,
+    grad_a_out,
+    pose,
+    a_in,
+    weight,
+    beta_u,
+    beta_a,
+    stats,
+    stride,
+    padding,
+    final_lambda,
+    eps,
+):
+    return (
+        torch.empty_like(pose),
+        torch.empty_like(a_in),
+        torch.empty_like(weight),
+        torch.empty_like(beta_u),
+        torch.empty_like(beta_a),
+    )
 
 
 # ---- autograd ----
@@ -308,6 +437,7 @@ def _(grad_pose_out, grad_a_out, pose, a_in, weight, beta_u, beta_a, stats, stri
 # the forward's saved state; the backward runs the fused backward operator, or, when the engine
 # builds a graph of the gradient (grad mode is on in a backward only with create_graph=True),
 # differentiates the reference at the saved inputs so that every higher derivative is exact.
+
 
 def _reference_vjp(ctx, tensors: list, grads: tuple) -> list:
     """The vector-Jacobian product of ctx.reference at `tensors`, as a graph, in the
@@ -323,16 +453,25 @@ def _reference_vjp(ctx, tensors: list, grads: tuple) -> list:
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(out, g.to(out.dtype)) for out, g in zip(outputs, grads) if g is not None]
         inputs = [tensors[i] for i in wanted]
-        grads_in = torch.autograd.grad([p[0] for p in pairs], inputs, [p[1] for p in pairs],
-                                       create_graph=True, allow_unused=True, materialize_grads=True)
+        grads_in = torch.autograd.grad(
+            [p[0] for p in pairs],
+            inputs,
+            [p[1] for p in pairs],
+            create_graph=True,
+            allow_unused=True,
+            materialize_grads=True,
+        )
     for i, g in zip(wanted, grads_in):
         result[i] = g.to(tensors[i].dtype)
     return result
 
 
-def _register_autograd(name: str, num_tensors: int, num_differentiable: int, reference_fn, fused_backward):
+def _register_autograd(
+    name: str, num_tensors: int, num_differentiable: int, reference_fn, fused_backward
+):
     """reference_fn(*tensors, *options) gives the op's differentiable outputs in plain PyTorch;
     fused_backward(ctx, tensors, state, grads) the first-order gradients of the tensors."""
+
     def setup_context(ctx, inputs, output):
         tensors, options = inputs[:num_tensors], inputs[num_tensors:]
         state = None
@@ -359,8 +498,10 @@ def _zeros_if_none(grads: tuple, stats: Tensor, H: int) -> tuple[Tensor, Tensor]
     """Autograd passes None for an output that got no gradient; the backward ops want zeros."""
     grad_pose, grad_a_out = grads
     B, J = stats.shape[0], stats.shape[2]
-    return (stats.new_zeros(B, J, H) if grad_pose is None else grad_pose,
-            stats.new_zeros(B, J) if grad_a_out is None else grad_a_out)
+    return (
+        stats.new_zeros(B, J, H) if grad_pose is None else grad_pose,
+        stats.new_zeros(B, J) if grad_a_out is None else grad_a_out,
+    )
 
 
 def _squash_backward(ctx, tensors, state, grads):
@@ -370,27 +511,35 @@ def _squash_backward(ctx, tensors, state, grads):
 def _dynamic_routing_backward(ctx, tensors, s_hist, grads):
     votes, bias = tensors
     iters, leaky, detach, eps = ctx.options
-    grad_votes, grad_bias = _ops._dynamic_routing_backward(grads[0], votes, s_hist, leaky, detach, eps)
+    grad_votes, grad_bias = _ops._dynamic_routing_backward(
+        grads[0], votes, s_hist, leaky, detach, eps
+    )
     return [grad_votes, None if bias is None else grad_bias]
 
 
 def _dense_capsules_backward(ctx, tensors, s_hist, grads):
     u, weight, bias = tensors
     iters, leaky, detach, eps = ctx.options
-    grad_u, grad_weight, grad_bias = _ops._dense_capsules_backward(grads[0], u, weight, s_hist, leaky, detach, eps)
+    grad_u, grad_weight, grad_bias = _ops._dense_capsules_backward(
+        grads[0], u, weight, s_hist, leaky, detach, eps
+    )
     return [grad_u, grad_weight, None if bias is None else grad_bias]
 
 
 def _em_backward(ctx, tensors, stats, grads):
     iters, final_lambda, eps = ctx.options
     grad_pose, grad_a_out = _zeros_if_none(grads, stats, tensors[0].shape[3])
-    return list(_ops._em_routing_backward(grad_pose, grad_a_out, *tensors, stats, final_lambda, eps))
+    return list(
+        _ops._em_routing_backward(grad_pose, grad_a_out, *tensors, stats, final_lambda, eps)
+    )
 
 
 def _em_pose_backward(ctx, tensors, stats, grads):
     iters, final_lambda, eps = ctx.options
     grad_pose, grad_a_out = _zeros_if_none(grads, stats, 16)
-    return list(_ops._em_routing_pose_backward(grad_pose, grad_a_out, *tensors, stats, final_lambda, eps))
+    return list(
+        _ops._em_routing_pose_backward(grad_pose, grad_a_out, *tensors, stats, final_lambda, eps)
+    )
 
 
 def _conv_em_backward(ctx, tensors, stats, grads):
@@ -399,34 +548,55 @@ def _conv_em_backward(ctx, tensors, stats, grads):
     B, Ho, Wo, _, J, _ = stats.shape
     grad_pose = stats.new_zeros(B, Ho, Wo, J, 16) if grad_pose is None else grad_pose
     grad_a_out = stats.new_zeros(B, Ho, Wo, J) if grad_a_out is None else grad_a_out
-    return list(_ops._conv_em_routing_backward(grad_pose, grad_a_out, *tensors, stats, stride, padding,
-                                               final_lambda, eps))
+    return list(
+        _ops._conv_em_routing_backward(
+            grad_pose, grad_a_out, *tensors, stats, stride, padding, final_lambda, eps
+        )
+    )
 
 
 _register_autograd("squash", 1, 1, lambda s, eps: reference.squash(s, eps=eps), _squash_backward)
 _register_autograd(
-    "dynamic_routing", 2, 1,
+    "dynamic_routing",
+    2,
+    1,
     lambda votes, bias, iters, leaky, detach, eps: reference.dynamic_routing(
-        votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps),
-    _dynamic_routing_backward)
+        votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
+    ),
+    _dynamic_routing_backward,
+)
 _register_autograd(
-    "dense_capsules", 3, 1,
+    "dense_capsules",
+    3,
+    1,
     lambda u, weight, bias, iters, leaky, detach, eps: reference.dense_capsules(
-        u, weight, iters, bias=bias, leaky=leaky, detach=detach, eps=eps),
-    _dense_capsules_backward)
+        u, weight, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
+    ),
+    _dense_capsules_backward,
+)
 _register_autograd(
-    "em_routing", 4, 2,
+    "em_routing",
+    4,
+    2,
     lambda *args: reference.em_routing(*args[:5], final_lambda=args[5], eps=args[6]),
-    _em_backward)
+    _em_backward,
+)
 _register_autograd(
-    "em_routing_pose", 5, 2,
+    "em_routing_pose",
+    5,
+    2,
     lambda *args: reference.em_routing_pose(*args[:6], final_lambda=args[6], eps=args[7]),
-    _em_pose_backward)
+    _em_pose_backward,
+)
 _register_autograd(
-    "conv_em_routing", 5, 2,
-    lambda *args: reference.conv_em_routing(*args[:6], stride=args[6], padding=args[7], final_lambda=args[8],
-                                            eps=args[9]),
-    _conv_em_backward)
+    "conv_em_routing",
+    5,
+    2,
+    lambda *args: reference.conv_em_routing(
+        *args[:6], stride=args[6], padding=args[7], final_lambda=args[8], eps=args[9]
+    ),
+    _conv_em_backward,
+)
 
 
 # ---- autocast: the rules of capsroute/_autocast.py, on the operators themselves ----

@@ -4,6 +4,7 @@ Written as a careful user would (einsum over whole tensors, no Python loops over
 the loop over routing iterations is inherent). Argument names, defaults and autocast rules
 match capsroute.
 """
+
 import math
 
 import torch
@@ -25,8 +26,15 @@ def _coupling(logits: Tensor, leaky: bool) -> Tensor:
 
 
 @like_op("dynamic_routing")
-def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
-                             detach: bool = False, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+def dynamic_routing_coupling(
+    votes: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
     """Returns (v (B, J, D), final coupling c (B, I, J))."""
     B, I, J, D = votes.shape
     logits = votes.new_zeros(B, I, J)
@@ -43,8 +51,15 @@ def dynamic_routing_coupling(votes: Tensor, iters: int = 3, *, bias: Tensor | No
     return v, c
 
 
-def dynamic_routing(votes: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
-                    detach: bool = False, eps: float = 1e-8) -> Tensor:
+def dynamic_routing(
+    votes: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
     return dynamic_routing_coupling(votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps)[0]
 
 
@@ -54,19 +69,30 @@ def dense_votes(u: Tensor, weight: Tensor) -> Tensor:
 
 
 @like_op("dense_capsules")
-def dense_capsules(u: Tensor, weight: Tensor, iters: int = 3, *, bias: Tensor | None = None, leaky: bool = False,
-                   detach: bool = False, eps: float = 1e-8) -> Tensor:
-    return dynamic_routing(dense_votes(u, weight), iters, bias=bias, leaky=leaky, detach=detach, eps=eps)
+def dense_capsules(
+    u: Tensor,
+    weight: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
+    return dynamic_routing(
+        dense_votes(u, weight), iters, bias=bias, leaky=leaky, detach=detach, eps=eps
+    )
 
 
-def _em_m_step(R: Tensor, a_in: Tensor, votes: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float,
-               eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _em_m_step(
+    R: Tensor, a_in: Tensor, votes: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """EM's M-step over the inputs i of votes (..., I, J, H) with assignments R (..., I, J):
     (mean, variance, activation logit, votes - mean)."""
-    r = R * a_in.unsqueeze(-1)                                         # (..., I, J)
-    m = r.sum(-2)                                                      # (..., J)
+    r = R * a_in.unsqueeze(-1)  # (..., I, J)
+    m = r.sum(-2)  # (..., J)
     mass = (m + eps).unsqueeze(-1)
-    mu = torch.einsum("...ij,...ijh->...jh", r, votes) / mass          # (..., J, H)
+    mu = torch.einsum("...ij,...ijh->...jh", r, votes) / mass  # (..., J, H)
     diff = votes - mu.unsqueeze(-3)
     var = torch.einsum("...ij,...ijh->...jh", r, diff * diff) / mass + eps
     cost = (beta_u.unsqueeze(-1) + 0.5 * torch.log(var)) * m.unsqueeze(-1)
@@ -75,8 +101,11 @@ def _em_m_step(R: Tensor, a_in: Tensor, votes: Tensor, beta_u: Tensor, beta_a: T
 
 def _em_log_posterior(logit: Tensor, var: Tensor, diff: Tensor) -> Tensor:
     """ln a_j + ln p_ij of the E-step, (..., I, J): the log domain, never a product of densities."""
-    log_p = -(diff * diff / (2 * var.unsqueeze(-3)) + 0.5 * torch.log(var.unsqueeze(-3))
-              + 0.5 * math.log(2 * math.pi)).sum(-1)
+    log_p = -(
+        diff * diff / (2 * var.unsqueeze(-3))
+        + 0.5 * torch.log(var.unsqueeze(-3))
+        + 0.5 * math.log(2 * math.pi)
+    ).sum(-1)
     return torch.nn.functional.logsigmoid(logit).unsqueeze(-2) + log_p
 
 
@@ -85,8 +114,16 @@ def _em_lambda(final_lambda: float, t: int) -> float:
 
 
 @like_op("em_routing")
-def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
-               final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def em_routing(
+    votes: Tensor,
+    a_in: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """EM routing (Hinton et al. 2018) as docs/ops.md states it: votes (B, I, J, H), a_in (B, I), beta_u and
     beta_a (J,) -> pose (B, J, H), a_out (B, J). Sums over i are divided by m_j + eps, so a capsule
     that receives no mass gets mean 0, variance eps and finite gradients."""
@@ -95,7 +132,9 @@ def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iter
     J = votes.shape[2]
     R = votes.new_full(votes.shape[:3], 1.0 / J)
     for t in range(iters):
-        mu, var, logit, diff = _em_m_step(R, a_in, votes, beta_u, beta_a, _em_lambda(final_lambda, t), eps)
+        mu, var, logit, diff = _em_m_step(
+            R, a_in, votes, beta_u, beta_a, _em_lambda(final_lambda, t), eps
+        )
         if t < iters - 1:
             R = torch.softmax(_em_log_posterior(logit, var, diff), dim=-1)
     return mu, torch.sigmoid(logit)
@@ -103,18 +142,33 @@ def em_routing(votes: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iter
 
 def pose_votes(pose: Tensor, weight: Tensor) -> Tensor:
     """votes_ij = pose_i @ weight_ij: pose (B, I, 4, 4), weight (I, J, 4, 4) -> (B, I, J, 16)."""
-    return torch.einsum("bikl,ijlm->bijkm", pose, weight).flatten(-2)  # 2x faster than a broadcast @
+    return torch.einsum("bikl,ijlm->bijkm", pose, weight).flatten(
+        -2
+    )  # 2x faster than a broadcast @
 
 
 @like_op("em_routing_pose")
-def em_routing_pose(pose: Tensor, weight: Tensor, a_in: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
-                    final_lambda: float = 0.01, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def em_routing_pose(
+    pose: Tensor,
+    weight: Tensor,
+    a_in: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """em_routing over votes pose_i @ weight_ij; pose (B, I, 4, 4) or (B, I, 16)."""
     pose = pose.reshape(pose.shape[0], pose.shape[1], 4, 4)
-    return em_routing(pose_votes(pose, weight), a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps)
+    return em_routing(
+        pose_votes(pose, weight), a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps
+    )
 
 
-def conv_windows(H: int, W: int, kernel_size: int, stride: int, padding: int, device=None) -> Tensor:
+def conv_windows(
+    H: int, W: int, kernel_size: int, stride: int, padding: int, device=None
+) -> Tensor:
     """The flat index, in the padded (H + 2 padding) x (W + 2 padding) grid, of every window's
     positions: (H', W', K, K)."""
     Hp, Wp = H + 2 * padding, W + 2 * padding
@@ -125,22 +179,47 @@ def conv_windows(H: int, W: int, kernel_size: int, stride: int, padding: int, de
 
 
 @like_op("conv_em_routing")
-def conv_em_routing(pose: Tensor, a_in: Tensor, weight: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3, *,
-                    stride: int = 1, padding: int = 0, final_lambda: float = 0.01,
-                    eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def conv_em_routing(
+    pose: Tensor,
+    a_in: Tensor,
+    weight: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """EM routing in a convolutional capsule layer with the paper's cross-window E-step
     (docs/ops.md, conv_em_routing): pose (B, H, W, C_in, 4, 4) or (..., 16), a_in (B, H, W, C_in),
     weight (K, K, C_in, C_out, 4, 4) -> pose (B, H', W', C_out, 16), a_out (B, H', W', C_out).
     Unfolds the poses into windows and materialises every vote: the oracle, not a fast path."""
-    mu, logit, _ = _conv_em(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps)
+    mu, logit, _ = _conv_em(
+        pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps
+    )
     return mu, torch.sigmoid(logit)
 
 
-def conv_em_assignments(pose: Tensor, a_in: Tensor, weight: Tensor, beta_u: Tensor, beta_a: Tensor, iters: int = 3,
-                        *, stride: int = 1, padding: int = 0, final_lambda: float = 0.01, eps: float = 1e-6) -> Tensor:
+def conv_em_assignments(
+    pose: Tensor,
+    a_in: Tensor,
+    weight: Tensor,
+    beta_u: Tensor,
+    beta_a: Tensor,
+    iters: int = 3,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    final_lambda: float = 0.01,
+    eps: float = 1e-6,
+) -> Tensor:
     """For inspection: the assignments R of conv_em_routing's last M-step, (B, H', W', K*K*C_in, C_out),
     the window's children in (ky, kx, c) order; entries of padded positions are meaningless."""
-    return _conv_em(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps)[2]
+    return _conv_em(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps)[
+        2
+    ]
 
 
 def _conv_em(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps):
@@ -153,20 +232,30 @@ def _conv_em(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_l
     # Padded positions are no capsules: activation 0, so they take no part in any sum.
     pose = torch.nn.functional.pad(pose.reshape(B, H, W, C_in, 16), (0, 0, 0, 0, p, p, p, p))
     a_in = torch.nn.functional.pad(a_in, (0, 0, p, p, p, p))
-    windows = conv_windows(H, W, K, stride, p, pose.device)            # (H', W', K, K)
+    windows = conv_windows(H, W, K, stride, p, pose.device)  # (H', W', K, K)
     Ho, Wo = windows.shape[:2]
     children = pose.shape[1] * pose.shape[2]
-    window_poses = pose.flatten(1, 2)[:, windows].unflatten(-1, (4, 4))  # (B, H', W', K, K, C_in, 4, 4)
+    window_poses = pose.flatten(1, 2)[:, windows].unflatten(
+        -1, (4, 4)
+    )  # (B, H', W', K, K, C_in, 4, 4)
     votes = torch.einsum("byxklcpq,klcoqr->byxklcopr", window_poses, weight)
     votes = votes.flatten(-2).reshape(B, Ho, Wo, K * K * C_in, C_out, 16)
     a_win = a_in.flatten(1, 2)[:, windows].reshape(B, Ho, Wo, K * K * C_in)
-    child = windows.flatten()                                          # the child of each window entry
+    child = windows.flatten()  # the child of each window entry
     covering = torch.zeros(children, dtype=pose.dtype, device=pose.device).index_add_(
-        0, child, torch.ones_like(child, dtype=pose.dtype))
-    R = (1 / (covering[windows] * C_out)).unsqueeze(-1).expand(Ho, Wo, K, K, C_in).reshape(Ho, Wo, -1)
+        0, child, torch.ones_like(child, dtype=pose.dtype)
+    )
+    R = (
+        (1 / (covering[windows] * C_out))
+        .unsqueeze(-1)
+        .expand(Ho, Wo, K, K, C_in)
+        .reshape(Ho, Wo, -1)
+    )
     R = R.unsqueeze(-1).expand(B, Ho, Wo, K * K * C_in, C_out)
     for t in range(iters):
-        mu, var, logit, diff = _em_m_step(R, a_win, votes, beta_u, beta_a, _em_lambda(final_lambda, t), eps)
+        mu, var, logit, diff = _em_m_step(
+            R, a_win, votes, beta_u, beta_a, _em_lambda(final_lambda, t), eps
+        )
         if t == iters - 1:
             break
         # E-step: a softmax over every (window, parent) pair that contains the child.
@@ -175,9 +264,13 @@ def _conv_em(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_l
         index = child[None, :, None].expand(by_child)
         # The shift only keeps exp finite; the softmax does not depend on it.
         shift = log_post.detach().amax(-1).reshape(by_child)
-        shift = shift.new_full((B, children, C_in), -math.inf).scatter_reduce(1, index, shift, "amax")
-        shift = shift[:, windows].unsqueeze(-1)                        # (B, H', W', K, K, C_in, 1)
+        shift = shift.new_full((B, children, C_in), -math.inf).scatter_reduce(
+            1, index, shift, "amax"
+        )
+        shift = shift[:, windows].unsqueeze(-1)  # (B, H', W', K, K, C_in, 1)
         weights = torch.exp(log_post - shift)
-        total = weights.new_zeros(B, children, C_in).index_add(1, child, weights.sum(-1).reshape(by_child))
+        total = weights.new_zeros(B, children, C_in).index_add(
+            1, child, weights.sum(-1).reshape(by_child)
+        )
         R = (weights / total[:, windows].unsqueeze(-1)).reshape(B, Ho, Wo, K * K * C_in, C_out)
     return mu, logit, R

@@ -13,6 +13,7 @@ and data order (the order and the augmentation are functions of the seed, epoch 
 change --epochs, --max-steps, --device, --data-dir and --test-subset, and refuses other changes.
 Errors are one line (--debug shows the traceback).
 """
+
 import argparse
 import csv
 import dataclasses
@@ -50,8 +51,18 @@ from .train_args import (
     resolve_run_dir,
 )
 
-METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_accuracy", "test_loss", "test_accuracy", "test_error",
-                 "epoch_seconds", "images_per_sec"]
+METRIC_FIELDS = [
+    "epoch",
+    "step",
+    "lr",
+    "train_loss",
+    "train_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "test_error",
+    "epoch_seconds",
+    "images_per_sec",
+]
 
 
 @dataclasses.dataclass
@@ -100,16 +111,29 @@ class Trainer:
         self.train_size, self.test_size = self.task.train_size, self.task.test_size
         try:
             self.model = model_for_run(vars(args)).to(device)
-        except (ValueError, RuntimeError) as e:  # e.g. sizes too small for the images, or too large to fit
-            raise CommandError(f"--model {args.model} --model-config {' '.join(args.model_config)}: "
-                               f"cannot build the network: {e}") from e
-        self.net = nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        except (
+            ValueError,
+            RuntimeError,
+        ) as e:  # e.g. sizes too small for the images, or too large to fit
+            raise CommandError(
+                f"--model {args.model} --model-config {' '.join(args.model_config)}: "
+                f"cannot build the network: {e}"
+            ) from e
+        self.net = (
+            nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
+        )
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+        )
         # Exponential decay, applied smoothly every step: lr * decay ** (step / decay_steps).
-        self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.optimizer, args.lr_decay ** (1 / args.decay_steps))
+        self.scheduler = torch.optim.lr_scheduler.ExponentialLR(
+            self.optimizer, args.lr_decay ** (1 / args.decay_steps)
+        )
         self.amp_dtype = AMP_DTYPES[args.amp]
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype is torch.float16)
-        self.steps_per_epoch = data.num_batches(self.train_size, args.batch_size, world_size=ddp.world_size)
+        self.steps_per_epoch = data.num_batches(
+            self.train_size, args.batch_size, world_size=ddp.world_size
+        )
         self.epoch, self.step_in_epoch, self.step = 0, 0, 0
         # This epoch's sums so far (loss * n, correct, n, seconds): kept in checkpoints so that a
         # resumed epoch reports the same metrics as an uninterrupted one.
@@ -118,7 +142,11 @@ class Trainer:
         self.stop_requested = False
 
     def autocast(self):
-        return nullcontext() if self.amp_dtype is None else torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return (
+            nullcontext()
+            if self.amp_dtype is None
+            else torch.autocast(self.device.type, dtype=self.amp_dtype)
+        )
 
     def loss(self, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ramp_steps = round(self.args.margin_ramp_epochs * self.steps_per_epoch)
@@ -129,43 +157,69 @@ class Trainer:
         where the epoch stands (resume). Augmentation is drawn when a batch is taken: a function
         of self.step."""
         generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.epoch)
-        return self.task.training_batches(self.args.batch_size, self._augment, generator=generator,
-                                          rank=self.ddp.rank, world_size=self.ddp.world_size,
-                                          skip=self.step_in_epoch)
+        return self.task.training_batches(
+            self.args.batch_size,
+            self._augment,
+            generator=generator,
+            rank=self.ddp.rank,
+            world_size=self.ddp.world_size,
+            skip=self.step_in_epoch,
+        )
 
     def _on_device(self, batch, non_blocking: bool = False):
         """(images, labels, targets) on the device; targets that are the images move only once."""
         images, labels, targets = batch
         same = targets is images
         images, labels = (t.to(self.device, non_blocking=non_blocking) for t in (images, labels))
-        return images, labels, images if same else targets.to(self.device, non_blocking=non_blocking)
+        return (
+            images,
+            labels,
+            images if same else targets.to(self.device, non_blocking=non_blocking),
+        )
 
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
         if self.args.shift == 0:
             return images
         # A function of (seed, step) alone, so a resumed run augments exactly as an uninterrupted one.
-        generator = torch.Generator().manual_seed((self.args.seed * 1_000_003 + self.step) * 7919 + self.ddp.rank)
+        generator = torch.Generator().manual_seed(
+            (self.args.seed * 1_000_003 + self.step) * 7919 + self.ddp.rank
+        )
         return data.shift_augment(images, self.args.shift, generator=generator)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state(self) -> dict:
         """Plain types and tensors only, so that a checkpoint loads with weights_only=True."""
-        return {"capsroute": __version__, "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                "step": self.step, "epoch_sums": self.epoch_sums, "history": self.history,
-                "torch_rng": torch.get_rng_state(), "args": checkpoint_args(self.args)}
+        return {
+            "capsroute": __version__,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "step": self.step,
+            "epoch_sums": self.epoch_sums,
+            "history": self.history,
+            "torch_rng": torch.get_rng_state(),
+            "args": checkpoint_args(self.args),
+        }
 
     def load_state(self, state: dict) -> None:
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise CommandError(f"{self.args.resume / 'checkpoint.pt'}: its network or optimizer does not fit "
-                               f"the run's options; --debug shows why") from e
+            raise CommandError(
+                f"{self.args.resume / 'checkpoint.pt'}: its network or optimizer does not fit "
+                f"the run's options; --debug shows why"
+            ) from e
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.step_in_epoch, self.step = state["epoch"], state["step_in_epoch"], state["step"]
+        self.epoch, self.step_in_epoch, self.step = (
+            state["epoch"],
+            state["step_in_epoch"],
+            state["step"],
+        )
         self.epoch_sums, self.history = state["epoch_sums"], state["history"]
         torch.set_rng_state(state["torch_rng"])
 
@@ -194,16 +248,23 @@ class Trainer:
                 self.scheduler.step()
                 with torch.no_grad():
                     seen += len(labels)
-                    sums += torch.stack([loss.detach().double() * len(labels),
-                                         pair_correct(out.scores, labels).sum().double()])
+                    sums += torch.stack(
+                        [
+                            loss.detach().double() * len(labels),
+                            pair_correct(out.scores, labels).sum().double(),
+                        ]
+                    )
                 self.step += 1
                 self.step_in_epoch += 1
                 progress.update(1)
                 if self.step_in_epoch % 10 == 0 or self.step_in_epoch == self.steps_per_epoch:
                     loss_sum, correct = sums.tolist()
                     rate = seen * self.ddp.world_size / (time.perf_counter() - start)
-                    progress.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.4f}",
-                                         img_s=f"{rate:.0f}")
+                    progress.set_postfix(
+                        loss=f"{loss_sum / seen:.4f}",
+                        acc=f"{correct / seen:.4f}",
+                        img_s=f"{rate:.0f}",
+                    )
                 if self._interrupted():
                     raise StoppedBetweenSteps
                 if self.args.max_steps is not None and self.step >= self.args.max_steps:
@@ -212,8 +273,12 @@ class Trainer:
             self.epoch_sums = sums.tolist() + [seen, time.perf_counter() - start]
         loss_sum, correct, seen = self.ddp.sum(self.epoch_sums[:3], self.device)
         elapsed = self.epoch_sums[3]
-        return {"train_loss": loss_sum / max(seen, 1), "train_accuracy": correct / max(seen, 1),
-                "epoch_seconds": elapsed, "images_per_sec": seen / elapsed if elapsed > 0 else 0.0}
+        return {
+            "train_loss": loss_sum / max(seen, 1),
+            "train_accuracy": correct / max(seen, 1),
+            "epoch_seconds": elapsed,
+            "images_per_sec": seen / elapsed if elapsed > 0 else 0.0,
+        }
 
     def _interrupted(self) -> bool:
         """Ctrl-C is taken between steps only, so the checkpoint is always a whole step; under
@@ -232,9 +297,9 @@ class Trainer:
     def _test_batches(self):
         """This rank's share of the test set as (images, labels, reconstruction targets): unique
         samples, no padding to equal shards here."""
-        index = torch.arange(self.test_size)[self.ddp.rank::self.ddp.world_size]
+        index = torch.arange(self.test_size)[self.ddp.rank :: self.ddp.world_size]
         for start in range(0, len(index), self.args.batch_size):
-            yield self.task.test_batch(index[start:start + self.args.batch_size])
+            yield self.task.test_batch(index[start : start + self.args.batch_size])
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -242,7 +307,9 @@ class Trainer:
         labels). MultiMNIST CapsNet also: test_recon_error, the mean squared pixel error of each
         digit's reconstruction from its own label's capsule against the digit alone."""
         self.net.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss * n, correct, squared error
+        sums = torch.zeros(
+            3, dtype=torch.float64, device=self.device
+        )  # loss * n, correct, squared error
         seen = 0
         for batch in self._test_batches():
             images, labels, targets = self._on_device(batch)
@@ -250,13 +317,22 @@ class Trainer:
                 out = self.model(images, self.task.test_labels_for(labels))
                 loss = self.loss(out, targets, labels)
             squared_error = self.task.squared_error(self.model, out, targets)
-            sums += torch.stack([loss.double() * len(labels), pair_correct(out.scores, labels).sum().double(),
-                                 torch.as_tensor(squared_error, dtype=torch.float64, device=self.device)])
+            sums += torch.stack(
+                [
+                    loss.double() * len(labels),
+                    pair_correct(out.scores, labels).sum().double(),
+                    torch.as_tensor(squared_error, dtype=torch.float64, device=self.device),
+                ]
+            )
             seen += len(labels)
         loss_sum, correct, squared_error, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
         accuracy = correct / max(seen, 1)
-        return {"test_loss": loss_sum / max(seen, 1), "test_accuracy": accuracy, "test_error": 1 - accuracy,
-                **self.task.reconstruction_metrics(self.model, squared_error, seen)}
+        return {
+            "test_loss": loss_sum / max(seen, 1),
+            "test_accuracy": accuracy,
+            "test_error": 1 - accuracy,
+            **self.task.reconstruction_metrics(self.model, squared_error, seen),
+        }
 
     def fit(self) -> dict | None:
         from tqdm import tqdm
@@ -265,16 +341,25 @@ class Trainer:
         total_steps = args.epochs * self.steps_per_epoch
         if args.max_steps is not None:
             total_steps = min(total_steps, args.max_steps)
-        progress = tqdm(total=total_steps, initial=self.step, disable=args.no_progress or not self.ddp.main,
-                        unit="step", dynamic_ncols=True)
+        progress = tqdm(
+            total=total_steps,
+            initial=self.step,
+            disable=args.no_progress or not self.ddp.main,
+            unit="step",
+            dynamic_ncols=True,
+        )
         if self.ddp.main:
             params = sum(p.numel() for p in self.model.parameters())
-            start = f"resuming at epoch {self.epoch + 1}, step {self.step}" if self.step else "starting"
+            start = (
+                f"resuming at epoch {self.epoch + 1}, step {self.step}" if self.step else "starting"
+            )
             samples = self.task.samples
-            print(f"{args.model} ({params / 1e6:.2f}M parameters, {args.backend} backend, amp {args.amp}) on "
-                  f"{args.dataset}: {self.train_size} training / {self.test_size} test {samples}, "
-                  f"{self.ddp.world_size} x {self.device}, batch {args.batch_size} x {self.ddp.world_size}, "
-                  f"{self.steps_per_epoch} steps per epoch; {start}; writing to {args.out}")
+            print(
+                f"{args.model} ({params / 1e6:.2f}M parameters, {args.backend} backend, amp {args.amp}) on "
+                f"{args.dataset}: {self.train_size} training / {self.test_size} test {samples}, "
+                f"{self.ddp.world_size} x {self.device}, batch {args.batch_size} x {self.ddp.world_size}, "
+                f"{self.steps_per_epoch} steps per epoch; {start}; writing to {args.out}"
+            )
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         try:
             while self.epoch < args.epochs:
@@ -282,18 +367,31 @@ class Trainer:
                     break
                 progress.set_description(f"epoch {self.epoch + 1}/{args.epochs}")
                 train = self.train_epoch(progress)
-                if self.step_in_epoch < self.steps_per_epoch:  # stopped by --max-steps inside the epoch
+                if (
+                    self.step_in_epoch < self.steps_per_epoch
+                ):  # stopped by --max-steps inside the epoch
                     break
-                metrics = {"epoch": self.epoch + 1, "step": self.step, "lr": self.scheduler.get_last_lr()[0],
-                           **train, **self.evaluate()}
+                metrics = {
+                    "epoch": self.epoch + 1,
+                    "step": self.step,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    **train,
+                    **self.evaluate(),
+                }
                 self.history.append(metrics)
-                self.epoch, self.step_in_epoch, self.epoch_sums = self.epoch + 1, 0, [0.0, 0.0, 0.0, 0.0]
+                self.epoch, self.step_in_epoch, self.epoch_sums = (
+                    self.epoch + 1,
+                    0,
+                    [0.0, 0.0, 0.0, 0.0],
+                )
                 if self.ddp.main:
                     self.write_metrics()
-                    progress.write(f"epoch {metrics['epoch']}: train loss {metrics['train_loss']:.4f} "
-                                   f"acc {metrics['train_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} "
-                                   f"error {100 * metrics['test_error']:.2f}% | {metrics['epoch_seconds']:.1f} s, "
-                                   f"{metrics['images_per_sec']:.0f} img/s")
+                    progress.write(
+                        f"epoch {metrics['epoch']}: train loss {metrics['train_loss']:.4f} "
+                        f"acc {metrics['train_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} "
+                        f"error {100 * metrics['test_error']:.2f}% | {metrics['epoch_seconds']:.1f} s, "
+                        f"{metrics['images_per_sec']:.0f} img/s"
+                    )
                 self.save_checkpoint()
         except KeyboardInterrupt as e:
             progress.close()
@@ -303,7 +401,10 @@ class Trainer:
             else:  # a second Ctrl-C, possibly inside a step: keep the last whole checkpoint
                 message = "interrupted again; the last checkpoint is kept"
             if self.ddp.main:
-                print(f"\n{message}. Continue with: capsroute train --resume {args.out}", file=sys.stderr)
+                print(
+                    f"\n{message}. Continue with: capsroute train --resume {args.out}",
+                    file=sys.stderr,
+                )
             raise
         finally:
             signal.signal(signal.SIGINT, previous_handler)
@@ -311,13 +412,17 @@ class Trainer:
         self.save_checkpoint()
         if self.epoch < args.epochs:
             if self.ddp.main:
-                print(f"stopped at step {self.step} (--max-steps); continue with --resume {args.out}")
+                print(
+                    f"stopped at step {self.step} (--max-steps); continue with --resume {args.out}"
+                )
             return None
         return self.finish()
 
     def write_metrics(self) -> None:
         out = self.args.out
-        fields = METRIC_FIELDS + [k for k in self.history[0] if k not in METRIC_FIELDS]  # test_recon_error
+        fields = METRIC_FIELDS + [
+            k for k in self.history[0] if k not in METRIC_FIELDS
+        ]  # test_recon_error
         with replacing(out / "metrics.csv") as tmp, open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fields)
             writer.writeheader()
@@ -326,23 +431,42 @@ class Trainer:
 
     def run_info(self) -> dict:
         args = self.args
-        info = {"kind": "train", "model": args.model, "dataset": args.dataset, "device": device_name(self.device),
-                "devices": self.ddp.world_size, "torch": torch.__version__, "commit": self.commit,
-                "backend": args.backend, "amp": args.amp, "batch_size": args.batch_size * self.ddp.world_size,
-                "model_config": parse_model_config(args.model_config), "capsroute": __version__,
-                "command": args.invocation, "resume_commands": args.resume_commands}
+        info = {
+            "kind": "train",
+            "model": args.model,
+            "dataset": args.dataset,
+            "device": device_name(self.device),
+            "devices": self.ddp.world_size,
+            "torch": torch.__version__,
+            "commit": self.commit,
+            "backend": args.backend,
+            "amp": args.amp,
+            "batch_size": args.batch_size * self.ddp.world_size,
+            "model_config": parse_model_config(args.model_config),
+            "capsroute": __version__,
+            "command": args.invocation,
+            "resume_commands": args.resume_commands,
+        }
         return {**info, **self.task.run_info()}
 
     def evaluate_checkpoint(self) -> dict:
         """--evaluate: the test metrics of the network at the checkpoint's step, into evaluation.json,
         and the figures that need only the network (pairs.png or reconstructions.png, perturbations.png)."""
         seen = self.step * self.args.batch_size * self.ddp.world_size
-        result = {**self.run_info(), "step": self.step, "epochs": self.step / self.steps_per_epoch,
-                  "training_samples_seen": seen, **self.evaluate(), "date": time.strftime("%Y-%m-%d")}
+        result = {
+            **self.run_info(),
+            "step": self.step,
+            "epochs": self.step / self.steps_per_epoch,
+            "training_samples_seen": seen,
+            **self.evaluate(),
+            "date": time.strftime("%Y-%m-%d"),
+        }
         if self.ddp.main:
             write_json_atomic(result, self.args.out / "evaluation.json")
-            print(f"step {self.step} ({seen} training samples): test accuracy {100 * result['test_accuracy']:.2f}% "
-                  f"(error {100 * result['test_error']:.2f}%); wrote {self.args.out / 'evaluation.json'}")
+            print(
+                f"step {self.step} ({seen} training samples): test accuracy {100 * result['test_accuracy']:.2f}% "
+                f"(error {100 * result['test_error']:.2f}%); wrote {self.args.out / 'evaluation.json'}"
+            )
             if not self.args.no_plots:
                 for png in self.plot(curves=bool(self.history)):
                     print(f"wrote {png}")
@@ -356,14 +480,21 @@ class Trainer:
     def finish(self) -> dict:
         last = self.history[-1]
         seconds = [m["epoch_seconds"] for m in self.history]
-        result = {**self.run_info(), "epochs": len(self.history), "sec_per_epoch": sum(seconds) / len(seconds),
-                  "images_per_sec": sum(m["images_per_sec"] for m in self.history) / len(self.history),
-                  "test_error": last["test_error"], "test_accuracy": last["test_accuracy"],
-                  "date": time.strftime("%Y-%m-%d")}
+        result = {
+            **self.run_info(),
+            "epochs": len(self.history),
+            "sec_per_epoch": sum(seconds) / len(seconds),
+            "images_per_sec": sum(m["images_per_sec"] for m in self.history) / len(self.history),
+            "test_error": last["test_error"],
+            "test_accuracy": last["test_accuracy"],
+            "date": time.strftime("%Y-%m-%d"),
+        }
         if self.ddp.main:
             write_json_atomic(result, self.args.out / "result.json")
-            print(f"test accuracy {100 * last['test_accuracy']:.2f}% (error {100 * last['test_error']:.2f}%), "
-                  f"{result['sec_per_epoch']:.1f} s/epoch; files in {self.args.out}")
+            print(
+                f"test accuracy {100 * last['test_accuracy']:.2f}% (error {100 * last['test_error']:.2f}%), "
+                f"{result['sec_per_epoch']:.1f} s/epoch; files in {self.args.out}"
+            )
             if not self.args.no_plots:
                 for png in self.plot():
                     print(f"wrote {png}")
@@ -395,12 +526,18 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, ddp: Distributed, state: dict | None) -> int:
     device = resolve_device(args.device, ddp.local_rank)
     if args.amp == "fp16" and device.type == "cpu" and ddp.main:
-        print("warning: --amp fp16 on a CPU runs about 15x slower than --amp bf16 (no fast float16 "
-              "matrix products there); use --amp bf16 or none", file=sys.stderr)
+        print(
+            "warning: --amp fp16 on a CPU runs about 15x slower than --amp bf16 (no fast float16 "
+            "matrix products there); use --amp bf16 or none",
+            file=sys.stderr,
+        )
     if args.download and ddp.main:  # one process downloads; the others wait for it below
         try:
             data.find_dataset_files(source_dataset(args.dataset), args.data_dir, download=True)
-        except (OSError, RuntimeError) as e:  # no mirror gave a good copy, or the folder is not writable
+        except (
+            OSError,
+            RuntimeError,
+        ) as e:  # no mirror gave a good copy, or the folder is not writable
             raise CommandError(f"--download: {e}") from e
     ddp.barrier()
     trainer = Trainer(args, ddp, device)

@@ -10,6 +10,7 @@
 The last three need a CapsNet (the network with a decoder); MultiMNIST runs draw pairs.png in
 place of reconstructions.png.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,14 +56,18 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path:
     loss_ax.plot(epochs, [m["test_loss"] for m in history], "o-", label="test")
     loss_ax.set(xlabel="epoch", ylabel="loss", yscale="log")
     loss_ax.legend()
-    error_ax.plot(epochs, [100 * (1 - m["train_accuracy"]) for m in history], "o-", label="train (augmented)")
+    error_ax.plot(
+        epochs, [100 * (1 - m["train_accuracy"]) for m in history], "o-", label="train (augmented)"
+    )
     error_ax.plot(epochs, [100 * m["test_error"] for m in history], "o-", label="test")
     error_ax.set(xlabel="epoch", ylabel="error, %", yscale="log")
     error_ax.legend()
     for ax in (loss_ax, error_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
-        ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+        ax.yaxis.set_minor_formatter(
+            _PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5))
+        )
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
@@ -86,7 +91,9 @@ def plot_reconstructions(model: CapsNet, images: torch.Tensor, path: Path, count
         _show(axes[0, k], images[k, 0])
         _show(axes[1, k], out.reconstructions[k].view(-1, side, side)[0])
         axes[0, k].set_title(str(out.lengths[k].argmax().item()), fontsize="small")
-    fig.suptitle("test images (top, predicted class) and reconstructions from the class capsule (bottom)")
+    fig.suptitle(
+        "test images (top, predicted class) and reconstructions from the class capsule (bottom)"
+    )
     fig.savefig(path, dpi=100)
     return path
 
@@ -102,7 +109,7 @@ def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
     tweaked = out.capsules.repeat(dims * steps, 1, 1)
     offsets = PERTURBATIONS.to(capsule)
     for d in range(dims):
-        tweaked[d * steps:(d + 1) * steps, cls, d] += offsets
+        tweaked[d * steps : (d + 1) * steps, cls, d] += offsets
     drawn = model.reconstruct(tweaked, cls.repeat(dims * steps))
     side = model.image_shape[-1]
     fig = _new_figure((steps * 0.7, dims * 0.7))
@@ -110,7 +117,9 @@ def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
     for d in range(dims):
         for k in range(steps):
             _show(axes[d, k], drawn[d * steps + k].view(-1, side, side)[0])
-    fig.suptitle(f"class {cls.item()}: each row adds -0.25 .. 0.25 to one of the {dims} capsule dimensions")
+    fig.suptitle(
+        f"class {cls.item()}: each row adds -0.25 .. 0.25 to one of the {dims} capsule dimensions"
+    )
     fig.savefig(path, dpi=100)
     return path
 
@@ -123,7 +132,9 @@ def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -
     predicted = out.lengths.topk(2).indices
     drawn = model.reconstruct(out.capsules, predicted).view(count, 2, SIZE, SIZE)
     # The most tempting wrong class: the longest capsule of a class in neither the pair nor the prediction.
-    excluded = torch.zeros_like(out.lengths, dtype=torch.bool).scatter_(1, torch.cat([labels, predicted], 1), True)
+    excluded = torch.zeros_like(out.lengths, dtype=torch.bool).scatter_(
+        1, torch.cat([labels, predicted], 1), True
+    )
     absent = out.lengths.masked_fill(excluded, -1).argmax(-1)
     empty = model.reconstruct(out.capsules, absent).view(count, SIZE, SIZE)
     fig = _new_figure((count * 1.0, 3.6))
@@ -135,13 +146,20 @@ def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -
         axes[1, k].imshow(red_green.numpy())
         axes[1, k].set_axis_off()
         right = set(predicted[k].tolist()) == set(labels[k].tolist())
-        axes[1, k].set_title("R:({},{})".format(*predicted[k].tolist()), fontsize="small",
-                             color="black" if right else "red")
+        axes[1, k].set_title(
+            "R:({},{})".format(*predicted[k].tolist()),
+            fontsize="small",
+            color="black" if right else "red",
+        )
         _show(axes[2, k], empty[k])
-        axes[2, k].set_title(f"*{absent[k].item()} ({out.lengths[k, absent[k]]:.2f})", fontsize="small")
-    fig.suptitle("top: test pairs (L: labels); middle: reconstructions from the two longest capsules in red and\n"
-                 "green (R: their classes, red when wrong); bottom: from an absent class (*: class, capsule length)",
-                 fontsize="medium")
+        axes[2, k].set_title(
+            f"*{absent[k].item()} ({out.lengths[k, absent[k]]:.2f})", fontsize="small"
+        )
+    fig.suptitle(
+        "top: test pairs (L: labels); middle: reconstructions from the two longest capsules in red and\n"
+        "green (R: their classes, red when wrong); bottom: from an absent class (*: class, capsule length)",
+        fontsize="medium",
+    )
     fig.savefig(path, dpi=100)
     return path
 
@@ -164,8 +182,14 @@ def _figure_inputs(args: dict) -> dict:
     return task_class(dataset).figure_inputs_of(*test)
 
 
-def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None,
-             pairs: MultiMNIST | None = None, curves: bool = True, out: str | Path | None = None) -> list[Path]:
+def plot_run(
+    run_dir: str | Path,
+    model=None,
+    images: torch.Tensor | None = None,
+    pairs: MultiMNIST | None = None,
+    curves: bool = True,
+    out: str | Path | None = None,
+) -> list[Path]:
     """Draws the run's figures into `out` (default: run_dir); returns their paths. Without `model`
     the network is loaded from run_dir/checkpoint.pt and the test images (or MultiMNIST test pairs)
     from the run's dataset; without either (a run folder kept without its checkpoint, as
@@ -184,8 +208,10 @@ def plot_run(run_dir: str | Path, model=None, images: torch.Tensor | None = None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CommandError(f"{run_dir / 'metrics.json'}: damaged ({e})") from e
         run = metrics["run"]
-        title = (f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
-                 f"commit {short_commit(run['commit'])}")
+        title = (
+            f"{run['model']} on {run['dataset']}, {run['backend']} backend, {run['device']}, "
+            f"commit {short_commit(run['commit'])}"
+        )
         written.append(plot_curves(metrics["epochs"], out / "curves.png", title))
     if model is None:
         if not (run_dir / "checkpoint.pt").exists():

@@ -14,12 +14,14 @@ TORCH_LIBRARY(capsroute, m) {
       " -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_bias (J, D)).
   m.def(
-      "_dynamic_routing_backward(Tensor grad_v, Tensor votes, Tensor s_hist, bool leaky, bool detach,"
+      "_dynamic_routing_backward(Tensor grad_v, Tensor votes, Tensor s_hist, bool leaky, bool "
+      "detach,"
       " float eps) -> (Tensor, Tensor)");
 
   // Dynamic routing over votes_ij = weight_ij @ u_i, never materialised in device memory.
   m.def(
-      "dense_capsules(Tensor u, Tensor weight, Tensor? bias, int iters, bool leaky, bool detach, float eps)"
+      "dense_capsules(Tensor u, Tensor weight, Tensor? bias, int iters, bool leaky, bool detach, "
+      "float eps)"
       " -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_bias (J, D)).
   m.def(
@@ -29,30 +31,37 @@ TORCH_LIBRARY(capsroute, m) {
   // EM routing (matrix capsules). Returns (pose (B, J, H), a_out (B, J), stats (B, iters, J, 2H+1)
   // in the accumulation dtype: per iteration the M-step's mean, variance and activation logit).
   m.def(
-      "em_routing(Tensor votes, Tensor a_in, Tensor beta_u, Tensor beta_a, int iters, float final_lambda,"
+      "em_routing(Tensor votes, Tensor a_in, Tensor beta_u, Tensor beta_a, int iters, float "
+      "final_lambda,"
       " float eps) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_a_in, grad_beta_u, grad_beta_a).
   m.def(
-      "_em_routing_backward(Tensor grad_pose, Tensor grad_a_out, Tensor votes, Tensor a_in, Tensor beta_u,"
-      " Tensor beta_a, Tensor stats, float final_lambda, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+      "_em_routing_backward(Tensor grad_pose, Tensor grad_a_out, Tensor votes, Tensor a_in, Tensor "
+      "beta_u,"
+      " Tensor beta_a, Tensor stats, float final_lambda, float eps) -> (Tensor, Tensor, Tensor, "
+      "Tensor)");
 
   // EM routing over votes_ij = pose_i @ weight_ij (4x4 matrices), never materialised in memory:
   // pose (B, I, 4, 4), weight (I, J, 4, 4). Returns what em_routing returns (H = 16).
   m.def(
-      "em_routing_pose(Tensor pose, Tensor weight, Tensor a_in, Tensor beta_u, Tensor beta_a, int iters,"
+      "em_routing_pose(Tensor pose, Tensor weight, Tensor a_in, Tensor beta_u, Tensor beta_a, int "
+      "iters,"
       " float final_lambda, float eps) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_pose, grad_weight, grad_a_in, grad_beta_u, grad_beta_a).
   m.def(
-      "_em_routing_pose_backward(Tensor grad_pose_out, Tensor grad_a_out, Tensor pose, Tensor weight,"
+      "_em_routing_pose_backward(Tensor grad_pose_out, Tensor grad_a_out, Tensor pose, Tensor "
+      "weight,"
       " Tensor a_in, Tensor beta_u, Tensor beta_a, Tensor stats, float final_lambda, float eps)"
       " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // EM routing in a convolutional capsule layer, each child's assignments normalised over every
   // parent of every window that contains it: pose (B, H, W, C_in, 4, 4), a_in (B, H, W, C_in),
-  // weight (K, K, C_in, C_out, 4, 4). Returns (pose (B, H', W', C_out, 16), a_out (B, H', W', C_out),
-  // stats (B, H', W', iters, C_out, 33) in the accumulation dtype, em_routing's per window).
+  // weight (K, K, C_in, C_out, 4, 4). Returns (pose (B, H', W', C_out, 16), a_out (B, H', W',
+  // C_out), stats (B, H', W', iters, C_out, 33) in the accumulation dtype, em_routing's per
+  // window).
   m.def(
-      "conv_em_routing(Tensor pose, Tensor a_in, Tensor weight, Tensor beta_u, Tensor beta_a, int iters,"
+      "conv_em_routing(Tensor pose, Tensor a_in, Tensor weight, Tensor beta_u, Tensor beta_a, int "
+      "iters,"
       " int stride, int padding, float final_lambda, float eps) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_pose, grad_a_in, grad_weight, grad_beta_u, grad_beta_a).
   m.def(

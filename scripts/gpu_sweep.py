@@ -12,6 +12,7 @@ EM cases again with CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes g
 that ran forward/backward, capsroute.last_kernel_path) to --out, prints a line per
 case, and exits 1 if any case fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,8 @@ def routing_case(B, I, J, D, **options):
     inputs = [_randn(B, I, J, D, scale=0.5), _randn(J, D, scale=0.1)]
 
     def run(impl, votes, bias):
-        return impl.dynamic_routing(votes, 3, bias=bias, **options),
+        return (impl.dynamic_routing(votes, 3, bias=bias, **options),)
+
     return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
 
 
@@ -50,13 +52,15 @@ def dense_case(B, I, J, D, Din, **options):
     inputs = [_randn(B, I, Din), _randn(I, J, D, Din, scale=0.05), _randn(J, D, scale=0.1)]
 
     def run(impl, u, weight, bias):
-        return impl.dense_capsules(u, weight, 3, bias=bias, **options),
+        return (impl.dense_capsules(u, weight, 3, bias=bias, **options),)
+
     return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
 
 
 def squash_case(B, J, D):
     def run(impl, s):
-        return impl.squash(s),
+        return (impl.squash(s),)
+
     return run, [_randn(B, J, D)], [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
 
 
@@ -71,6 +75,7 @@ def em_case(B, I, J, H=16):
 
     def run(impl, votes, a_in, beta_u, beta_a):
         return impl.em_routing(votes, a_in, beta_u, beta_a, 3, final_lambda=0.5)
+
     return run, inputs, [(B, J, H), (B, J)], EM_FLOAT32_TOLERANCE
 
 
@@ -79,6 +84,7 @@ def em_pose_case(B, I, J):
 
     def run(impl, pose, weight, a_in, beta_u, beta_a):
         return impl.em_routing_pose(pose, weight, a_in, beta_u, beta_a, 3, final_lambda=0.5)
+
     return run, inputs, [(B, J, 16), (B, J)], EM_FLOAT32_TOLERANCE
 
 
@@ -95,10 +101,19 @@ def cases(quick: bool):
         yield f"dense_capsules MNIST B={B}", lambda B=B: dense_case(B, **mnist, Din=8)
     yield "dynamic_routing MNIST B=7 leaky", lambda: routing_case(7, **mnist, leaky=True)
     yield "dynamic_routing MNIST B=7 detach", lambda: routing_case(7, **mnist, detach=True)
-    yield "dense_capsules MNIST B=7 leaky detach", lambda: dense_case(7, **mnist, Din=8, leaky=True, detach=True)
+    yield (
+        "dense_capsules MNIST B=7 leaky detach",
+        lambda: dense_case(7, **mnist, Din=8, leaky=True, detach=True),
+    )
     for B in (1, 2):
-        yield f"dynamic_routing I={large['I']} J={large['J']} B={B}", lambda B=B: routing_case(B, **large)
-        yield f"dense_capsules I={large['I']} J={large['J']} B={B}", lambda B=B: dense_case(B, **large, Din=8)
+        yield (
+            f"dynamic_routing I={large['I']} J={large['J']} B={B}",
+            lambda B=B: routing_case(B, **large),
+        )
+        yield (
+            f"dense_capsules I={large['I']} J={large['J']} B={B}",
+            lambda B=B: dense_case(B, **large, Din=8),
+        )
     yield f"em_routing class B={em_class['B']}", lambda: em_case(**em_class)
     yield f"em_routing conv B={em_conv['B']}", lambda: em_case(**em_conv)
     yield f"em_routing_pose class B={em_class['B']}", lambda: em_pose_case(**em_class)
@@ -135,13 +150,24 @@ def sweep_case(name, build, device) -> list[dict]:
         again = outputs_and_grads(run, capsroute, cast, cotangents)
         seconds = time.perf_counter() - start
         op = name.split()[0]
-        path = "/".join(capsroute.last_kernel_path(op, direction) for direction in ("forward", "backward"))
+        path = "/".join(
+            capsroute.last_kernel_path(op, direction) for direction in ("forward", "backward")
+        )
         errors = [rel_err(a, b) for a, b in zip(got, expected)]
         deterministic = all(torch.equal(a, b) for a, b in zip(got, again))
-        records.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "rel_errors": errors,
-                        "max_rel_error": max(errors), "tolerance": tol, "deterministic": deterministic,
-                        "passed": max(errors) <= tol and deterministic, "seconds": round(seconds, 3),
-                        "kernel_path": path})
+        records.append(
+            {
+                "case": name,
+                "dtype": str(dtype).removeprefix("torch."),
+                "rel_errors": errors,
+                "max_rel_error": max(errors),
+                "tolerance": tol,
+                "deterministic": deterministic,
+                "passed": max(errors) <= tol and deterministic,
+                "seconds": round(seconds, 3),
+                "kernel_path": path,
+            }
+        )
     del expected
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -151,8 +177,15 @@ def sweep_case(name, build, device) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true", help="small shapes (checks the script, not the kernels)")
-    p.add_argument("--match", nargs="+", default=[""], help="only the cases whose name contains one of these texts")
+    p.add_argument(
+        "--quick", action="store_true", help="small shapes (checks the script, not the kernels)"
+    )
+    p.add_argument(
+        "--match",
+        nargs="+",
+        default=[""],
+        help="only the cases whose name contains one of these texts",
+    )
     p.add_argument("--out", default=".", help="folder for gpu-sweep.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -163,14 +196,24 @@ def main(argv=None) -> int:
             continue
         for r in sweep_case(name, build, device):
             records.append(r)
-            print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['case']:45s} {r['dtype']:8s} "
-                  f"max rel err {r['max_rel_error']:.2e} (tol {r['tolerance']:.0e}) "
-                  f"deterministic={r['deterministic']} {r['seconds']:.1f} s {r['kernel_path']}", flush=True)
+            print(
+                f"{'ok  ' if r['passed'] else 'FAIL'} {r['case']:45s} {r['dtype']:8s} "
+                f"max rel err {r['max_rel_error']:.2e} (tol {r['tolerance']:.0e}) "
+                f"deterministic={r['deterministic']} {r['seconds']:.1f} s {r['kernel_path']}",
+                flush=True,
+            )
     failed = [r for r in records if not r["passed"]]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = {"kind": "gpu-sweep", "device": device_name, "torch": torch.__version__,
-              "build": capsroute.build_info(), "cuda_kernels": capsroute.cuda_kernel_set(), "quick": args.quick,
-              "match": args.match, "results": records}
+    report = {
+        "kind": "gpu-sweep",
+        "device": device_name,
+        "torch": torch.__version__,
+        "build": capsroute.build_info(),
+        "cuda_kernels": capsroute.cuda_kernel_set(),
+        "quick": args.quick,
+        "match": args.match,
+        "results": records,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-sweep.json").write_text(json.dumps(report, indent=1))

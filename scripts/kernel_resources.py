@@ -8,6 +8,7 @@ kernels' launch bounds ask sm_80's ptxas for room where it would otherwise spill
 
     python scripts/kernel_resources.py [build/build.log] [--fail-on sm_90 ...]
 """
+
 import argparse
 import re
 import shutil
@@ -27,7 +28,9 @@ def parse(log: str) -> list[dict]:
         if m := ENTRY.search(line):
             current = {"mangled": m.group(1), "arch": m.group(2)}
         elif current and (m := FRAME.search(line)):
-            current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            current.update(
+                stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3))
+            )
         elif current and (m := REGISTERS.search(line)):
             current["registers"] = int(m.group(1))
             kernels[(current["mangled"], current["arch"])] = current
@@ -38,7 +41,9 @@ def parse(log: str) -> list[dict]:
 def demangle(names: list[str]) -> list[str]:
     if not names or shutil.which("c++filt") is None:
         return names
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
+    ).stdout
     # the kernel's name and template arguments; the parameter list repeats what they imply
     return [re.sub(r"^void ", "", name).split("(")[0] for name in out.splitlines()]
 
@@ -46,12 +51,16 @@ def demangle(names: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("log", nargs="?", type=Path, default=Path("build/build.log"))
-    p.add_argument("--fail-on", nargs="*", metavar="ARCH", help="archs where a spill fails (default: all)")
+    p.add_argument(
+        "--fail-on", nargs="*", metavar="ARCH", help="archs where a spill fails (default: all)"
+    )
     args = p.parse_args(argv)
     path = args.log
     kernels = parse(path.read_text(errors="replace"))
     if not kernels:
-        print(f"no ptxas resource report in {path} (built without CUDA, or without --resource-usage?)")
+        print(
+            f"no ptxas resource report in {path} (built without CUDA, or without --resource-usage?)"
+        )
         return 1
     for k, name in zip(kernels, demangle([k["mangled"] for k in kernels])):
         k["name"] = name
@@ -59,14 +68,18 @@ def main(argv: list[str]) -> int:
     width = max(len(k["name"]) for k in kernels)
     print(f"{'kernel':{width}}  arch    regs  stack  spill st/ld")
     for k in kernels:
-        print(f"{k['name']:{width}}  {k['arch']:6} {k['registers']:5} {k['stack']:6}  "
-              f"{k['spill_stores']}/{k['spill_loads']}")
+        print(
+            f"{k['name']:{width}}  {k['arch']:6} {k['registers']:5} {k['stack']:6}  "
+            f"{k['spill_stores']}/{k['spill_loads']}"
+        )
     spilling = [k for k in kernels if k["spill_stores"] or k["spill_loads"]]
     print(f"{len(kernels)} kernels, {len(spilling)} spilling registers")
     fatal = [k for k in spilling if args.fail_on is None or k["arch"] in args.fail_on]
     for k in spilling:
-        print(f"{'SPILL' if k in fatal else 'spill (not fatal)'}: {k['name']} ({k['arch']}): "
-              f"{k['spill_stores']} bytes stored, {k['spill_loads']} loaded")
+        print(
+            f"{'SPILL' if k in fatal else 'spill (not fatal)'}: {k['name']} ({k['arch']}): "
+            f"{k['spill_stores']} bytes stored, {k['spill_loads']} loaded"
+        )
     return 1 if fatal else 0
 
 

@@ -3,6 +3,7 @@ TRAIN training and TEST test images of the original IDX files, as IDX .gz files 
 
   python scripts/make_mnist_subset.py ../shared/data/mnist tests/data/mnist-small
 """
+
 import gzip
 import struct
 import sys

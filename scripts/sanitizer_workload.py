@@ -3,6 +3,7 @@ shapes, every storage dtype and option (the shapes are small so memcheck/raceche
 Exits non-zero if an output is not finite or disagrees with the CPU backend, or if a kernel path
 never ran (capsroute.last_kernel_path: a forced switch that silently fell back would leave its
 kernels unchecked)."""
+
 import itertools
 import os
 import sys
@@ -39,9 +40,13 @@ def run(fn, inputs, grad):
 ROUTING_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)]
 
 
-def check_routing_ops(dtype, shape, leaky, detach, label, ops=("dynamic_routing", "dense_capsules", "squash")):
+def check_routing_ops(
+    dtype, shape, leaky, detach, label, ops=("dynamic_routing", "dense_capsules", "squash")
+):
     B, I, J, D, Din = shape
-    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
+        dtype
+    ]
     label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach} {label}"
     votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
     bias = torch.randn(J, D, dtype=torch.float64) * 0.1
@@ -50,22 +55,31 @@ def check_routing_ops(dtype, shape, leaky, detach, label, ops=("dynamic_routing"
     grad = torch.randn(B, J, D, dtype=torch.float64)
     routing = lambda x, b: capsroute.dynamic_routing(x, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
     dense = lambda x, w, b: capsroute.dense_capsules(x, w, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
-    for name, fn, inputs in [("dynamic_routing", routing, (votes, bias)), ("dense_capsules", dense, (u, weight, bias)),
-                             ("squash", capsroute.squash, (votes[:, 0],))]:
+    for name, fn, inputs in [
+        ("dynamic_routing", routing, (votes, bias)),
+        ("dense_capsules", dense, (u, weight, bias)),
+        ("squash", capsroute.squash, (votes[:, 0],)),
+    ]:
         if name not in ops:
             continue
         g = grad if name != "squash" else torch.randn_like(votes[:, 0])
         cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
         note_paths(name)
-        cpu_out = run(fn, [t.to(dtype).double() for t in inputs], g)  # CPU float64 on the same rounded values
+        cpu_out = run(
+            fn, [t.to(dtype).double() for t in inputs], g
+        )  # CPU float64 on the same rounded values
         check(f"{name} {label}", cuda_out, cpu_out, tol)
 
 
 # Dynamic routing, with the rows of each element in one block and (CAPSROUTE_ROUTING_SPLITS) in
 # ranges of one block each, more ranges than rows included.
 for dtype, shape, leaky, detach, splits in itertools.product(
-        [torch.float32, torch.float64, torch.float16, torch.bfloat16], ROUTING_SHAPES, [False, True], [False, True],
-        ["1", "3"]):
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+    ROUTING_SHAPES,
+    [False, True],
+    [False, True],
+    ["1", "3"],
+):
     os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
     check_routing_ops(dtype, shape, leaky, detach, f"splits={splits}")
 os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
@@ -82,23 +96,38 @@ os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 os.environ["CAPSROUTE_CUDA_KERNELS"] = "v2"
 CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)
 for dtype, shape, detach, splits, chunk in itertools.product(
-        [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], ["1", "3"], [None, "2"]):
+    [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], ["1", "3"], [None, "2"]
+):
     os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
     os.environ["CAPSROUTE_ROUTING_CLUSTER"] = "force" if splits == "1" and CLUSTERS else "0"
     if chunk is None:
         os.environ.pop("CAPSROUTE_DENSE_CHUNK", None)
     else:
         os.environ["CAPSROUTE_DENSE_CHUNK"] = chunk
-    ops = ("dynamic_routing", "dense_capsules") if chunk is None else ("dense_capsules",)  # the chunk is dense's alone
-    check_routing_ops(dtype, shape, True, detach, f"kernels=v2 splits={splits} chunk={chunk}", ops=ops)
-for name in ("CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_DENSE_CHUNK", "CAPSROUTE_ROUTING_SPLITS", "CAPSROUTE_ROUTING_CLUSTER"):
+    ops = (
+        ("dynamic_routing", "dense_capsules") if chunk is None else ("dense_capsules",)
+    )  # the chunk is dense's alone
+    check_routing_ops(
+        dtype, shape, True, detach, f"kernels=v2 splits={splits} chunk={chunk}", ops=ops
+    )
+for name in (
+    "CAPSROUTE_CUDA_KERNELS",
+    "CAPSROUTE_DENSE_CHUNK",
+    "CAPSROUTE_ROUTING_SPLITS",
+    "CAPSROUTE_ROUTING_CLUSTER",
+):
     os.environ.pop(name, None)
 
 # The EM kernels: the fused ones (v1) on every storage dtype, and v2's row ranges
 # (CAPSROUTE_EM_SPLITS=3: more ranges than rows at I = 1) on float32 and float16.
-EM_KERNELS = [(kernels, dtype) for kernels, dtypes in
-              [("v1", [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
-               ("v2", [torch.float32, torch.float16])] for dtype in dtypes]
+EM_KERNELS = [
+    (kernels, dtype)
+    for kernels, dtypes in [
+        ("v1", [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+        ("v2", [torch.float32, torch.float16]),
+    ]
+    for dtype in dtypes
+]
 
 
 def use_em_kernels(kernels):
@@ -111,9 +140,12 @@ def use_em_kernels(kernels):
 
 # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
 for (kernels, dtype), (B, I, J, H), iters in itertools.product(
-        EM_KERNELS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]):
+    EM_KERNELS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
+):
     use_em_kernels(kernels)
-    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
+        dtype
+    ]
     votes = torch.randn(B, I, J, H, dtype=torch.float64)
     a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
     a_in[:, ::4] = 0  # inputs without mass take the guarded paths
@@ -123,21 +155,30 @@ for (kernels, dtype), (B, I, J, H), iters in itertools.product(
     def em(*xs):
         leaves = [t.detach().clone().requires_grad_() for t in xs]
         pose, a_out = capsroute.em_routing(*leaves, iters, final_lambda=0.5)
-        loss = (pose.double() * grads[0].to(pose.device)).sum() + (a_out.double() * grads[1].to(a_out.device)).sum()
+        loss = (pose.double() * grads[0].to(pose.device)).sum() + (
+            a_out.double() * grads[1].to(a_out.device)
+        ).sum()
         return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
     inputs = (votes, a_in, *betas)
     cuda_out = em(*[t.to("cuda", dtype) for t in inputs])
     note_paths("em_routing")
-    check(f"em_routing {kernels} {dtype} B={B} I={I} J={J} H={H} iters={iters}", cuda_out,
-          em(*[t.to(dtype).double() for t in inputs]), tol)
+    check(
+        f"em_routing {kernels} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
+        cuda_out,
+        em(*[t.to(dtype).double() for t in inputs]),
+        tol,
+    )
 
 # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
 # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
 for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
-        EM_KERNELS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]):
+    EM_KERNELS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
+):
     use_em_kernels(kernels)
-    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[dtype]
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
+        dtype
+    ]
     pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
     weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
     a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
@@ -148,8 +189,9 @@ for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
     def em_pose(*xs):
         leaves = [t.detach().clone().requires_grad_() for t in xs]
         pose_out, a_out = capsroute.em_routing_pose(*leaves, iters, final_lambda=0.5)
-        loss = ((pose_out.double() * grads[0].to(pose_out.device)).sum()
-                + (a_out.double() * grads[1].to(a_out.device)).sum())
+        loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
+            a_out.double() * grads[1].to(a_out.device)
+        ).sum()
         return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
     if chunk is None:
@@ -159,13 +201,28 @@ for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
     inputs = (pose, weight, a_in, *betas)
     cuda_out = em_pose(*[t.to("cuda", dtype) for t in inputs])
     note_paths("em_routing_pose")
-    check(f"em_routing_pose {kernels} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}", cuda_out,
-          em_pose(*[t.to(dtype).double() for t in inputs]), tol)
+    check(
+        f"em_routing_pose {kernels} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
+        cuda_out,
+        em_pose(*[t.to(dtype).double() for t in inputs]),
+        tol,
+    )
 for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_EM_SPLITS"):
     os.environ.pop(name, None)
 torch.cuda.synchronize()
-expected_paths = {"cuda", "v1-fused", "v1-split", "v2-warp-rows", "v2-block", "dense-v1+v1-fused", "dense-v1+v1-split",
-                  "dense-v2-gemm+v2-warp-rows", "dense-v2-gemm+v2-block", "em-block", "em-row-ranges"}
+expected_paths = {
+    "cuda",
+    "v1-fused",
+    "v1-split",
+    "v2-warp-rows",
+    "v2-block",
+    "dense-v1+v1-fused",
+    "dense-v1+v1-split",
+    "dense-v2-gemm+v2-warp-rows",
+    "dense-v2-gemm+v2-block",
+    "em-block",
+    "em-row-ranges",
+}
 if CLUSTERS:
     expected_paths |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
 if expected_paths - covered:

@@ -1,10 +1,13 @@
 """Shared test helpers: devices, tolerances, random inputs and relative-error assertions."""
+
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
+)
 DEVICES = ["cpu", CUDA]
 
 # Storage dtypes each device supports, with the relative tolerance against a float64 reference.
@@ -19,13 +22,19 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def assert_rel_close(actual, expected, tol, what=""):
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert torch.isfinite(actual).all() == torch.isfinite(expected).all(), f"{what}: non-finite values differ"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    assert torch.isfinite(actual).all() == torch.isfinite(expected).all(), (
+        f"{what}: non-finite values differ"
+    )
     err = rel_err(actual, expected)
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
 
 
-def randn(*shape, dtype=torch.float64, device="cpu", scale=1.0, requires_grad=False, generator=None):
+def randn(
+    *shape, dtype=torch.float64, device="cpu", scale=1.0, requires_grad=False, generator=None
+):
     t = torch.randn(*shape, dtype=torch.float64, generator=generator) * scale
     return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
 

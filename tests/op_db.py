@@ -6,6 +6,7 @@ values, odd sizes) per dtype, which outputs carry gradients, the tolerance again
 reference, and how to call the schema ops, forward and backward, directly. The per-op test files
 use the same samplers for what is specific to their op. Adding an op: add a spec to OP_DB.
 """
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 class Sample:
     """spec.fn(*tensors, **options). tensors are the differentiable inputs in the op's order (None for
     an absent optional one); options are the rest, complete and in the schema's order."""
+
     tensors: tuple
     options: dict
 
@@ -32,19 +34,25 @@ class Sample:
 @dataclass(frozen=True)
 class OpSpec:
     name: str
-    fn: Callable                 # capsroute's Python API: fn(*tensors, **options) -> outputs
-    ref: Callable                # the same function from capsroute.reference
-    make: Callable               # (shape, device, dtype) -> the sample's tensors
-    defaults: dict               # the options of the schema op, in its order
-    shapes: dict                 # dtype -> sample shapes matched against the float64 reference
+    fn: Callable  # capsroute's Python API: fn(*tensors, **options) -> outputs
+    ref: Callable  # the same function from capsroute.reference
+    make: Callable  # (shape, device, dtype) -> the sample's tensors
+    defaults: dict  # the options of the schema op, in its order
+    shapes: dict  # dtype -> sample shapes matched against the float64 reference
     input_names: tuple
-    output_names: tuple          # the first `grad_outputs` outputs are differentiable
+    output_names: tuple  # the first `grad_outputs` outputs are differentiable
     grad_outputs: int
-    tolerance: Callable          # dtype -> relative tolerance against the float64 reference
-    backward_args: Callable      # (sample, outputs of the schema op, output gradients) -> backward op arguments
-    gradcheck: list              # (shape, options): finite differences in float64 (small shapes)
-    opcheck: list                # (shape, options): torch.library.opcheck of both schema ops; the first is compiled
-    capsule_dims: int = 0        # the first input's capsule (read in place in every CAPSULE_LAYOUTS): its last dims
+    tolerance: Callable  # dtype -> relative tolerance against the float64 reference
+    backward_args: (
+        Callable  # (sample, outputs of the schema op, output gradients) -> backward op arguments
+    )
+    gradcheck: list  # (shape, options): finite differences in float64 (small shapes)
+    opcheck: (
+        list  # (shape, options): torch.library.opcheck of both schema ops; the first is compiled
+    )
+    capsule_dims: int = (
+        0  # the first input's capsule (read in place in every CAPSULE_LAYOUTS): its last dims
+    )
 
     @property
     def op(self):
@@ -78,26 +86,36 @@ class OpSpec:
         """(outputs and the gradients of sum(output * cotangent) w.r.t. the sample's tensors, the
         cotangents): random float64 ones unless given."""
         out = self.outputs(impl, sample)
-        diff = out[:self.grad_outputs]
+        diff = out[: self.grad_outputs]
         if cotangents is None:
             cotangents = [randn(*o.shape, device=o.device, generator=generator) for o in diff]
-        grads = torch.autograd.grad(diff, sample.inputs(), [g.to(o.dtype) for o, g in zip(diff, cotangents)])
+        grads = torch.autograd.grad(
+            diff, sample.inputs(), [g.to(o.dtype) for o, g in zip(diff, cotangents)]
+        )
         return [*out, *grads], cotangents
 
     def compare(self, sample: Sample, generator=None) -> list[tuple]:
         """(name, capsroute's value, the float64 reference's value) for every output and gradient."""
-        ref_sample = Sample(tuple(None if t is None else t.detach().double().requires_grad_() for t in sample.tensors),
-                            sample.options)
+        ref_sample = Sample(
+            tuple(
+                None if t is None else t.detach().double().requires_grad_() for t in sample.tensors
+            ),
+            sample.options,
+        )
         ours, cotangents = self.run(self.fn, sample, generator=generator)
         ref, _ = self.run(self.ref, ref_sample, cotangents)
         return list(zip(self.names(sample), ours, ref))
 
     def names(self, sample: Sample) -> list[str]:
         """The names of what run returns: the outputs, then grad_<input> for every tensor given."""
-        return [*self.output_names, *(f"grad_{n}" for n, t in zip(self.input_names, sample.tensors) if t is not None)]
+        return [
+            *self.output_names,
+            *(f"grad_{n}" for n, t in zip(self.input_names, sample.tensors) if t is not None),
+        ]
 
 
 # ---- layouts: the same values laid out as einsum, permute and slicing leave them ----
+
 
 def capsule_layout(t: torch.Tensor, layout: str, capsule_dims: int) -> torch.Tensor:
     """t's values (B, I, ..., capsule) in `layout`, a leaf like t, each capsule (the last
@@ -117,9 +135,16 @@ def capsule_layout(t: torch.Tensor, layout: str, capsule_dims: int) -> torch.Ten
     elif layout == "slice":
         flat = x.flatten(outer)  # a capsule's values as the last dim
         n = flat.shape[-1]
-        wide = torch.zeros(flat.shape[0], 2 * flat.shape[1], *flat.shape[2:-1], n + 3, dtype=x.dtype, device=x.device)
-        wide[:, ::2, ..., 1:n + 1] = flat
-        y = wide[:, ::2, ..., 1:n + 1].unflatten(-1, x.shape[outer:])
+        wide = torch.zeros(
+            flat.shape[0],
+            2 * flat.shape[1],
+            *flat.shape[2:-1],
+            n + 3,
+            dtype=x.dtype,
+            device=x.device,
+        )
+        wide[:, ::2, ..., 1 : n + 1] = flat
+        y = wide[:, ::2, ..., 1 : n + 1].unflatten(-1, x.shape[outer:])
     elif layout == "offset":
         storage = torch.zeros(x.numel() + 1, dtype=x.dtype, device=x.device)
         y = storage[1:].view(x.shape)
@@ -132,10 +157,16 @@ def capsule_layout(t: torch.Tensor, layout: str, capsule_dims: int) -> torch.Ten
     return y.requires_grad_(t.requires_grad)
 
 
-CAPSULE_LAYOUTS = ["einsum", "permute", "slice", "offset"]  # read in place by every op with capsule_dims
+CAPSULE_LAYOUTS = [
+    "einsum",
+    "permute",
+    "slice",
+    "offset",
+]  # read in place by every op with capsule_dims
 
 
 # ---- samplers: random values with odd sizes, shared with the per-op test files ----
+
 
 def squash_inputs(shape, device="cpu", dtype=torch.float64):
     return (randn(*shape, dtype=dtype, device=device, requires_grad=True),)
@@ -159,15 +190,33 @@ def dense_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
 def em_activations_and_betas(B, I, J, dtype=torch.float64, device="cpu", generator=None):
     # Activations well inside (0, 1]: near 0 the outputs bend too sharply for finite differences
     # (gradcheck); exact zeros have their own robustness tests.
-    a_in = (0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64, generator=generator)).to(device, dtype).requires_grad_()
-    beta_u = randn(J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator)
-    beta_a = randn(J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator)
+    a_in = (
+        (0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64, generator=generator))
+        .to(device, dtype)
+        .requires_grad_()
+    )
+    beta_u = randn(
+        J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator
+    )
+    beta_a = randn(
+        J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator
+    )
     return a_in, beta_u, beta_a
 
 
 def em_inputs(shape, device="cpu", dtype=torch.float64, generator=None, vote_scale=1.0):
     B, I, J, H = shape
-    votes = randn(B, I, J, H, dtype=dtype, device=device, scale=vote_scale, requires_grad=True, generator=generator)
+    votes = randn(
+        B,
+        I,
+        J,
+        H,
+        dtype=dtype,
+        device=device,
+        scale=vote_scale,
+        requires_grad=True,
+        generator=generator,
+    )
     return (votes, *em_activations_and_betas(B, I, J, dtype, device, generator))
 
 
@@ -180,10 +229,25 @@ def em_pose_inputs(shape, device="cpu", dtype=torch.float64):
 
 def conv_em_inputs(shape, device="cpu", dtype=torch.float64, generator=None):
     B, H, W, C_in, C_out, K = shape
-    pose = randn(B, H, W, C_in, 4, 4, dtype=dtype, device=device, requires_grad=True, generator=generator)
-    weight = randn(K, K, C_in, C_out, 4, 4, dtype=dtype, device=device, scale=0.5, requires_grad=True,
-                   generator=generator)
-    a_in, beta_u, beta_a = em_activations_and_betas(B, H * W * C_in, C_out, dtype, device, generator)
+    pose = randn(
+        B, H, W, C_in, 4, 4, dtype=dtype, device=device, requires_grad=True, generator=generator
+    )
+    weight = randn(
+        K,
+        K,
+        C_in,
+        C_out,
+        4,
+        4,
+        dtype=dtype,
+        device=device,
+        scale=0.5,
+        requires_grad=True,
+        generator=generator,
+    )
+    a_in, beta_u, beta_a = em_activations_and_betas(
+        B, H * W * C_in, C_out, dtype, device, generator
+    )
     a_in = a_in.detach().reshape(B, H, W, C_in).requires_grad_()
     return pose, a_in, weight, beta_u, beta_a
 
@@ -194,18 +258,45 @@ def _em_tolerance(dtype):
 
 
 def _shapes(full_precision, low_precision):
-    return {torch.float64: full_precision, torch.float32: full_precision,
-            torch.float16: low_precision, torch.bfloat16: low_precision}
+    return {
+        torch.float64: full_precision,
+        torch.float32: full_precision,
+        torch.float16: low_precision,
+        torch.bfloat16: low_precision,
+    }
 
 
 SQUASH_SHAPES = [(7, 16), (3, 5, 8), (33,), (2, 0, 4)]
 # Odd sizes: I and J not multiples of 32, D in {4, 8, 16, 32}.
-ROUTING_SHAPES = [(3, 37, 7, 16), (2, 65, 33, 4), (1, 5, 1, 8), (4, 19, 10, 32), (2, 1, 3, 8), (2, 41, 5, 8)]  # B, I, J, D
-DENSE_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 4, 5), (1, 5, 1, 8, 1), (4, 19, 10, 32, 3)]  # B, I, J, D, Din
-EM_SHAPES = [(3, 37, 7, 16), (2, 19, 10, 4), (1, 5, 1, 16), (2, 33, 3, 1), (2, 21, 5, 8)]  # B, I, J, H
+ROUTING_SHAPES = [
+    (3, 37, 7, 16),
+    (2, 65, 33, 4),
+    (1, 5, 1, 8),
+    (4, 19, 10, 32),
+    (2, 1, 3, 8),
+    (2, 41, 5, 8),
+]  # B, I, J, D
+DENSE_SHAPES = [
+    (3, 37, 7, 16, 8),
+    (2, 65, 33, 4, 5),
+    (1, 5, 1, 8, 1),
+    (4, 19, 10, 32, 3),
+]  # B, I, J, D, Din
+EM_SHAPES = [
+    (3, 37, 7, 16),
+    (2, 19, 10, 4),
+    (1, 5, 1, 16),
+    (2, 33, 3, 1),
+    (2, 21, 5, 8),
+]  # B, I, J, H
 EM_POSE_SHAPES = [(3, 37, 7), (1, 5, 1), (20, 9, 32)]  # B, I, J
 # Odd grids; one window (K = H = W); K = 1.
-CONV_EM_SHAPES = [(2, 5, 6, 3, 4, 3), (1, 4, 4, 2, 3, 4), (2, 3, 7, 2, 5, 2), (1, 3, 3, 5, 2, 1)]  # B, H, W, C_in, C_out, K
+CONV_EM_SHAPES = [
+    (2, 5, 6, 3, 4, 3),
+    (1, 4, 4, 2, 3, 4),
+    (2, 3, 7, 2, 5, 2),
+    (1, 3, 3, 5, 2, 1),
+]  # B, H, W, C_in, C_out, K
 
 SQUASH = OpSpec(
     name="squash",
@@ -214,7 +305,9 @@ SQUASH = OpSpec(
     make=squash_inputs,
     defaults=dict(eps=1e-8),
     shapes=_shapes(SQUASH_SHAPES, SQUASH_SHAPES),
-    input_names=("s",), output_names=("v",), grad_outputs=1,
+    input_names=("s",),
+    output_names=("v",),
+    grad_outputs=1,
     tolerance=TOLERANCE.get,
     backward_args=lambda sample, out, grads: (*grads, *sample.tensors, sample.options["eps"]),
     gradcheck=[((5, 7), {})],
@@ -223,32 +316,58 @@ SQUASH = OpSpec(
 
 DYNAMIC_ROUTING = OpSpec(
     name="dynamic_routing",
-    fn=lambda votes, bias, **options: capsroute.dynamic_routing_coupling(votes, bias=bias, **options),
-    ref=lambda votes, bias, **options: reference.dynamic_routing_coupling(votes, bias=bias, **options),
+    fn=lambda votes, bias, **options: capsroute.dynamic_routing_coupling(
+        votes, bias=bias, **options
+    ),
+    ref=lambda votes, bias, **options: reference.dynamic_routing_coupling(
+        votes, bias=bias, **options
+    ),
     make=routing_inputs,
     defaults=dict(iters=3, leaky=False, detach=False, eps=1e-8),
     shapes=_shapes(ROUTING_SHAPES, [(4, 37, 10, 16)]),
-    input_names=("votes", "bias"), output_names=("v", "c"), grad_outputs=1,  # the coupling c is for inspection
+    input_names=("votes", "bias"),
+    output_names=("v", "c"),
+    grad_outputs=1,  # the coupling c is for inspection
     tolerance=TOLERANCE.get,
-    backward_args=lambda sample, out, grads: (*grads, sample.tensors[0], out[2], *list(sample.options.values())[1:]),
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        sample.tensors[0],
+        out[2],
+        *list(sample.options.values())[1:],
+    ),
     # With detach=True the coupling is a constant: no finite differences (test_dynamic_routing checks it).
     gradcheck=[((2, 5, 3, 4), dict(leaky=False)), ((2, 5, 3, 4), dict(leaky=True))],
-    opcheck=[((2, 7, 3, 4), {}), ((2, 7, 3, 4), dict(bias=False, iters=2, leaky=True, detach=True))],
+    opcheck=[
+        ((2, 7, 3, 4), {}),
+        ((2, 7, 3, 4), dict(bias=False, iters=2, leaky=True, detach=True)),
+    ],
     capsule_dims=1,
 )
 
 DENSE_CAPSULES = OpSpec(
     name="dense_capsules",
     fn=lambda u, weight, bias, **options: capsroute.dense_capsules(u, weight, bias=bias, **options),
-    ref=lambda u, weight, bias, **options: reference.dense_capsules(u, weight, bias=bias, **options),
+    ref=lambda u, weight, bias, **options: reference.dense_capsules(
+        u, weight, bias=bias, **options
+    ),
     make=dense_inputs,
     defaults=dict(iters=3, leaky=False, detach=False, eps=1e-8),
     shapes=_shapes(DENSE_SHAPES, [(4, 37, 10, 16, 8)]),
-    input_names=("u", "weight", "bias"), output_names=("v",), grad_outputs=1,
+    input_names=("u", "weight", "bias"),
+    output_names=("v",),
+    grad_outputs=1,
     tolerance=TOLERANCE.get,
-    backward_args=lambda sample, out, grads: (*grads, *sample.tensors[:2], out[2], *list(sample.options.values())[1:]),
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors[:2],
+        out[2],
+        *list(sample.options.values())[1:],
+    ),
     gradcheck=[((2, 4, 3, 4, 3), dict(leaky=True))],
-    opcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(bias=False, iters=2, leaky=True, detach=True))],
+    opcheck=[
+        ((2, 5, 3, 4, 3), {}),
+        ((2, 5, 3, 4, 3), dict(bias=False, iters=2, leaky=True, detach=True)),
+    ],
     capsule_dims=1,
 )
 
@@ -259,9 +378,16 @@ EM_ROUTING = OpSpec(
     make=em_inputs,
     defaults=dict(iters=3, final_lambda=0.01, eps=1e-6),
     shapes=_shapes(EM_SHAPES, [(3, 37, 10, 16)]),
-    input_names=("votes", "a_in", "beta_u", "beta_a"), output_names=("pose", "a_out"), grad_outputs=2,
+    input_names=("votes", "a_in", "beta_u", "beta_a"),
+    output_names=("pose", "a_out"),
+    grad_outputs=2,
     tolerance=_em_tolerance,
-    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors,
+        out[2],
+        *list(sample.options.values())[1:],
+    ),
     gradcheck=[((2, 5, 3, 4), dict(final_lambda=0.5))],
     opcheck=[((2, 7, 3, 4), {})],
     capsule_dims=1,
@@ -274,9 +400,16 @@ EM_ROUTING_POSE = OpSpec(
     make=em_pose_inputs,
     defaults=dict(iters=3, final_lambda=0.01, eps=1e-6),
     shapes=_shapes(EM_POSE_SHAPES, [(3, 37, 10)]),
-    input_names=("pose", "weight", "a_in", "beta_u", "beta_a"), output_names=("pose", "a_out"), grad_outputs=2,
+    input_names=("pose", "weight", "a_in", "beta_u", "beta_a"),
+    output_names=("pose", "a_out"),
+    grad_outputs=2,
     tolerance=_em_tolerance,
-    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors,
+        out[2],
+        *list(sample.options.values())[1:],
+    ),
     gradcheck=[((2, 3, 2), dict(iters=2, final_lambda=0.5))],
     opcheck=[((2, 3, 2), {})],
     capsule_dims=2,
@@ -289,11 +422,20 @@ CONV_EM_ROUTING = OpSpec(
     make=conv_em_inputs,
     defaults=dict(iters=3, stride=1, padding=0, final_lambda=0.01, eps=1e-6),
     shapes=_shapes(CONV_EM_SHAPES, [(2, 5, 5, 3, 4, 3)]),
-    input_names=("pose", "a_in", "weight", "beta_u", "beta_a"), output_names=("pose", "a_out"), grad_outputs=2,
+    input_names=("pose", "a_in", "weight", "beta_u", "beta_a"),
+    output_names=("pose", "a_out"),
+    grad_outputs=2,
     tolerance=_em_tolerance,
-    backward_args=lambda sample, out, grads: (*grads, *sample.tensors, out[2], *list(sample.options.values())[1:]),
-    gradcheck=[((1, 4, 3, 2, 2, 2), dict(iters=3, final_lambda=0.5)),
-               ((1, 4, 5, 1, 2, 3), dict(iters=2, stride=2, padding=1, final_lambda=0.5))],
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors,
+        out[2],
+        *list(sample.options.values())[1:],
+    ),
+    gradcheck=[
+        ((1, 4, 3, 2, 2, 2), dict(iters=3, final_lambda=0.5)),
+        ((1, 4, 5, 1, 2, 3), dict(iters=2, stride=2, padding=1, final_lambda=0.5)),
+    ],
     opcheck=[((2, 4, 4, 2, 3, 2), dict(stride=2, padding=1))],
 )
 

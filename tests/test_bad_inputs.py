@@ -1,5 +1,6 @@
 """docs/ops.md, "Bad input": bad input raises an error that says what is wrong (wrong dtypes: test_op_contract);
 strides the kernels read in place, copy, or refuse, never with a wrong result."""
+
 import math
 import random
 from dataclasses import replace
@@ -16,22 +17,69 @@ def votes(*shape, **kw):
     return randn(*(shape or (2, 5, 3, 4)), **kw)
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda d: capsroute.dynamic_routing(votes(2, 5, 3, device=d)), r"votes must have shape \(B, I, J, D\)"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d), bias=randn(4, 3, device=d)), r"bias must have shape \(J, D\) = \(3, 4\)"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d), iters=0), "iters must be >= 1, got 0"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("nan")), "eps must be finite"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("inf")), "eps must be finite"),
-    (lambda d: capsroute.dynamic_routing(votes(device=d), eps=-1.0), "eps must be finite and >= 0"),
-    (lambda d: capsroute.dynamic_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)), r"u must have shape \(B, I, Din\)"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, device=d)), r"weight must have shape \(I, J, D, Din\)"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)), "I = 5 and Din = 8"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 7, device=d)), "I = 5 and Din = 8"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=-2), "iters must be >= 1"),
-    (lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), bias=randn(3, 5, device=d)), r"bias must have shape \(J, D\)"),
-    (lambda d: capsroute.squash(randn(3, 4, device=d), eps=float("nan")), "eps must be finite"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda d: capsroute.dynamic_routing(votes(2, 5, 3, device=d)),
+            r"votes must have shape \(B, I, J, D\)",
+        ),
+        (
+            lambda d: capsroute.dynamic_routing(votes(device=d), bias=randn(4, 3, device=d)),
+            r"bias must have shape \(J, D\) = \(3, 4\)",
+        ),
+        (
+            lambda d: capsroute.dynamic_routing(votes(device=d), iters=0),
+            "iters must be >= 1, got 0",
+        ),
+        (
+            lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("nan")),
+            "eps must be finite",
+        ),
+        (
+            lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("inf")),
+            "eps must be finite",
+        ),
+        (
+            lambda d: capsroute.dynamic_routing(votes(device=d), eps=-1.0),
+            "eps must be finite and >= 0",
+        ),
+        (lambda d: capsroute.dynamic_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
+        (
+            lambda d: capsroute.dense_capsules(randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)),
+            r"u must have shape \(B, I, Din\)",
+        ),
+        (
+            lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, device=d)),
+            r"weight must have shape \(I, J, D, Din\)",
+        ),
+        (
+            lambda d: capsroute.dense_capsules(
+                randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)
+            ),
+            "I = 5 and Din = 8",
+        ),
+        (
+            lambda d: capsroute.dense_capsules(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 7, device=d)
+            ),
+            "I = 5 and Din = 8",
+        ),
+        (
+            lambda d: capsroute.dense_capsules(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=-2
+            ),
+            "iters must be >= 1",
+        ),
+        (
+            lambda d: capsroute.dense_capsules(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), bias=randn(3, 5, device=d)
+            ),
+            r"bias must have shape \(J, D\)",
+        ),
+        (lambda d: capsroute.squash(randn(3, 4, device=d), eps=float("nan")), "eps must be finite"),
+    ],
+)
 def test_bad_input_raises_a_clear_error(device, call, message):
     with pytest.raises(RuntimeError, match=message):
         call(device)
@@ -48,8 +96,9 @@ def test_device_mismatch():
 
 # ---- strides (docs/ops.md, "Layouts"): read in place, copied, or refused; never wrong ----
 
-with_capsules = pytest.mark.parametrize("spec", [spec for spec in OP_DB if spec.capsule_dims],
-                                        ids=lambda spec: spec.name)
+with_capsules = pytest.mark.parametrize(
+    "spec", [spec for spec in OP_DB if spec.capsule_dims], ids=lambda spec: spec.name
+)
 
 
 def fuzzed_layout(x: torch.Tensor, capsule_dims: int, rng: random.Random) -> torch.Tensor:
@@ -62,7 +111,9 @@ def fuzzed_layout(x: torch.Tensor, capsule_dims: int, rng: random.Random) -> tor
     steps = [rng.choice([1, 2, 3]) for _ in range(outer)]
     n, pad, offset = math.prod(x.shape[outer:]), rng.randrange(4), rng.randrange(4)
     stored = [x.shape[d] * steps[d] for d in order] + [n + pad]
-    storage = torch.full((offset + math.prod(stored),), float("nan"), dtype=x.dtype, device=x.device)
+    storage = torch.full(
+        (offset + math.prod(stored),), float("nan"), dtype=x.dtype, device=x.device
+    )
     y = storage[offset:].view(stored)[tuple(slice(None, None, steps[d]) for d in order)][..., :n]
     y = y.permute([order.index(d) for d in range(outer)] + [outer]).unflatten(-1, x.shape[outer:])
     y.copy_(x.detach())
@@ -97,7 +148,9 @@ def test_overlapping_strides_from_expand(spec, device):
         one = first.detach().narrow(dim, 0, 1)
         expanded = one.expand(first.shape).requires_grad_()
         assert expanded.stride(dim) == 0
-        assert_matches_reference(spec, replace(sample, tensors=(expanded, *rest)), f"expanded dim {dim}")
+        assert_matches_reference(
+            spec, replace(sample, tensors=(expanded, *rest)), f"expanded dim {dim}"
+        )
 
 
 @with_capsules
@@ -110,4 +163,6 @@ def test_zero_size_strided(spec, device, empty_dim):
     sample = spec.draw(tuple(shape), device, torch.float64)
     first, *rest = sample.tensors
     laid_out = capsule_layout(first, "einsum", spec.capsule_dims)
-    assert_matches_reference(spec, replace(sample, tensors=(laid_out, *rest)), f"{spec.name} {shape}")
+    assert_matches_reference(
+        spec, replace(sample, tensors=(laid_out, *rest)), f"{spec.name} {shape}"
+    )

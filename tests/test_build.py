@@ -25,7 +25,9 @@ def test_build_info():
 
 
 def test_the_op_list_names_every_registered_op():
-    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("capsroute::")}
+    registered = {
+        name for name in torch._C._dispatch_get_all_op_names() if name.startswith("capsroute::")
+    }
     assert registered == {f"capsroute::{op}" for op in SCHEMA_OPS}
 
 
@@ -56,8 +58,10 @@ def test_check_cpu_arch_passes_levels_it_does_not_know_and_cpus_torch_cannot_rea
         check_cpu_arch(arch, {"architecture": "x86_64"})
 
 
-@pytest.mark.skipif(not hasattr(torch.cpu, "get_capabilities") or platform.machine() not in ("x86_64", "AMD64"),
-                    reason="needs torch.cpu.get_capabilities on an x86-64 CPU")
+@pytest.mark.skipif(
+    not hasattr(torch.cpu, "get_capabilities") or platform.machine() not in ("x86_64", "AMD64"),
+    reason="needs torch.cpu.get_capabilities on an x86-64 CPU",
+)
 def test_the_feature_names_are_torchs():
     capabilities = torch.cpu.get_capabilities()
     for arch, features in FEATURES_OF_ARCH.items():
@@ -70,7 +74,10 @@ def test_import_refuses_a_cpu_without_the_build_instructions():
     script = f"import torch; torch.cpu.get_capabilities = lambda: dict.fromkeys({absent!r}, False); import capsroute"
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     if CPU_ARCH in FEATURES_OF_ARCH:
-        assert run.returncode != 0 and f"compiled with -march={CPU_ARCH}, and this CPU lacks" in run.stderr
+        assert (
+            run.returncode != 0
+            and f"compiled with -march={CPU_ARCH}, and this CPU lacks" in run.stderr
+        )
     else:
         assert run.returncode == 0, run.stderr
 
@@ -84,18 +91,28 @@ def test_auto_arch_is_the_highest_level_up_to_torchs_that_the_cpu_can_run():
         assert auto_arch("AVX512", {**v4, feature: False}) is None
         assert auto_arch("AVX2", {**v3, feature: False}) is None
     assert auto_arch("DEFAULT", v4) is None
-    assert auto_arch("AVX512", {"architecture": "x86_64"}) == "x86-64-v4"  # cannot read: torch's level
+    assert (
+        auto_arch("AVX512", {"architecture": "x86_64"}) == "x86-64-v4"
+    )  # cannot read: torch's level
 
 
 def test_setup_falls_back_a_level_on_a_cpu_that_hides_an_instruction_set():
     """setup.py's CAPSROUTE_CPU_ARCH=auto on a CPU that reports everything but BMI: auto_arch's
     level (the baseline where torch runs AVX2 or AVX-512 kernels), said on stderr."""
     hidden = {**dict.fromkeys(FEATURES_OF_ARCH["x86-64-v4"], True), "bmi": False}
-    code = (f"import sys, torch; torch.cpu.get_capabilities = lambda: {hidden!r}; "
-            "sys.argv = ['setup.py', '--version']; import setup; print(setup.CPU_ARCH)")
-    env = {k: v for k, v in os.environ.items() if k not in ("CAPSROUTE_CPU_ARCH", "CAPSROUTE_FORCE_CUDA")}
+    code = (
+        f"import sys, torch; torch.cpu.get_capabilities = lambda: {hidden!r}; "
+        "sys.argv = ['setup.py', '--version']; import setup; print(setup.CPU_ARCH)"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CAPSROUTE_CPU_ARCH", "CAPSROUTE_FORCE_CUDA")
+    }
     env["CAPSROUTE_FORCE_CPU"] = "1"  # only the -march choice is under test, not the CUDA toolkit
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     capability = torch.backends.cpu.get_cpu_capability()
     assert run.stdout.split()[-1] == str(auto_arch(capability, hidden))

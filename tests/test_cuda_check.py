@@ -2,6 +2,7 @@
 without a GPU, that every planned call's stage budgets fit the device tool's call (CALL_SECONDS =
 570), that a plan that does not fit is refused, that the header's plan is the one the script runs,
 and that an unknown stage fails before anything runs."""
+
 import os
 import re
 import subprocess
@@ -11,8 +12,14 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "cuda_check.sh"
 
 
 def dry_run(*args, **env):
-    return subprocess.run(["bash", str(SCRIPT), *args], env={**os.environ, "DRY_RUN": "1", **env},
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env={**os.environ, "DRY_RUN": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def planned_calls() -> list[tuple[str, list[tuple[str, int]], int]]:
@@ -44,8 +51,10 @@ def test_every_planned_call_fits_the_device_tools_call():
 
 def test_the_headers_plan_is_the_one_the_script_runs():
     header = re.findall(r"^#   (call-\d+)  ([\w -]+?)\s{2,}", SCRIPT.read_text(), re.MULTILINE)
-    planned = [(name, " ".join(stage for stage, _ in stages if stage != "setup"))
-               for name, stages, _ in planned_calls()]
+    planned = [
+        (name, " ".join(stage for stage, _ in stages if stage != "setup"))
+        for name, stages, _ in planned_calls()
+    ]
     assert [(name, stages.strip()) for name, stages in header] == planned
 
 
@@ -58,7 +67,9 @@ def test_a_call_that_does_not_fit_is_refused():
 def test_stages_given_are_planned_as_one_call():
     done = dry_run("sanitize")
     assert done.returncode == 1  # the four sanitizers need two calls
-    assert re.search(r"memcheck \d+ \+ racecheck \d+ \+ initcheck \d+ \+ synccheck \d+", done.stdout)
+    assert re.search(
+        r"memcheck \d+ \+ racecheck \d+ \+ initcheck \d+ \+ synccheck \d+", done.stdout
+    )
     assert dry_run("doctor", "memcheck").returncode == 0
 
 

@@ -9,6 +9,7 @@ sequences the ops use (csrc/cuda/routing_sequence.cuh and em_sequence.cuh, given
 instead of the CUDA stream one); and a ThreadSanitizer build of the same programs for data races
 (missing barriers). CI has no GPU, so this is what checks the kernels' arithmetic, indexing and
 barriers there; the cuda-marked tests check them on a GPU."""
+
 import functools
 import os
 import shutil
@@ -35,10 +36,27 @@ def build(tmp_path_factory):
         # torch's headers (header-only, nothing of torch is linked): at::vec for the CPU element code
         # (its portable implementation here), c10::Half / c10::BFloat16 for the half-precision cases.
         includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-        result = subprocess.run([compiler, "-std=c++20", *flags, "-pthread", "-Wall", "-Wno-unknown-pragmas", *includes,
-                                 str(EMULATOR / f"{name}.cpp"), "-o", str(exe)], capture_output=True, text=True)
-        assert result.returncode == 0, f"compiling tests/emulator/{name}.cpp failed:\n{result.stderr}"
+        result = subprocess.run(
+            [
+                compiler,
+                "-std=c++20",
+                *flags,
+                "-pthread",
+                "-Wall",
+                "-Wno-unknown-pragmas",
+                *includes,
+                str(EMULATOR / f"{name}.cpp"),
+                "-o",
+                str(exe),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, (
+            f"compiling tests/emulator/{name}.cpp failed:\n{result.stderr}"
+        )
         return exe
+
     return compile_program
 
 
@@ -51,7 +69,9 @@ EVERY_KERNEL_ONCE = pytest.param("tsan", id="every-kernel-once")
 @pytest.mark.parametrize("program", ["routing_test", "em_test"])
 def test_cuda_kernels_match_the_cpu_code(build, program, mode):
     run = subprocess.run([str(build(program)), mode], capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), run.stdout[-4000:] + run.stderr
+    assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), (
+        run.stdout[-4000:] + run.stderr
+    )
 
 
 @pytest.mark.slow
@@ -64,4 +84,6 @@ def test_cuda_kernels_have_no_data_race(build, program):
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
     run = subprocess.run([str(exe), "tsan"], capture_output=True, text=True, timeout=1200, env=env)
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
-    assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), (
+        run.stdout[-4000:] + run.stderr[-2000:]
+    )

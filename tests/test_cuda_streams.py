@@ -1,5 +1,6 @@
 """The CUDA ops on the streams and graphs users run them in: a side stream, a CUDA graph captured
 without warm-up, and a forced cluster path that a GPU may not schedule (they run on a GPU only)."""
+
 import os
 import subprocess
 import sys
@@ -16,12 +17,19 @@ from op_db import OP_DB
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
 
 TESTS = Path(__file__).resolve().parent
-SHAPES = {"squash": (7, 16), "dynamic_routing": (3, 37, 7, 16), "dense_capsules": (3, 37, 7, 16, 8),
-          "em_routing": (3, 37, 7, 16), "em_routing_pose": (3, 37, 7)}
+SHAPES = {
+    "squash": (7, 16),
+    "dynamic_routing": (3, 37, 7, 16),
+    "dense_capsules": (3, 37, 7, 16, 8),
+    "em_routing": (3, 37, 7, 16),
+    "em_routing_pose": (3, 37, 7),
+}
 # The kernel sets and paths the ops can take (csrc/cuda/kernel_options.h).
-KERNEL_SWITCHES = [{"CAPSROUTE_CUDA_KERNELS": "v1"},
-                   {"CAPSROUTE_CUDA_KERNELS": "v2", "CAPSROUTE_ROUTING_CLUSTER": "0"},
-                   {"CAPSROUTE_CUDA_KERNELS": "v2"}]
+KERNEL_SWITCHES = [
+    {"CAPSROUTE_CUDA_KERNELS": "v1"},
+    {"CAPSROUTE_CUDA_KERNELS": "v2", "CAPSROUTE_ROUTING_CLUSTER": "0"},
+    {"CAPSROUTE_CUDA_KERNELS": "v2"},
+]
 # The same kernels on the same values; dense_capsules' v2 GEMMs are cuBLAS's, whose algorithm may
 # depend on the stream's workspace, so a last-bit difference there is not a failure.
 SAME = dict(rtol=1e-6, atol=1e-7)
@@ -45,7 +53,9 @@ def test_side_stream_gives_the_default_streams_results(spec, switches, monkeypat
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     for name, a, b in zip(spec.names(sample), on_side, on_default):
-        torch.testing.assert_close(a, b, **SAME, msg=f"{spec.name} {name}: differs on the side stream")
+        torch.testing.assert_close(
+            a, b, **SAME, msg=f"{spec.name} {name}: differs on the side stream"
+        )
 
 
 # Run in a fresh process, so that no capsroute kernel has run before the capture (the first call
@@ -88,8 +98,14 @@ for spec in OP_DB:
 @pytest.mark.parametrize("switches", KERNEL_SWITCHES, ids=switch_id)
 def test_cuda_graph_captured_without_warm_up_replays_the_eager_results(switches):
     script = CAPTURE_SCRIPT.format(tests=str(TESTS), shapes=SHAPES, same=SAME)
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, **switches},
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, **switches},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split() == [word for spec in OP_DB for word in (spec.name, "ok")]
 

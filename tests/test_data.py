@@ -5,6 +5,7 @@ Fashion-MNIST files read them from the shared data folder beside the checkout (.
 and are skipped where it is absent (e.g. CI on a clean clone); all the others use small IDX files
 written here.
 """
+
 import functools
 import gzip
 import hashlib
@@ -24,22 +25,35 @@ MNIST_TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 # Written independently of capsroute.data's table, so that the round trip checks it.
-TYPE_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
+TYPE_CODES = {
+    np.uint8: 0x08,
+    np.int8: 0x09,
+    np.int16: 0x0B,
+    np.int32: 0x0C,
+    np.float32: 0x0D,
+    np.float64: 0x0E,
+}
 
 FILES = data.DATASETS["mnist"].files  # the same four names for every registered dataset
 
 
 def needs_shared(name):
-    return pytest.mark.skipif(not (SHARED_DATA / name).is_dir(), reason=f"no shared data at {SHARED_DATA / name}")
+    return pytest.mark.skipif(
+        not (SHARED_DATA / name).is_dir(), reason=f"no shared data at {SHARED_DATA / name}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers: IDX files, tiny datasets, a fake URL opener
 # ---------------------------------------------------------------------------------------------
 
+
 def idx_bytes(array: np.ndarray) -> bytes:
     """The IDX encoding of array: magic, big-endian uint32 dims, big-endian elements."""
-    header = bytes([0, 0, TYPE_CODES[array.dtype.type], array.ndim]) + np.asarray(array.shape, ">u4").tobytes()
+    header = (
+        bytes([0, 0, TYPE_CODES[array.dtype.type], array.ndim])
+        + np.asarray(array.shape, ">u4").tobytes()
+    )
     return header + array.astype(array.dtype.newbyteorder(">")).tobytes()
 
 
@@ -53,8 +67,13 @@ def write_idx(path: Path, array: np.ndarray, gz: bool) -> Path:
 def tiny_arrays(n_train=12, n_test=5, size=4):
     """split -> (uint8 images (N, size, size), uint8 labels (N,))."""
     rng = np.random.default_rng(0)
-    return {split: (rng.integers(0, 256, (n, size, size), dtype=np.uint8), rng.integers(0, 10, n, dtype=np.uint8))
-            for split, n in (("train", n_train), ("test", n_test))}
+    return {
+        split: (
+            rng.integers(0, 256, (n, size, size), dtype=np.uint8),
+            rng.integers(0, 10, n, dtype=np.uint8),
+        )
+        for split, n in (("train", n_train), ("test", n_test))
+    }
 
 
 def write_dataset(directory: Path, arrays, gz=True) -> None:
@@ -64,7 +83,9 @@ def write_dataset(directory: Path, arrays, gz=True) -> None:
             write_idx(directory / (name if gz else name.removesuffix(".gz")), array, gz)
 
 
-def register_tiny(monkeypatch, arrays, mirrors=("https://first.invalid/", "https://second.invalid/")):
+def register_tiny(
+    monkeypatch, arrays, mirrors=("https://first.invalid/", "https://second.invalid/")
+):
     """Registers dataset "tiny" whose checksums are those of arrays' IDX files; returns name -> .gz bytes."""
     blobs, raw_md5 = {}, {}
     for split, names in FILES.items():
@@ -72,9 +93,14 @@ def register_tiny(monkeypatch, arrays, mirrors=("https://first.invalid/", "https
             raw = idx_bytes(array)
             blobs[name] = gzip.compress(raw, mtime=0)
             raw_md5[name.removesuffix(".gz")] = hashlib.md5(raw).hexdigest()
-    info = data.DatasetInfo(files=FILES, sha256={k: hashlib.sha256(v).hexdigest() for k, v in blobs.items()},
-                            md5={k: hashlib.md5(v).hexdigest() for k, v in blobs.items()}, raw_md5=raw_md5,
-                            mirrors=tuple(mirrors), torchvision_dir="Tiny")
+    info = data.DatasetInfo(
+        files=FILES,
+        sha256={k: hashlib.sha256(v).hexdigest() for k, v in blobs.items()},
+        md5={k: hashlib.md5(v).hexdigest() for k, v in blobs.items()},
+        raw_md5=raw_md5,
+        mirrors=tuple(mirrors),
+        torchvision_dir="Tiny",
+    )
     monkeypatch.setitem(data.DATASETS, "tiny", info)
     return blobs
 
@@ -108,10 +134,20 @@ def assert_no_files(directory: Path):
 # read_idx
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("gz", [True, False], ids=["gz", "raw"])
-@pytest.mark.parametrize("dtype,shape", [(np.uint8, (3, 4, 5)), (np.int8, (7,)), (np.int16, (2, 3)),
-                                         (np.int32, (4, 1, 2, 3)), (np.float32, (5, 2)), (np.float64, (3,)),
-                                         (np.uint8, (0, 28, 28))])
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [
+        (np.uint8, (3, 4, 5)),
+        (np.int8, (7,)),
+        (np.int16, (2, 3)),
+        (np.int32, (4, 1, 2, 3)),
+        (np.float32, (5, 2)),
+        (np.float64, (3,)),
+        (np.uint8, (0, 28, 28)),
+    ],
+)
 def test_read_idx_round_trip(tmp_path, gz, dtype, shape):
     rng = np.random.default_rng(1)
     if np.issubdtype(dtype, np.integer):
@@ -127,23 +163,31 @@ def test_read_idx_round_trip(tmp_path, gz, dtype, shape):
 
 def test_read_idx_recognises_gzip_by_content(tmp_path):
     array = np.arange(6, dtype=np.uint8).reshape(2, 3)
-    np.testing.assert_array_equal(data.read_idx(write_idx(tmp_path / "gz-without-suffix", array, True)), array)
-    np.testing.assert_array_equal(data.read_idx(write_idx(tmp_path / "raw-with-suffix.gz", array, False)), array)
+    np.testing.assert_array_equal(
+        data.read_idx(write_idx(tmp_path / "gz-without-suffix", array, True)), array
+    )
+    np.testing.assert_array_equal(
+        data.read_idx(write_idx(tmp_path / "raw-with-suffix.gz", array, False)), array
+    )
 
 
 GOOD = idx_bytes(np.arange(24, dtype=np.int16).reshape(2, 3, 4))
 
 
 @pytest.mark.parametrize("gz", [True, False], ids=["gz", "raw"])
-@pytest.mark.parametrize("content,message", [
-    (GOOD[:-1], "truncated IDX payload"),
-    (GOOD[:10], "truncated IDX header"),
-    (GOOD[:3], "truncated IDX header"),
-    (b"", "truncated IDX header"),
-    (GOOD + b"\0\0", "2 unexpected trailing bytes"),
-    (b"\x01" + GOOD[1:], "bad IDX magic number 0x010"),
-    (b"\0\0\x0a" + GOOD[3:], "unknown IDX type code 0x0A"),
-], ids=["payload", "dims", "magic", "empty", "trailing", "magic-byte", "type"])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (GOOD[:-1], "truncated IDX payload"),
+        (GOOD[:10], "truncated IDX header"),
+        (GOOD[:3], "truncated IDX header"),
+        (b"", "truncated IDX header"),
+        (GOOD + b"\0\0", "2 unexpected trailing bytes"),
+        (b"\x01" + GOOD[1:], "bad IDX magic number 0x010"),
+        (b"\0\0\x0a" + GOOD[3:], "unknown IDX type code 0x0A"),
+    ],
+    ids=["payload", "dims", "magic", "empty", "trailing", "magic-byte", "type"],
+)
 def test_read_idx_errors_name_the_file_and_the_fault(tmp_path, gz, content, message):
     path = tmp_path / "broken-idx3-ubyte"
     path.write_bytes(gzip.compress(content) if gz else content)
@@ -169,6 +213,7 @@ def test_read_idx_missing_file(tmp_path):
 # find_dataset_files
 # ---------------------------------------------------------------------------------------------
 
+
 def test_registry():
     assert set(data.DATASETS) == {"mnist", "fashion-mnist"}
     for name, info in data.DATASETS.items():
@@ -185,12 +230,19 @@ def test_registry_checksums_match_shared_sums_files(name):
         pytest.skip(f"no shared data at {folder}")
     info = data.DATASETS[name]
     for sums, table in (("SHA256SUMS", info.sha256), ("MD5SUMS", info.md5)):
-        listed = dict(reversed(line.split()) for line in (folder / sums).read_text().splitlines() if line.strip())
+        listed = dict(
+            reversed(line.split())
+            for line in (folder / sums).read_text().splitlines()
+            if line.strip()
+        )
         assert listed == table
 
 
-LAYOUTS = {"direct": lambda name: "", "named": lambda name: name,
-           "torchvision": lambda name: f"{data.DATASETS[name].torchvision_dir}/raw"}
+LAYOUTS = {
+    "direct": lambda name: "",
+    "named": lambda name: name,
+    "torchvision": lambda name: f"{data.DATASETS[name].torchvision_dir}/raw",
+}
 
 
 @pytest.mark.parametrize("gz", [True, False], ids=["gz", "raw"])
@@ -212,12 +264,17 @@ def test_find_dataset_files_layouts(tmp_path, name, layout, gz):
 
 def test_find_dataset_files_prefers_the_named_folder_and_gz(tmp_path):
     write_dataset(tmp_path, tiny_arrays())  # e.g. MNIST right in root ...
-    write_dataset(tmp_path / "fashion-mnist", tiny_arrays(), gz=False)  # ... and Fashion-MNIST beside it
+    write_dataset(
+        tmp_path / "fashion-mnist", tiny_arrays(), gz=False
+    )  # ... and Fashion-MNIST beside it
     write_dataset(tmp_path / "fashion-mnist", tiny_arrays(), gz=True)
     images, labels = data.find_dataset_files("fashion-mnist", tmp_path)["test"]
     assert images == tmp_path / "fashion-mnist" / "t10k-images-idx3-ubyte.gz"
     assert labels == tmp_path / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz"
-    assert data.find_dataset_files("mnist", tmp_path)["train"][0] == tmp_path / "train-images-idx3-ubyte.gz"
+    assert (
+        data.find_dataset_files("mnist", tmp_path)["train"][0]
+        == tmp_path / "train-images-idx3-ubyte.gz"
+    )
 
 
 def test_find_dataset_files_mixed_gz_and_raw_in_one_folder(tmp_path):
@@ -225,7 +282,10 @@ def test_find_dataset_files_mixed_gz_and_raw_in_one_folder(tmp_path):
     (tmp_path / "train-labels-idx1-ubyte").unlink()
     write_idx(tmp_path / "train-labels-idx1-ubyte.gz", tiny_arrays()["train"][1], gz=True)
     found = data.find_dataset_files("mnist", tmp_path)
-    assert found["train"] == (tmp_path / "train-images-idx3-ubyte", tmp_path / "train-labels-idx1-ubyte.gz")
+    assert found["train"] == (
+        tmp_path / "train-images-idx3-ubyte",
+        tmp_path / "train-labels-idx1-ubyte.gz",
+    )
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
@@ -254,17 +314,22 @@ def test_unknown_dataset(tmp_path):
 # download (fake opener, never the network)
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("progress", [True, False])
 def test_download_tries_the_mirrors_in_order(tmp_path, monkeypatch, progress):
     blobs = register_tiny(monkeypatch, tiny_arrays())
-    requested = fake_opener(monkeypatch, {"https://second.invalid/" + k: v for k, v in blobs.items()})
+    requested = fake_opener(
+        monkeypatch, {"https://second.invalid/" + k: v for k, v in blobs.items()}
+    )
     dest = data.download("tiny", tmp_path, progress=progress)
     assert dest == tmp_path / "tiny"
     assert sorted(p.name for p in dest.iterdir()) == sorted(blobs)  # no temporary files left
     for name, blob in blobs.items():
         assert (dest / name).read_bytes() == blob
     filenames = data.DATASETS["tiny"].filenames()
-    assert requested == [m + f for f in filenames for m in ("https://first.invalid/", "https://second.invalid/")]
+    assert requested == [
+        m + f for f in filenames for m in ("https://first.invalid/", "https://second.invalid/")
+    ]
     # A second call finds good copies and fetches nothing.
     requested.clear()
     data.download("tiny", tmp_path, progress=progress)
@@ -274,14 +339,23 @@ def test_download_tries_the_mirrors_in_order(tmp_path, monkeypatch, progress):
 def test_download_checksum_mismatch_leaves_no_file(tmp_path, monkeypatch):
     blobs = register_tiny(monkeypatch, tiny_arrays())
     corrupt = {k: v[:-1] + bytes([v[-1] ^ 1]) for k, v in blobs.items()}
-    fake_opener(monkeypatch, {m + k: v for m in ("https://first.invalid/", "https://second.invalid/")
-                              for k, v in corrupt.items()})
+    fake_opener(
+        monkeypatch,
+        {
+            m + k: v
+            for m in ("https://first.invalid/", "https://second.invalid/")
+            for k, v in corrupt.items()
+        },
+    )
     with pytest.raises(RuntimeError) as e:
         data.download("tiny", tmp_path, progress=False)
     message = str(e.value)
     first = data.DATASETS["tiny"].filenames()[0]
     assert f"could not download tiny file {first}" in message
-    assert f"https://first.invalid/{first}: SHA256 mismatch: expected {data.DATASETS['tiny'].sha256[first]}" in message
+    assert (
+        f"https://first.invalid/{first}: SHA256 mismatch: expected {data.DATASETS['tiny'].sha256[first]}"
+        in message
+    )
     assert f"https://second.invalid/{first}: SHA256 mismatch" in message
     assert_no_files(tmp_path / "tiny")
 
@@ -289,7 +363,9 @@ def test_download_checksum_mismatch_leaves_no_file(tmp_path, monkeypatch):
 def test_download_unreachable_lists_every_mirror(tmp_path, monkeypatch):
     register_tiny(monkeypatch, tiny_arrays())
     fake_opener(monkeypatch, {})
-    with pytest.raises(RuntimeError, match=r"(?s)first\.invalid.*unreachable.*second\.invalid.*unreachable"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)first\.invalid.*unreachable.*second\.invalid.*unreachable"
+    ):
         data.download("tiny", tmp_path, progress=False)
     assert_no_files(tmp_path / "tiny")
 
@@ -310,8 +386,10 @@ def test_download_falls_back_after_a_bad_copy_and_replaces_a_damaged_file(tmp_pa
 @needs_shared("mnist")
 def test_download_real_mnist_bytes(tmp_path, monkeypatch):
     info = data.DATASETS["mnist"]
-    fake_opener(monkeypatch, {info.mirrors[-1] + f: (SHARED_DATA / "mnist" / f).read_bytes()
-                              for f in info.filenames()})
+    fake_opener(
+        monkeypatch,
+        {info.mirrors[-1] + f: (SHARED_DATA / "mnist" / f).read_bytes() for f in info.filenames()},
+    )
     dest = data.download("mnist", tmp_path, progress=False)
     for f in info.filenames():
         assert (dest / f).read_bytes() == (SHARED_DATA / "mnist" / f).read_bytes()
@@ -322,6 +400,7 @@ def test_download_real_mnist_bytes(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # load_dataset
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("gz", [True, False], ids=["gz", "raw"])
 def test_load_dataset_tiny(tmp_path, gz):
@@ -362,10 +441,14 @@ def test_load_dataset_verify(tmp_path, monkeypatch, gz):
     data.load_dataset("tiny", tmp_path, "test", verify=True)
     arrays["test"][1][0] ^= 1  # a different label: a valid IDX file, but not the published one
     write_dataset(tmp_path, arrays, gz)
-    assert data.load_dataset("tiny", tmp_path, "test")[1][0] == arrays["test"][1][0]  # no check by default
+    assert (
+        data.load_dataset("tiny", tmp_path, "test")[1][0] == arrays["test"][1][0]
+    )  # no check by default
     data.load_dataset("tiny", tmp_path, "train", verify=True)  # only the split asked for is checked
-    with pytest.raises(data.ChecksumError, match=f"t10k-labels-idx1-ubyte{'.gz' if gz else ''}: "
-                                                 f"{'SHA256' if gz else 'MD5'} mismatch"):
+    with pytest.raises(
+        data.ChecksumError,
+        match=f"t10k-labels-idx1-ubyte{'.gz' if gz else ''}: {'SHA256' if gz else 'MD5'} mismatch",
+    ):
         data.load_dataset("tiny", tmp_path, "test", verify=True)
 
 
@@ -387,7 +470,9 @@ def load_real(name, split):
 
 
 @needs_shared("mnist")
-@pytest.mark.parametrize("split,counts", [("train", MNIST_TRAIN_COUNTS), ("test", MNIST_TEST_COUNTS)])
+@pytest.mark.parametrize(
+    "split,counts", [("train", MNIST_TRAIN_COUNTS), ("test", MNIST_TEST_COUNTS)]
+)
 def test_real_mnist(split, counts):
     images, labels = load_real("mnist", split)
     assert images.shape == (sum(counts), 1, 28, 28) and images.dtype == torch.uint8
@@ -395,7 +480,10 @@ def test_real_mnist(split, counts):
     assert torch.bincount(labels, minlength=10).tolist() == counts
     assert images.min() == 0 and images.max() == 255
     # The folder itself is also a valid root (the `--data-dir ../shared/data/mnist` layout).
-    assert data.find_dataset_files("mnist", SHARED_DATA / "mnist")[split][0].parent == SHARED_DATA / "mnist"
+    assert (
+        data.find_dataset_files("mnist", SHARED_DATA / "mnist")[split][0].parent
+        == SHARED_DATA / "mnist"
+    )
 
 
 @needs_shared("fashion-mnist")
@@ -404,7 +492,9 @@ def test_real_fashion_mnist(split, n):
     images, labels = load_real("fashion-mnist", split)
     assert images.shape == (n, 1, 28, 28) and images.dtype == torch.uint8
     assert torch.bincount(labels, minlength=10).tolist() == [n // 10] * 10
-    if (SHARED_DATA / "mnist").is_dir():  # same file names, different data: the right folder was used
+    if (
+        SHARED_DATA / "mnist"
+    ).is_dir():  # same file names, different data: the right folder was used
         assert not torch.equal(images[:100], load_real("mnist", split)[0][:100])
 
 
@@ -412,12 +502,14 @@ def test_real_fashion_mnist(split, n):
 # shift_augment
 # ---------------------------------------------------------------------------------------------
 
+
 def shifted(image: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
     """Reference: image (C, H, W) moved by (dy, dx), zero filled."""
     out = torch.zeros_like(image)
     h, w = image.shape[-2:]
-    out[:, max(dy, 0):h + min(dy, 0), max(dx, 0):w + min(dx, 0)] = \
-        image[:, max(-dy, 0):h + min(-dy, 0), max(-dx, 0):w + min(-dx, 0)]
+    out[:, max(dy, 0) : h + min(dy, 0), max(dx, 0) : w + min(dx, 0)] = image[
+        :, max(-dy, 0) : h + min(-dy, 0), max(-dx, 0) : w + min(-dx, 0)
+    ]
     return out
 
 
@@ -440,15 +532,21 @@ def test_shift_augment_matches_reference(device):
 
 
 def test_shift_augment_deterministic_and_dtypes(device):
-    x = torch.randint(0, 256, (64, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        0, 256, (64, 1, 28, 28), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     x = x.to(device)
     a = data.shift_augment(x, generator=torch.Generator().manual_seed(7))
     b = data.shift_augment(x, generator=torch.Generator().manual_seed(7))
     c = data.shift_augment(x, generator=torch.Generator().manual_seed(8))
     assert a.dtype == torch.uint8 and torch.equal(a, b) and not torch.equal(a, c)
     f = data.shift_augment(x.double() / 255, generator=torch.Generator().manual_seed(7))
-    assert f.dtype == torch.float64 and torch.equal(f, a.double() / 255)  # the same shifts whatever the dtype
-    ones = data.shift_augment(torch.ones(64, 1, 28, 28, device=device), 2, torch.Generator().manual_seed(1))
+    assert f.dtype == torch.float64 and torch.equal(
+        f, a.double() / 255
+    )  # the same shifts whatever the dtype
+    ones = data.shift_augment(
+        torch.ones(64, 1, 28, 28, device=device), 2, torch.Generator().manual_seed(1)
+    )
     assert ones.sum((1, 2, 3)).min() >= 26 * 26  # zero filled: at most 2 rows and 2 columns lost
     assert torch.equal(data.shift_augment(x, 0, torch.Generator().manual_seed(7)), x)
 
@@ -463,6 +561,7 @@ def test_shift_augment_bad_inputs():
 # ---------------------------------------------------------------------------------------------
 # batches
 # ---------------------------------------------------------------------------------------------
+
 
 def epoch(n=103, batch_size=10, seed=0, **kwargs):
     """[(images, labels)] of one epoch over images[i] = i-dependent pixels, labels[i] = i."""
@@ -482,10 +581,16 @@ def test_batches_cover_every_sample_once():
     assert sorted(order(batches)) == list(range(103)) and order(batches) != list(range(103))
     for images, labels in batches:
         assert images.dtype == torch.float32 and images.shape == (len(labels), 1, 2, 2)
-        assert torch.equal(images, (labels % 256).float().div(255)[:, None, None, None].expand_as(images))
+        assert torch.equal(
+            images, (labels % 256).float().div(255)[:, None, None, None].expand_as(images)
+        )
     assert order(epoch(shuffle=False)) == list(range(103))
     dropped = epoch(shuffle=True, drop_last=True)
-    assert [len(labels) for _, labels in dropped] == [10] * 10 == [10] * data.num_batches(103, 10, drop_last=True)
+    assert (
+        [len(labels) for _, labels in dropped]
+        == [10] * 10
+        == [10] * data.num_batches(103, 10, drop_last=True)
+    )
 
 
 def test_batches_order_is_a_function_of_the_generator():
@@ -496,7 +601,7 @@ def test_batches_order_is_a_function_of_the_generator():
     torch.rand(5, generator=gen)
     assert order(it) == order(epoch(seed=1))
     float_images = torch.rand(8, 1, 2, 2)
-    (images, _), = data.batches(float_images, torch.arange(8), 8, shuffle=False)
+    ((images, _),) = data.batches(float_images, torch.arange(8), 8, shuffle=False)
     assert torch.equal(images, float_images)  # float images pass through unchanged
 
 
@@ -511,9 +616,13 @@ def test_batches_skip_resumes_mid_epoch():
 def test_batches_distributed_shards(n):
     shards = [order(epoch(n, seed=3, rank=r, world_size=2)) for r in (0, 1)]
     assert len(shards[0]) == len(shards[1]) == -(-n // 2)
-    assert len(epoch(n, seed=3, rank=0, world_size=2)) == len(epoch(n, seed=3, rank=1, world_size=2))
+    assert len(epoch(n, seed=3, rank=0, world_size=2)) == len(
+        epoch(n, seed=3, rank=1, world_size=2)
+    )
     assert set(shards[0]) | set(shards[1]) == set(range(n))
-    assert len(set(shards[0]) & set(shards[1])) == (n % 2)  # disjoint but for the wrap-around padding
+    assert len(set(shards[0]) & set(shards[1])) == (
+        n % 2
+    )  # disjoint but for the wrap-around padding
     assert shards[0] + shards[1] != order(epoch(n, seed=3))  # interleaved, not split in halves
     merged = [i for pair in zip(*shards) for i in pair]
     assert merged[:n] == order(epoch(n, seed=3))  # the ranks share one permutation
@@ -523,8 +632,11 @@ def test_batches_distributed_shards(n):
 
 def test_batches_bad_arguments():
     x, y = torch.zeros(4, 1, 2, 2), torch.arange(4)
-    for kwargs, message in [({"batch_size": 0}, "batch_size"), ({"rank": 2, "world_size": 2}, "rank"),
-                            ({"skip": -1}, "skip")]:
+    for kwargs, message in [
+        ({"batch_size": 0}, "batch_size"),
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"skip": -1}, "skip"),
+    ]:
         with pytest.raises(ValueError, match=message):
             data.batches(x, y, **{"batch_size": 2, **kwargs})
     with pytest.raises(ValueError, match="4 images but 3 labels"):

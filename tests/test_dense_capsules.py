@@ -1,5 +1,6 @@
 """dense_capsules beyond the contract (tests/test_op_contract.py): every option combination, the
 CUDA row ranges, the CPU vote tiles, and agreement with dynamic_routing on the same votes."""
+
 import itertools
 
 import pytest
@@ -13,10 +14,15 @@ from op_db import DENSE_CAPSULES, dense_inputs
 
 def compare(u, weight, bias, iters, leaky, detach):
     """(name, capsroute's, the float64 reference's) for v, grad_u, grad_weight and grad_bias."""
-    return DENSE_CAPSULES.compare(DENSE_CAPSULES.sample((u, weight, bias), iters=iters, leaky=leaky, detach=detach))
+    return DENSE_CAPSULES.compare(
+        DENSE_CAPSULES.sample((u, weight, bias), iters=iters, leaky=leaky, detach=detach)
+    )
 
 
-@pytest.mark.parametrize("iters,leaky,detach,with_bias", list(itertools.product([1, 3], [False, True], [False, True], [False, True])))
+@pytest.mark.parametrize(
+    "iters,leaky,detach,with_bias",
+    list(itertools.product([1, 3], [False, True], [False, True], [False, True])),
+)
 def test_every_option_combination(device, iters, leaky, detach, with_bias):
     u, weight, bias = dense_inputs((3, 11, 5, 8, 4), device=device, bias=with_bias)
     for name, a, e in compare(u, weight, bias, iters, leaky, detach):
@@ -115,7 +121,11 @@ def test_float32_weight_transposes_cpu(shape, detach):
 def test_matches_dynamic_routing_on_the_same_votes(device):
     u, weight, bias = dense_inputs((3, 17, 6, 8, 5), device=device, dtype=torch.float32)
     votes = reference.dense_votes(u, weight)
-    assert_rel_close(capsroute.dense_capsules(u, weight, bias=bias), capsroute.dynamic_routing(votes, bias=bias), 1e-5)
+    assert_rel_close(
+        capsroute.dense_capsules(u, weight, bias=bias),
+        capsroute.dynamic_routing(votes, bias=bias),
+        1e-5,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -133,8 +143,13 @@ def test_float16_backward_keeps_a_gradient_above_float16_range(device):
     results = []
     for x, w in ((u, weight), (u.float(), weight.float())):
         _, _, s_hist = torch.ops.capsroute.dense_capsules(x, w, None, 1, *options)
-        results.append(torch.ops.capsroute._dense_capsules_backward(grad_v, x, w, s_hist, *options)[:2])
+        results.append(
+            torch.ops.capsroute._dense_capsules_backward(grad_v, x, w, s_hist, *options)[:2]
+        )
     (grad_u_half, grad_w_half), (grad_u_float, grad_w_float) = results
-    for name, half, full in (("grad_u", grad_u_half, grad_u_float), ("grad_weight", grad_w_half, grad_w_float)):
+    for name, half, full in (
+        ("grad_u", grad_u_half, grad_u_float),
+        ("grad_weight", grad_w_half, grad_w_float),
+    ):
         assert full.abs().max() < 65504 and torch.isfinite(half).all(), name
         assert_rel_close(half.float(), full, 1e-2, name)

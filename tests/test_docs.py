@@ -125,7 +125,9 @@ def test_checks_catch_stale_names(tmp_path):
     assert broken_links(doc) == ["gone.md", "other.md#nowhere"]
 
 
-@pytest.mark.parametrize("name", ["squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose"])
+@pytest.mark.parametrize(
+    "name", ["squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose"]
+)
 def test_op_docstrings_explain_every_argument(name):
     """help(capsroute.<op>) is enough to call it: every parameter is described."""
     import capsroute

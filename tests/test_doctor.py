@@ -1,5 +1,6 @@
 """`capsroute doctor`. CI runs the doctor on the CPU through these tests; on a GPU the cuda-marked
 one runs it on every CUDA path."""
+
 import json
 import re
 
@@ -16,7 +17,7 @@ def result_rows(out: str) -> list[list[str]]:
     lines = out.splitlines()
     start = next(k for k, line in enumerate(lines) if line.startswith("op "))
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip():
             break
         rows.append(re.split(r"\s{2,}", line.strip()))
@@ -28,15 +29,20 @@ def test_doctor_on_the_cpu_passes_and_prints_what_ran(capsys, tmp_path):
     assert doctor.main(["--device", "cpu", "--no-progress", "--json", str(json_path)]) == 0
     out = capsys.readouterr().out
     rows = result_rows(out)
-    checks = [(check, dtype, label)
-              for check in doctor.OPS for dtype in doctor.DTYPES for label in check.shapes(quick=False)]
+    checks = [
+        (check, dtype, label)
+        for check in doctor.OPS
+        for dtype in doctor.DTYPES
+        for label in check.shapes(quick=False)
+    ]
     assert len(rows) == len(checks)
     assert {row[0] for row in rows} == set(capsroute.ops.OPS)
     assert {row[1] for row in rows} == {"float32", "float64", "float16", "bfloat16"}
     assert all(row[4] == "cpu" and row[-1] == "ok" for row in rows), rows
     for check in doctor.OPS:  # a timing against eager for every op
-        assert any(line.startswith(check.name) and line.endswith("cpu/cpu")
-                   for line in out.splitlines()), check.name
+        assert any(
+            line.startswith(check.name) and line.endswith("cpu/cpu") for line in out.splitlines()
+        ), check.name
     assert "0 failed" in out
     report = json.loads(json_path.read_text())
     assert report["kind"] == "doctor" and len(report["results"]) == len(checks)
@@ -44,8 +50,9 @@ def test_doctor_on_the_cpu_passes_and_prints_what_ran(capsys, tmp_path):
 
 def test_a_mismatch_fails_the_doctor(monkeypatch, capsys):
     right = reference.em_routing_pose  # (no other reference op calls it)
-    monkeypatch.setattr(reference, "em_routing_pose",
-                        lambda *args, **kw: tuple(o * 1.5 for o in right(*args, **kw)))
+    monkeypatch.setattr(
+        reference, "em_routing_pose", lambda *args, **kw: tuple(o * 1.5 for o in right(*args, **kw))
+    )
     assert doctor.main(["--device", "cpu", "--quick", "--no-progress"]) == 1
     rows = result_rows(capsys.readouterr().out)
     assert all(("FAIL: mismatch" in row[-1]) == (row[0] == "em_routing_pose") for row in rows), rows
@@ -64,9 +71,19 @@ def test_doctor_on_cuda_runs_every_path(capsys):
     assert doctor.main(["--device", "cuda", "--quick", "--no-progress"]) == 0
     rows = result_rows(capsys.readouterr().out)
     ran = {path for row in rows for path in row[4].split("/")}
-    expected = {"cuda", "v1-fused", "v1-split", "v2-warp-rows", "v2-block", "dense-v1+v1-fused",
-                "dense-v1+v1-split", "dense-v2-gemm+v2-warp-rows", "dense-v2-gemm+v2-block", "em-block",
-                "em-row-ranges"}
+    expected = {
+        "cuda",
+        "v1-fused",
+        "v1-split",
+        "v2-warp-rows",
+        "v2-block",
+        "dense-v1+v1-fused",
+        "dense-v1+v1-split",
+        "dense-v2-gemm+v2-warp-rows",
+        "dense-v2-gemm+v2-block",
+        "em-block",
+        "em-row-ranges",
+    }
     if torch.cuda.get_device_capability() >= (9, 0):
         expected |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
     assert expected <= ran, expected - ran

@@ -1,17 +1,19 @@
 """dynamic_routing beyond the contract (tests/test_op_contract.py): every option combination, the
 detached coupling, NaN isolation, the coupling output, the CUDA row ranges, random shapes."""
+
 import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import capsroute
 from helpers import CUDA, DEVICES, assert_rel_close, randn
 from op_db import DYNAMIC_ROUTING
 
-OPTIONS = list(itertools.product([1, 2, 3], [False, True], [False, True], [False, True]))  # iters, leaky, detach, bias
+OPTIONS = list(
+    itertools.product([1, 2, 3], [False, True], [False, True], [False, True])
+)  # iters, leaky, detach, bias
 
 
 def compare(votes, bias, iters, leaky, detach, generator=None):
@@ -57,14 +59,21 @@ def test_coupling_is_not_differentiable(device):
 
 
 # Options for the row-range tests: (iters, leaky, detach, bias).
-SPLIT_OPTIONS = [(3, False, False, True), (3, True, True, False), (1, False, False, True), (2, True, False, True)]
+SPLIT_OPTIONS = [
+    (3, False, False, True),
+    (3, True, True, False),
+    (1, False, False, True),
+    (2, True, False, True),
+]
 
 
 @pytest.mark.parametrize("device", [CUDA])
 @pytest.mark.parametrize("kernels", ["v1", "v2"])
 @pytest.mark.parametrize("splits", ["2", "5", "300"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
-def test_row_ranges_match_reference(device, monkeypatch, kernels, splits, iters, leaky, detach, with_bias):
+def test_row_ranges_match_reference(
+    device, monkeypatch, kernels, splits, iters, leaky, detach, with_bias
+):
     """When the batch is too small to fill the GPU, each element's rows are routed in ranges, one
     block each (v2: each range cut again among the block's warps), whose partial sums are added in
     order (CAPSROUTE_ROUTING_SPLITS forces how many): the results are the reference's for any number
@@ -90,7 +99,9 @@ def use_clusters(monkeypatch, cluster):
 @pytest.mark.parametrize("cluster", ["force", "0"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
 @pytest.mark.parametrize("I", [133, 8, 5])
-def test_kernel_set_v2_matches_reference(device, monkeypatch, cluster, iters, leaky, detach, with_bias, I):
+def test_kernel_set_v2_matches_reference(
+    device, monkeypatch, cluster, iters, leaky, detach, with_bias, I
+):
     """CAPSROUTE_CUDA_KERNELS=v2 routes with a warp per part of an element's rows where the capsules
     fit a lane each (J <= 32, D <= 16: J = 10 and 16 two rows a warp, D = 12 read as 3 vectors;
     J = 20 and 32 a row a warp, D = 5 read by scalars), with the block kernels beyond (D = 20); on sm_90
@@ -128,13 +139,23 @@ def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels, clus
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "1")
     monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", "yes")
     if kernels == "v2":
-        with pytest.raises(RuntimeError, match="CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got 'yes'"):
+        with pytest.raises(
+            RuntimeError, match="CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got 'yes'"
+        ):
             capsroute.dynamic_routing(votes)
 
 
 @settings(max_examples=25, deadline=None)
-@given(B=st.integers(1, 3), I=st.integers(1, 40), J=st.integers(1, 12), D=st.sampled_from([1, 3, 4, 8, 16]),
-       iters=st.integers(1, 4), leaky=st.booleans(), scale=st.sampled_from([1e-3, 1.0, 10.0]), seed=st.integers(0, 2**31))
+@given(
+    B=st.integers(1, 3),
+    I=st.integers(1, 40),
+    J=st.integers(1, 12),
+    D=st.sampled_from([1, 3, 4, 8, 16]),
+    iters=st.integers(1, 4),
+    leaky=st.booleans(),
+    scale=st.sampled_from([1e-3, 1.0, 10.0]),
+    seed=st.integers(0, 2**31),
+)
 def test_property_matches_reference(B, I, J, D, iters, leaky, scale, seed):
     g = torch.Generator().manual_seed(seed)
     votes = randn(B, I, J, D, scale=scale, requires_grad=True, generator=g)
@@ -156,7 +177,9 @@ def test_float16_backward_keeps_a_gradient_above_float16_range(device):
     results = []
     for x in (votes, votes.float()):
         _, _, s_hist = torch.ops.capsroute.dynamic_routing(x, None, 1, *options)
-        results.append(torch.ops.capsroute._dynamic_routing_backward(grad_v, x, s_hist, *options)[0])
+        results.append(
+            torch.ops.capsroute._dynamic_routing_backward(grad_v, x, s_hist, *options)[0]
+        )
     grad_half, grad_float = results
     assert grad_float.abs().max() < 65504 and torch.isfinite(grad_half).all()
     assert_rel_close(grad_half.float(), grad_float, 1e-2, "grad_votes")

@@ -1,9 +1,9 @@
 """em_routing beyond the contract (tests/test_op_contract.py): every iteration count, robustness
 where other implementations fail, bad input messages, random shapes and scales."""
+
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import capsroute
 from helpers import CUDA, assert_rel_close
@@ -18,7 +18,9 @@ def compare(inputs, iters, generator=None, **options):
 @pytest.mark.parametrize("iters", [1, 2, 3, 5])
 @pytest.mark.parametrize("final_lambda", [0.01, 1.0])
 def test_every_iteration_count(device, iters, final_lambda):
-    for name, a, e in compare(em_inputs((2, 13, 5, 16), device=device), iters, final_lambda=final_lambda):
+    for name, a, e in compare(
+        em_inputs((2, 13, 5, 16), device=device), iters, final_lambda=final_lambda
+    ):
         assert_rel_close(a, e, 1e-10, name)
 
 
@@ -55,7 +57,9 @@ def test_kernel_set_v2_deterministic_and_checked(device, monkeypatch):
         capsroute.em_routing(*inputs)
 
 
-@pytest.mark.parametrize("case", ["a_in_zeros", "all_a_in_zero", "identical_votes", "large_votes", "no_mass"])
+@pytest.mark.parametrize(
+    "case", ["a_in_zeros", "all_a_in_zero", "identical_votes", "large_votes", "no_mass"]
+)
 def test_robust_where_other_implementations_fail(device, case):
     """docs/ops.md, em_routing / issue 3: no NaN or Inf in outputs or gradients in the classic failure cases."""
     votes, a_in, beta_u, beta_a = em_inputs((3, 24, 5, 16), device=device, dtype=torch.float32)
@@ -68,23 +72,49 @@ def test_robust_where_other_implementations_fail(device, case):
             votes[:] = votes[:, :1].clone()  # every input casts the same vote: zero variance
         elif case == "large_votes":
             votes.mul_(1e3)
-        elif case == "no_mass":  # capsule 0's votes are far from everything else: it ends up with no assignments
+        elif (
+            case == "no_mass"
+        ):  # capsule 0's votes are far from everything else: it ends up with no assignments
             votes[:, :, 0] = 1e4
             a_in[:, : a_in.shape[1] // 2] = 0
     for name, ours, _ in compare((votes, a_in, beta_u, beta_a), 3):
         assert torch.isfinite(ours).all(), f"{case}: {name} has NaN or Inf"
 
 
-@pytest.mark.parametrize("call,message", [
-    (lambda v, a, u, b: capsroute.em_routing(v[0], a, u, b), r"votes must have shape \(B, I, J, H\)"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a[:, :-1], u, b), r"a_in must have shape \(B, I\) = \(2, 5\)"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a, u[:-1], b), r"beta_u must have shape \(J,\) = \(3,\)"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a, u, b.unsqueeze(0)), r"beta_a must have shape \(J,\)"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a, u, b, 0), "iters must be >= 1, got 0"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a, u, b, final_lambda=float("inf")), "final_lambda must be finite"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a, u, b, eps=0.0), "eps must be finite and > 0"),
-    (lambda v, a, u, b: capsroute.em_routing(v, a, u, b, eps=float("nan")), "eps must be finite and > 0"),
-])
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (
+            lambda v, a, u, b: capsroute.em_routing(v[0], a, u, b),
+            r"votes must have shape \(B, I, J, H\)",
+        ),
+        (
+            lambda v, a, u, b: capsroute.em_routing(v, a[:, :-1], u, b),
+            r"a_in must have shape \(B, I\) = \(2, 5\)",
+        ),
+        (
+            lambda v, a, u, b: capsroute.em_routing(v, a, u[:-1], b),
+            r"beta_u must have shape \(J,\) = \(3,\)",
+        ),
+        (
+            lambda v, a, u, b: capsroute.em_routing(v, a, u, b.unsqueeze(0)),
+            r"beta_a must have shape \(J,\)",
+        ),
+        (lambda v, a, u, b: capsroute.em_routing(v, a, u, b, 0), "iters must be >= 1, got 0"),
+        (
+            lambda v, a, u, b: capsroute.em_routing(v, a, u, b, final_lambda=float("inf")),
+            "final_lambda must be finite",
+        ),
+        (
+            lambda v, a, u, b: capsroute.em_routing(v, a, u, b, eps=0.0),
+            "eps must be finite and > 0",
+        ),
+        (
+            lambda v, a, u, b: capsroute.em_routing(v, a, u, b, eps=float("nan")),
+            "eps must be finite and > 0",
+        ),
+    ],
+)
 def test_bad_input_raises_a_clear_error(device, call, message):
     inputs = [t.detach() for t in em_inputs((2, 5, 3, 4), device=device)]
     with pytest.raises(RuntimeError, match=message):
@@ -95,15 +125,26 @@ def test_backward_names_saved_statistics_of_the_wrong_rank(device):
     votes, a_in, beta_u, beta_a = (t.detach() for t in em_inputs((2, 5, 3, 4), device=device))
     pose, a_out, stats = torch.ops.capsroute.em_routing(votes, a_in, beta_u, beta_a, 2, 0.01, 1e-6)
     with pytest.raises(RuntimeError, match=r"stats must have shape \(B, iters, J, 2H \+ 1\)"):
-        torch.ops.capsroute._em_routing_backward(pose, a_out, votes, a_in, beta_u, beta_a, stats[0], 0.01, 1e-6)
+        torch.ops.capsroute._em_routing_backward(
+            pose, a_out, votes, a_in, beta_u, beta_a, stats[0], 0.01, 1e-6
+        )
 
 
 @settings(max_examples=20, deadline=None)
-@given(B=st.integers(1, 3), I=st.integers(1, 30), J=st.integers(1, 8), H=st.sampled_from([1, 4, 16]),
-       iters=st.integers(1, 4), scale=st.sampled_from([1e-2, 1.0, 30.0]), seed=st.integers(0, 2**31))
+@given(
+    B=st.integers(1, 3),
+    I=st.integers(1, 30),
+    J=st.integers(1, 8),
+    H=st.sampled_from([1, 4, 16]),
+    iters=st.integers(1, 4),
+    scale=st.sampled_from([1e-2, 1.0, 30.0]),
+    seed=st.integers(0, 2**31),
+)
 def test_property_matches_reference(B, I, J, H, iters, scale, seed):
     g = torch.Generator().manual_seed(seed)
-    for name, a, e in compare(em_inputs((B, I, J, H), generator=g, vote_scale=scale), iters, generator=g):
+    for name, a, e in compare(
+        em_inputs((B, I, J, H), generator=g, vote_scale=scale), iters, generator=g
+    ):
         # An output with effectively one vote (I = 1, or one-hot assignments) has mu = V m / (m + eps)
         # and var ~ eps: V - mu cancels to |V| eps / m, so two float64 implementations of the same
         # formula differ in grad_votes by up to about 2^-52 m / eps ~ 1e-8 (7.7e-8 seen: B=2, I=1,

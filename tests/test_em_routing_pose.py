@@ -1,6 +1,7 @@
 """em_routing_pose (votes_ij = pose_i @ weight_ij, computed in the kernel) beyond the contract
 (tests/test_op_contract.py): flat poses, bad input messages, every iteration count, robustness,
 the CUDA backward's batch chunks, and saved statistics shared by both backends."""
+
 import pytest
 import torch
 
@@ -16,13 +17,18 @@ def compare(inputs, iters=3):
 
 def test_takes_flat_poses(device):
     pose, *rest = em_pose_inputs((2, 6, 3), device=device)
-    flat, square = capsroute.em_routing_pose(pose.flatten(-2), *rest), capsroute.em_routing_pose(pose, *rest)
+    flat, square = (
+        capsroute.em_routing_pose(pose.flatten(-2), *rest),
+        capsroute.em_routing_pose(pose, *rest),
+    )
     for a, b in zip(flat, square):
         assert torch.equal(a, b)
 
 
 def test_bad_input(device):
-    pose, weight, a_in, beta_u, beta_a = (t.detach() for t in em_pose_inputs((2, 5, 3), device=device))
+    pose, weight, a_in, beta_u, beta_a = (
+        t.detach() for t in em_pose_inputs((2, 5, 3), device=device)
+    )
     with pytest.raises(RuntimeError, match=r"pose must have shape \(B, I, 4, 4\)"):
         capsroute.em_routing_pose(pose[..., :3], weight, a_in, beta_u, beta_a)
     with pytest.raises(RuntimeError, match=r"weight must have shape \(I, J, 4, 4\) with I = 5"):
@@ -39,7 +45,9 @@ def test_every_iteration_count(device, iters):
 
 @pytest.mark.parametrize("case", ["a_in_zeros", "all_a_in_zero", "large_pose"])
 def test_robust(device, case):
-    pose, weight, a_in, beta_u, beta_a = em_pose_inputs((3, 24, 5), device=device, dtype=torch.float32)
+    pose, weight, a_in, beta_u, beta_a = em_pose_inputs(
+        (3, 24, 5), device=device, dtype=torch.float32
+    )
     with torch.no_grad():
         if case == "a_in_zeros":
             a_in[:, ::3] = 0
@@ -88,13 +96,19 @@ def test_kernel_set_v2_row_ranges_match_reference(device, monkeypatch, splits):
 def test_stats_work_with_either_backend(device):
     """The saved statistics have one layout: the backward of either backend reads either's."""
     inputs = [t.detach() for t in em_pose_inputs((3, 13, 4), device=device)]
-    grad_pose, grad_a = torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    grad_pose, grad_a = (
+        torch.randn(3, 4, 16, dtype=torch.float64),
+        torch.randn(3, 4, dtype=torch.float64),
+    )
     ops = torch.ops.capsroute
     stats_here = ops.em_routing_pose(*inputs, 3, 0.01, 1e-6)[2]
     stats_cpu = ops.em_routing_pose(*[t.cpu() for t in inputs], 3, 0.01, 1e-6)[2]
     assert_rel_close(stats_here, stats_cpu, 1e-10, "stats")
-    want = ops._em_routing_pose_backward(grad_pose, grad_a, *[t.cpu() for t in inputs], stats_cpu, 0.01, 1e-6)
-    got = ops._em_routing_pose_backward(grad_pose.to(device), grad_a.to(device), *inputs, stats_cpu.to(device),
-                                        0.01, 1e-6)
+    want = ops._em_routing_pose_backward(
+        grad_pose, grad_a, *[t.cpu() for t in inputs], stats_cpu, 0.01, 1e-6
+    )
+    got = ops._em_routing_pose_backward(
+        grad_pose.to(device), grad_a.to(device), *inputs, stats_cpu.to(device), 0.01, 1e-6
+    )
     for name, a, e in zip(EM_ROUTING_POSE.input_names, got, want):
         assert_rel_close(a, e, 1e-10, f"grad_{name}")

@@ -1,5 +1,6 @@
 """scripts/gpu_sweep.py runs on a GPU machine whose minutes are scarce: check here, on small shapes,
 that it runs, covers every op and records what it claims."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -23,4 +24,8 @@ def test_quick_sweep_on_cpu(tmp_path):
     assert all(r["passed"] and r["deterministic"] for r in report["results"])
     assert all(r["kernel_path"] == "cpu/cpu" for r in report["results"])
     # every output and every gradient is compared: dense_capsules has v and 3 gradients
-    assert all(len(r["rel_errors"]) == 4 for r in report["results"] if r["case"].startswith("dense_capsules"))
+    assert all(
+        len(r["rel_errors"]) == 4
+        for r in report["results"]
+        if r["case"].startswith("dense_capsules")
+    )

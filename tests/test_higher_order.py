@@ -2,6 +2,7 @@
 (create_graph=True) and forward mode are exact (docs/ops.md, "Derivatives"), through the reference's
 autograd, while a plain backward still runs the fused backward operator. Compared with the float64
 reference and with finite differences (gradgradcheck)."""
+
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,8 @@ def differentiable(spec, impl, sample):
         full = list(sample.tensors)
         for i, t in zip(given, tensors):
             full[i] = t
-        return spec.outputs(impl, replace(sample, tensors=tuple(full)))[:spec.grad_outputs]
+        return spec.outputs(impl, replace(sample, tensors=tuple(full)))[: spec.grad_outputs]
+
     return fn
 
 
@@ -41,7 +43,9 @@ def test_gradgradcheck(spec, device):
     for sample in small_samples(spec, device):
         # fast_mode: finite differences of random projections (the full Jacobians of the
         # gradients take a minute per op); test_double_backward_matches_reference checks all entries.
-        assert torch.autograd.gradgradcheck(differentiable(spec, spec.fn, sample), sample.inputs(), fast_mode=True)
+        assert torch.autograd.gradgradcheck(
+            differentiable(spec, spec.fn, sample), sample.inputs(), fast_mode=True
+        )
 
 
 def second_order(fn, inputs, cotangents, weights):
@@ -57,10 +61,16 @@ def test_double_backward_matches_reference(spec, device):
         outs = differentiable(spec, spec.ref, sample)(*sample.inputs())
         cotangents = [randn(*o.shape, device=device) for o in outs]
         weights = [randn(*t.shape, device=device) for t in sample.inputs()]
-        ours = second_order(differentiable(spec, spec.fn, sample), sample.inputs(), cotangents, weights)
-        ref = second_order(differentiable(spec, spec.ref, sample), sample.inputs(), cotangents, weights)
+        ours = second_order(
+            differentiable(spec, spec.fn, sample), sample.inputs(), cotangents, weights
+        )
+        ref = second_order(
+            differentiable(spec, spec.ref, sample), sample.inputs(), cotangents, weights
+        )
         for name, a, e in zip(spec.input_names, ours, ref):
-            assert e.abs().max() > 0, f"{name}: the reference's second derivative is zero: a vacuous check"
+            assert e.abs().max() > 0, (
+                f"{name}: the reference's second derivative is zero: a vacuous check"
+            )
             assert_rel_close(a, e, TOL, f"second-order grad_{name}")
 
 
@@ -100,7 +110,10 @@ def test_func_transforms_match_reference(spec, device):
         return lambda *ts: sum(o.pow(2).sum() for o in differentiable(spec, impl, sample)(*ts))
 
     argnums = tuple(range(len(x)))
-    for a, e in zip(torch.func.grad(scalar(spec.fn), argnums)(*x), torch.func.grad(scalar(spec.ref), argnums)(*x)):
+    for a, e in zip(
+        torch.func.grad(scalar(spec.fn), argnums)(*x),
+        torch.func.grad(scalar(spec.ref), argnums)(*x),
+    ):
         assert_rel_close(a, e, TOL, "torch.func.grad")
 
     def per_sample(impl):
@@ -109,12 +122,16 @@ def test_func_transforms_match_reference(spec, device):
 
         def loss(first, *rest):
             return sum(o.pow(2).sum() for o in fn(first.unsqueeze(0), *rest))
+
         return torch.func.vmap(torch.func.grad(loss), in_dims=(0, *(None,) * (len(x) - 1)))(*x)
+
     if spec.name != "squash":  # squash has no batch dimension of its own
         assert_rel_close(per_sample(spec.fn), per_sample(spec.ref), TOL, "vmap(grad)")
 
-    for a, e in zip(torch.func.jacrev(differentiable(spec, spec.fn, sample))(*x),
-                    torch.func.jacrev(differentiable(spec, spec.ref, sample))(*x)):
+    for a, e in zip(
+        torch.func.jacrev(differentiable(spec, spec.fn, sample))(*x),
+        torch.func.jacrev(differentiable(spec, spec.ref, sample))(*x),
+    ):
         assert_rel_close(a, e, TOL, "jacrev")
 
 

@@ -1,6 +1,7 @@
 """The shape of the capsroute package, read from its source (nothing is imported): the modules import
 each other without a cycle, the trainer and the figures stay clear of the benchmark, and no module
 outgrows a reader (500 lines)."""
+
 import ast
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def test_runinfo_is_a_leaf():
     assert GRAPH["capsroute._runinfo"] == set()
 
 
-@pytest.mark.parametrize("name", ["capsroute.train", "capsroute.train_plot", "capsroute.bench.plot"])
+@pytest.mark.parametrize(
+    "name", ["capsroute.train", "capsroute.train_plot", "capsroute.bench.plot"]
+)
 def test_trainer_and_figures_do_not_import_the_benchmark(name):
     bench = {m for m in reachable(name) if m.startswith("capsroute.bench")}
     assert not bench, f"{name} imports {sorted(bench)}"
@@ -96,4 +99,6 @@ def test_trainer_and_figures_do_not_import_the_benchmark(name):
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_size(name):
     lines = len(MODULES[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(PACKAGE.parent)}: {lines} lines > {MAX_LINES}"
+    assert lines <= MAX_LINES, (
+        f"{MODULES[name].relative_to(PACKAGE.parent)}: {lines} lines > {MAX_LINES}"
+    )

@@ -1,4 +1,5 @@
 """The kernel-path record (capsroute.last_kernel_path) and where the benchmark reports it."""
+
 import pytest
 import torch
 
@@ -25,8 +26,14 @@ def test_the_record_names_the_path_each_direction_ran():
 
 def test_the_benchmark_records_the_path_each_capsroute_row_ran():
     cases = make_cases(["dynamic_routing", "em_routing"], [parse_shape("20,3,4")], [2], "cpu")
-    report = run_benchmarks(cases, ("capsroute", "eager"), device=torch.device("cpu"), repeats=2,
-                            warmup=1, progress=False)
+    report = run_benchmarks(
+        cases,
+        ("capsroute", "eager"),
+        device=torch.device("cpu"),
+        repeats=2,
+        warmup=1,
+        progress=False,
+    )
     for r in report["results"]:
         if r["impl"] == "capsroute":
             assert r["kernel_paths"] == {r["op"]: {"forward": "cpu", "backward": "cpu"}}
@@ -36,9 +43,22 @@ def test_the_benchmark_records_the_path_each_capsroute_row_ran():
 
 
 def test_the_table_says_which_cuda_path_each_row_ran():
-    rows = [{"op": "dense_capsules", "shape_name": "mnist", "shape": {"B": 512}, "impl": "capsroute",
-             "kernel_paths": {"dense_capsules": {"forward": "dense-v2-gemm+v2-cluster",
-                                                 "backward": "dense-v2-gemm+v2-warp-rows"}}},
-            {"op": "dense_capsules", "shape_name": "mnist", "shape": {"B": 512}, "impl": "eager"}]
-    assert kernel_path_lines(rows) == ["kernel paths of dense_capsules mnist B=512 capsroute: "
-                                       "dense_capsules dense-v2-gemm+v2-cluster / dense-v2-gemm+v2-warp-rows"]
+    rows = [
+        {
+            "op": "dense_capsules",
+            "shape_name": "mnist",
+            "shape": {"B": 512},
+            "impl": "capsroute",
+            "kernel_paths": {
+                "dense_capsules": {
+                    "forward": "dense-v2-gemm+v2-cluster",
+                    "backward": "dense-v2-gemm+v2-warp-rows",
+                }
+            },
+        },
+        {"op": "dense_capsules", "shape_name": "mnist", "shape": {"B": 512}, "impl": "eager"},
+    ]
+    assert kernel_path_lines(rows) == [
+        "kernel paths of dense_capsules mnist B=512 capsroute: "
+        "dense_capsules dense-v2-gemm+v2-cluster / dense-v2-gemm+v2-warp-rows"
+    ]

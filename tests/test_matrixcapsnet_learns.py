@@ -2,6 +2,7 @@
 (tests/data/mnist-small) clear a bar that the stalled recipe of 2026-11-22 does not reach (the
 measurements behind the bar are in docs/matrixcapsnet.md); and the routing options of the EM
 layers that the diagnosis measured do what they say, on both backends."""
+
 import json
 from pathlib import Path
 
@@ -22,9 +23,27 @@ def test_matrixcapsnet_learns(tmp_path):
     the default 2 EM iterations, Adam 1e-2, batch 32, scored on 1000 unseen images. Measured: 87.3%
     (seed 0) and 87.8% (seed 1); the same run with the 3 iterations of the stalled recipe
     (iters=3) reaches 47.3%, hence the bar of 75%."""
-    args = ["--model", "matrixcapsnet", "--model-config", "A=32", "B=8", "C=8", "D=8", "--data-dir", str(DATA),
-            "--out", str(tmp_path), "--no-progress", "--no-plots", "--batch-size", "32", "--epochs", "3",
-            "--lr", "1e-2"]
+    args = [
+        "--model",
+        "matrixcapsnet",
+        "--model-config",
+        "A=32",
+        "B=8",
+        "C=8",
+        "D=8",
+        "--data-dir",
+        str(DATA),
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--no-plots",
+        "--batch-size",
+        "32",
+        "--epochs",
+        "3",
+        "--lr",
+        "1e-2",
+    ]
     assert train.main(args) == 0
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["test_accuracy"] >= 0.75, result
@@ -59,7 +78,9 @@ def test_min_var_is_the_ops_eps(layer_cls):
             def call(*args, **kwargs):
                 calls.append(kwargs)
                 return getattr(original, name)(*args, **kwargs)
+
             return call
+
     capsnn.BACKENDS["spy"] = Spy()
     try:
         layer.backend = "spy"
@@ -72,8 +93,11 @@ def test_min_var_is_the_ops_eps(layer_cls):
 @pytest.mark.parametrize("layer_cls", [ConvCapsules, ClassCapsules])
 def test_pose_norm_makes_the_layer_blind_to_each_images_pose_scale(layer_cls):
     pose, activation = em_inputs()
-    layer = layer_cls(3, 5, pose_norm=True, coordinate_addition=False).double() if layer_cls is ClassCapsules \
+    layer = (
+        layer_cls(3, 5, pose_norm=True, coordinate_addition=False).double()
+        if layer_cls is ClassCapsules
         else layer_cls(3, 5, pose_norm=True).double()
+    )
     scale = torch.tensor([0.01, 30.0], dtype=torch.float64).view(2, 1, 1, 1, 1)
     for got, want in zip(layer(pose * scale, activation), layer(pose, activation)):
         torch.testing.assert_close(got, want)
@@ -97,8 +121,19 @@ def test_routing_options_agree_across_backends():
     results = {}
     for backend in ("fused", "reference"):
         torch.manual_seed(0)
-        model = MatrixCapsNet(A=8, B=4, C=4, D=4, iters=3, normalize_cost=True, final_lambda=1.0, min_var=1e-3,
-                              pose_norm=True, conv_norm=True, backend=backend).double()
+        model = MatrixCapsNet(
+            A=8,
+            B=4,
+            C=4,
+            D=4,
+            iters=3,
+            normalize_cost=True,
+            final_lambda=1.0,
+            min_var=1e-3,
+            pose_norm=True,
+            conv_norm=True,
+            backend=backend,
+        ).double()
         out = model(images, labels)
         spread_loss(out.activations, labels, 0.5).backward()
         results[backend] = (out.activations, out.poses, *[p.grad for p in model.parameters()])

@@ -1,12 +1,20 @@
 """capsroute.nn layers, capsroute.models and capsroute.losses: the fused backend computes the
 same function as the reference backend, shapes follow the papers, losses match their formulas."""
+
 import pytest
 import torch
 
 import capsroute
 from capsroute import losses
 from capsroute.models import CapsNet, MatrixCapsNet
-from capsroute.nn import ClassCapsules, ConvCapsules, DenseCapsules, PrimaryCapsules, PrimaryMatrixCapsules, set_backend
+from capsroute.nn import (
+    ClassCapsules,
+    ConvCapsules,
+    DenseCapsules,
+    PrimaryCapsules,
+    PrimaryMatrixCapsules,
+    set_backend,
+)
 from helpers import CUDA, DEVICES, assert_rel_close
 
 
@@ -22,9 +30,16 @@ def both_backends(make_module, *inputs, seed=0):
         out = module(*xs)
         out = out if isinstance(out, tuple) else (out,)
         torch.manual_seed(seed + 1)
-        sum(((o.float() if o.dtype != torch.float64 else o) * torch.randn_like(o, dtype=torch.float64)).sum()
-            for o in out).backward()
-        grads = [p.grad.clone() for p in module.parameters()] + [x.grad for x in xs if x.grad is not None]
+        sum(
+            (
+                (o.float() if o.dtype != torch.float64 else o)
+                * torch.randn_like(o, dtype=torch.float64)
+            ).sum()
+            for o in out
+        ).backward()
+        grads = [p.grad.clone() for p in module.parameters()] + [
+            x.grad for x in xs if x.grad is not None
+        ]
         results[backend] = (out, grads)
     return results
 
@@ -57,7 +72,9 @@ def test_primary_capsules_layer(device):
 def test_conv_capsules_layer_backends_agree(device):
     pose = torch.randn(2, 5, 6, 3, 16, dtype=torch.float64, device=device)
     activation = torch.rand(2, 5, 6, 3, dtype=torch.float64, device=device)
-    results = both_backends(lambda: ConvCapsules(3, 4, kernel_size=3, stride=2).to(device), pose, activation)
+    results = both_backends(
+        lambda: ConvCapsules(3, 4, kernel_size=3, stride=2).to(device), pose, activation
+    )
     out_pose, out_a = results["fused"][0]
     assert out_pose.shape == (2, 2, 2, 4, 16) and out_a.shape == (2, 2, 2, 4)
     assert_backends_agree(results)
@@ -69,7 +86,9 @@ def test_conv_capsules_routes_each_window():
     pose = torch.randn(1, 5, 5, 2, 16, dtype=torch.float64)
     activation = torch.rand(1, 5, 5, 2, dtype=torch.float64)
     out_pose, out_a = layer(pose, activation)
-    window_pose, window_a = layer(pose[:, 1:4, 2:5].contiguous(), activation[:, 1:4, 2:5].contiguous())
+    window_pose, window_a = layer(
+        pose[:, 1:4, 2:5].contiguous(), activation[:, 1:4, 2:5].contiguous()
+    )
     torch.testing.assert_close(out_pose[:, 1, 2], window_pose[:, 0, 0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out_a[:, 1, 2], window_a[:, 0, 0], rtol=1e-12, atol=1e-12)
 
@@ -102,11 +121,17 @@ def test_class_capsules_coordinate_addition_moves_the_last_column():
 
 def test_capsnet_is_the_papers_network():
     model = CapsNet()
-    assert sum(p.numel() for p in model.parameters()) == 8_215_728  # 8.2M in Sabour et al. (with biases)
+    assert (
+        sum(p.numel() for p in model.parameters()) == 8_215_728
+    )  # 8.2M in Sabour et al. (with biases)
     assert model.classes.weight.shape == (1152, 10, 16, 8)
     images, labels = torch.rand(3, 1, 28, 28), torch.tensor([1, 2, 3])
     out = model.train()(images, labels)
-    assert out.lengths.shape == (3, 10) and out.capsules.shape == (3, 10, 16) and out.reconstructions.shape == (3, 784)
+    assert (
+        out.lengths.shape == (3, 10)
+        and out.capsules.shape == (3, 10, 16)
+        and out.reconstructions.shape == (3, 784)
+    )
     assert ((out.lengths > 0) & (out.lengths < 1)).all()
 
 
@@ -128,14 +153,22 @@ def test_capsnet_decoder_masking():
 def test_matrix_capsnet_is_the_papers_small_network():
     model = MatrixCapsNet()
     assert [m.weight.shape for m in (model.conv_caps1, model.conv_caps2, model.classes)] == [
-        (72, 16, 4, 4), (144, 16, 4, 4), (16, 10, 4, 4)]
+        (72, 16, 4, 4),
+        (144, 16, 4, 4),
+        (16, 10, 4, 4),
+    ]
     out = model(torch.rand(2, 1, 28, 28))
     assert out.activations.shape == (2, 10) and out.poses.shape == (2, 10, 16)
-    assert torch.isfinite(out.activations).all() and ((out.activations > 0) & (out.activations < 1)).all()
+    assert (
+        torch.isfinite(out.activations).all()
+        and ((out.activations > 0) & (out.activations < 1)).all()
+    )
 
 
-@pytest.mark.parametrize("model_cls, config", [(CapsNet, dict(conv_channels=16, primary_types=4)),
-                                               (MatrixCapsNet, dict(A=8, B=4, C=4, D=4))])
+@pytest.mark.parametrize(
+    "model_cls, config",
+    [(CapsNet, dict(conv_channels=16, primary_types=4)), (MatrixCapsNet, dict(A=8, B=4, C=4, D=4))],
+)
 def test_models_backends_agree(model_cls, config):
     images = torch.rand(2, 1, 28, 28, dtype=torch.float64)
     labels = torch.tensor([3, 7])
@@ -166,12 +199,18 @@ def test_em_layers_route_in_float32_under_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs[backend] = model(images)
     assert outs["fused"].activations.dtype == torch.float32
-    torch.testing.assert_close(outs["fused"].activations, outs["reference"].activations, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        outs["fused"].activations, outs["reference"].activations, rtol=1e-4, atol=1e-5
+    )
 
 
-AUTOCAST = [pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
-            *(pytest.param("cuda", amp, id=f"cuda-{name}", marks=CUDA.marks)
-              for amp, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")))]
+AUTOCAST = [
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    *(
+        pytest.param("cuda", amp, id=f"cuda-{name}", marks=CUDA.marks)
+        for amp, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"))
+    ),
+]
 
 
 @pytest.mark.parametrize("device,amp", AUTOCAST)
@@ -183,7 +222,9 @@ def test_layers_and_ops_agree_under_autocast(device, amp):
     dense = DenseCapsules(11, 8, 5, 16).to(device)
     conv = ConvCapsules(3, 4, kernel_size=3, stride=2).to(device)
     classes = ClassCapsules(3, 5).to(device)
-    u = capsroute.squash(torch.randn(3, 11, 8, device=device)).to(amp)  # as PrimaryCapsules delivers it
+    u = capsroute.squash(torch.randn(3, 11, 8, device=device)).to(
+        amp
+    )  # as PrimaryCapsules delivers it
     pose = torch.randn(2, 5, 6, 3, 16, device=device).to(amp)
     activation = torch.rand(2, 5, 6, 3, device=device).to(amp)
     # ConvCapsules' windows (kernel 3, stride 2: 2 x 2 positions of 27 input capsules)
@@ -193,12 +234,20 @@ def test_layers_and_ops_agree_under_autocast(device, amp):
         v = dense(u)
         v_op = capsroute.dense_capsules(u, dense.weight, bias=dense.bias)
         conv_out = conv(pose, activation)
-        conv_op = capsroute.em_routing_pose(windows, conv.weight, a_windows, conv.beta_u, conv.beta_a)
+        conv_op = capsroute.em_routing_pose(
+            windows, conv.weight, a_windows, conv.beta_u, conv.beta_a
+        )
         class_out = classes(pose[:, :3], activation[:, :3])
     assert v.dtype == amp and torch.equal(v, v_op)
-    for name, a, b, c in zip(["pose", "a"], conv_out, conv_op, conv(pose.float(), activation.float())):
-        assert a.dtype == torch.float32 and torch.equal(a.reshape(b.shape), b) and torch.equal(a, c), f"conv {name}"
-    for name, a, c in zip(["pose", "a"], class_out, classes(pose[:, :3].float(), activation[:, :3].float())):
+    for name, a, b, c in zip(
+        ["pose", "a"], conv_out, conv_op, conv(pose.float(), activation.float())
+    ):
+        assert (
+            a.dtype == torch.float32 and torch.equal(a.reshape(b.shape), b) and torch.equal(a, c)
+        ), f"conv {name}"
+    for name, a, c in zip(
+        ["pose", "a"], class_out, classes(pose[:, :3].float(), activation[:, :3].float())
+    ):
         assert a.dtype == torch.float32 and torch.equal(a, c), f"classes {name}"
 
 
@@ -221,7 +270,9 @@ def test_margin_loss_formula():
 def test_reconstruction_loss_formula():
     images = torch.zeros(2, 1, 2, 2)
     recon = torch.tensor([[1.0, 0, 0, 0], [1.0, 1.0, 0, 0]])
-    torch.testing.assert_close(losses.reconstruction_loss(recon, images), torch.tensor(0.0005 * 1.5))
+    torch.testing.assert_close(
+        losses.reconstruction_loss(recon, images), torch.tensor(0.0005 * 1.5)
+    )
 
 
 def test_spread_loss_formula_and_schedule():

@@ -1,5 +1,6 @@
 """MultiMNIST (capsroute.multimnist): the pair generator, its losses and evaluation, and
 `capsroute train --dataset multimnist` end to end on the committed MNIST subset."""
+
 import argparse
 import json
 from pathlib import Path
@@ -32,7 +33,7 @@ def pairs(train_split):
 
 
 def crop(canvas: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
-    return canvas[SHIFT + dy:SHIFT + dy + 28, SHIFT + dx:SHIFT + dx + 28]
+    return canvas[SHIFT + dy : SHIFT + dy + 28, SHIFT + dx : SHIFT + dx + 28]
 
 
 def test_a_pair_is_a_function_of_seed_and_index(train_split, pairs):
@@ -43,8 +44,10 @@ def test_a_pair_is_a_function_of_seed_and_index(train_split, pairs):
         assert torch.equal(x, y.flip(0))
     assert torch.equal(a.images[0], a.images[4])  # the same index twice
     # pairs_per_digit only sets how many indices there are, not what a pair is
-    assert torch.equal(MultiMNIST(*train_split, pairs_per_digit=1, seed=5).pairs(index[[0, 2]]).images,
-                       a.images[[0, 2]])
+    assert torch.equal(
+        MultiMNIST(*train_split, pairs_per_digit=1, seed=5).pairs(index[[0, 2]]).images,
+        a.images[[0, 2]],
+    )
     other = MultiMNIST(*train_split, pairs_per_digit=3, seed=6).pairs(index)
     assert not torch.equal(other.images, a.images)
 
@@ -142,9 +145,7 @@ def test_bad_arguments_are_named(train_split):
 
 
 def test_pair_correct_by_hand():
-    scores = torch.tensor([[0.9, 0.8, 0.1, 0.0],
-                           [0.9, 0.1, 0.8, 0.0],
-                           [0.2, 0.1, 0.8, 0.9]])
+    scores = torch.tensor([[0.9, 0.8, 0.1, 0.0], [0.9, 0.1, 0.8, 0.0], [0.2, 0.1, 0.8, 0.9]])
     labels = torch.tensor([[1, 0], [0, 1], [3, 2]])  # order of the labels does not matter
     assert pair_correct(scores, labels).tolist() == [True, False, True]
     assert pair_correct(scores, torch.tensor([0, 2, 3])).tolist() == [True, False, True]
@@ -160,13 +161,18 @@ def test_two_label_losses_by_hand():
     targets = torch.zeros(2, 2, 2, 2)
     targets[0, 1, 0, 0] = 1  # the second digit of the first pair: one pixel
     recon = torch.zeros(2, 2, 4)
-    recon[0, 0, 0] = 1      # drawn where its own digit is not: error 1
-    recon[1, 1, 3] = 0.5    # error 0.25
+    recon[0, 0, 0] = 1  # drawn where its own digit is not: error 1
+    recon[1, 1, 3] = 0.5  # error 0.25
     # pair 0: 1 (digit 0) + 1 (digit 1 missing its pixel); pair 1: 0.25
-    torch.testing.assert_close(losses.reconstruction_loss(recon, targets), torch.tensor(0.0005 * 2.25 / 2))
+    torch.testing.assert_close(
+        losses.reconstruction_loss(recon, targets), torch.tensor(0.0005 * 2.25 / 2)
+    )
     logits = torch.tensor([[0.0, 0.0, 0.0]])
-    torch.testing.assert_close(losses.sigmoid_loss(logits, torch.tensor([[0, 1]])), torch.tensor(3 * np.log(2.0)),
-                               check_dtype=False)
+    torch.testing.assert_close(
+        losses.sigmoid_loss(logits, torch.tensor([[0, 1]])),
+        torch.tensor(3 * np.log(2.0)),
+        check_dtype=False,
+    )
 
 
 def test_capsnet_reconstructs_each_label_from_its_own_capsule():
@@ -177,14 +183,29 @@ def test_capsnet_reconstructs_each_label_from_its_own_capsule():
         out = model(images, labels)
         assert out.reconstructions.shape == (3, 2, SIZE * SIZE)
         for k in range(2):
-            torch.testing.assert_close(out.reconstructions[:, k], model.reconstruct(out.capsules, labels[:, k]))
-        assert model(images).reconstructions.shape == (3, SIZE * SIZE)  # no labels: the longest capsule
+            torch.testing.assert_close(
+                out.reconstructions[:, k], model.reconstruct(out.capsules, labels[:, k])
+            )
+        assert model(images).reconstructions.shape == (
+            3,
+            SIZE * SIZE,
+        )  # no labels: the longest capsule
     assert CNN(image_size=SIZE)(images).logits.shape == (3, 10)
 
 
 def run_args(out: Path, *extra: str) -> list[str]:
-    return ["--dataset", "multimnist", "--data-dir", str(DATA), "--out", str(out), "--no-progress",
-            "--batch-size", "32", *extra]
+    return [
+        "--dataset",
+        "multimnist",
+        "--data-dir",
+        str(DATA),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--batch-size",
+        "32",
+        *extra,
+    ]
 
 
 def trainer(argv: list[str]) -> train.Trainer:
@@ -205,13 +226,32 @@ def test_capsnet_learns_pairs(tmp_path, capsys):
     steps of 32): on 500 fixed test pairs, pair accuracy (the two longest capsules are the two
     labels) goes from the untrained network's 0.02 (chance is 1/45) to 0.32, measured; the bar is
     PAIR_BAR. The figures come out of `capsroute plot`."""
-    run = trainer(run_args(tmp_path, *SMALL_CAPSNET, "--train-subset", "3000", "--test-subset", "500",
-                           "--pairs-per-digit", "3", "--epochs", "1", "--lr", "3e-3", "--no-plots"))
+    run = trainer(
+        run_args(
+            tmp_path,
+            *SMALL_CAPSNET,
+            "--train-subset",
+            "3000",
+            "--test-subset",
+            "500",
+            "--pairs-per-digit",
+            "3",
+            "--epochs",
+            "1",
+            "--lr",
+            "3e-3",
+            "--no-plots",
+        )
+    )
     untrained = run.evaluate()
     result = run.fit()
     assert untrained["test_accuracy"] < 0.05, untrained
     assert result["test_accuracy"] > PAIR_BAR, result
-    assert result["dataset"] == "multimnist" and result["train_pairs"] == 9000 and result["test_pairs"] == 500
+    assert (
+        result["dataset"] == "multimnist"
+        and result["train_pairs"] == 9000
+        and result["test_pairs"] == 500
+    )
     assert result["test_checksum"] == multimnist.checksum(run.task.test_pairs, count=500)
     history = json.loads((tmp_path / "metrics.json").read_text())["epochs"]
     assert 0 < history[-1]["test_recon_error"] < untrained["test_recon_error"]
@@ -227,8 +267,20 @@ def test_capsnet_learns_pairs(tmp_path, capsys):
 def test_multimnist_resume_is_bit_identical(tmp_path):
     """The CNN baseline this time: stopping at step 7 and resuming to step 12 gives the parameters
     of 12 steps straight (the pairs of a step depend on the seed and step alone)."""
-    common = ["--model", "cnn", "--model-config", "channels=(8,8,8)", "hidden=32", "--train-subset", "100",
-              "--test-subset", "50", "--epochs", "3", "--no-plots"]
+    common = [
+        "--model",
+        "cnn",
+        "--model-config",
+        "channels=(8,8,8)",
+        "hidden=32",
+        "--train-subset",
+        "100",
+        "--test-subset",
+        "50",
+        "--epochs",
+        "3",
+        "--no-plots",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train.main(run_args(straight, *common, "--max-steps", "12")) == 0
     assert train.main(run_args(resumed, *common, "--max-steps", "7")) == 0

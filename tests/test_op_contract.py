@@ -5,6 +5,7 @@ and the backward op, torch.compile(fullgraph=True) traces it, non-contiguous inp
 batch work, results are bitwise deterministic, a wrong dtype raises an error that names the
 argument, and under autocast the op follows its declared rule. What is specific to one op lives in
 tests/test_<op>.py."""
+
 from dataclasses import replace
 
 import pytest
@@ -37,7 +38,9 @@ def test_matches_reference(spec, device, dtype):
         shape = tuple(sample.tensors[0].shape)
         for name, actual, expected in spec.compare(sample):
             assert actual.dtype == dtype, f"{shape} {name}: dtype {actual.dtype}"
-            assert torch.isfinite(actual).all() or not torch.isfinite(expected).all(), f"{shape} {name}: not finite"
+            assert torch.isfinite(actual).all() or not torch.isfinite(expected).all(), (
+                f"{shape} {name}: not finite"
+            )
             assert_rel_close(actual, expected, spec.tolerance(dtype), f"{shape} {name}")
 
 
@@ -47,7 +50,7 @@ def test_gradcheck(spec, device):
         sample = spec.draw(shape, device, torch.float64, **options)
 
         def fn(*tensors):
-            return spec.outputs(spec.fn, replace(sample, tensors=tensors))[:spec.grad_outputs]
+            return spec.outputs(spec.fn, replace(sample, tensors=tensors))[: spec.grad_outputs]
 
         assert torch.autograd.gradcheck(fn, sample.tensors, fast_mode=False)
 
@@ -59,7 +62,7 @@ def test_opcheck(spec, device):
         torch.library.opcheck(spec.op, spec.schema_args(sample))
         saved = detached(sample)
         out = call_op(spec, saved)
-        grads = [randn(*o.shape, device=device) for o in out[:spec.grad_outputs]]
+        grads = [randn(*o.shape, device=device) for o in out[: spec.grad_outputs]]
         torch.library.opcheck(spec.backward_op, spec.backward_args(saved, out, grads))
 
 
@@ -67,17 +70,24 @@ def test_opcheck(spec, device):
 def test_torch_compile_fullgraph(spec, device):
     shape, options = spec.opcheck[0]
     sample = spec.draw(shape, device, torch.float32, **options)
-    cotangents = [randn(*o.shape, dtype=torch.float32, device=device)
-                  for o in spec.outputs(spec.fn, detached(sample))[:spec.grad_outputs]]
+    cotangents = [
+        randn(*o.shape, dtype=torch.float32, device=device)
+        for o in spec.outputs(spec.fn, detached(sample))[: spec.grad_outputs]
+    ]
 
     def loss(*tensors):
         out = spec.outputs(spec.fn, replace(sample, tensors=tensors))
         return sum((o * g).sum() for o, g in zip(out, cotangents))
 
-    losses = {"compiled": torch.compile(loss, fullgraph=True)(*sample.tensors), "eager": loss(*sample.tensors)}
+    losses = {
+        "compiled": torch.compile(loss, fullgraph=True)(*sample.tensors),
+        "eager": loss(*sample.tensors),
+    }
     grads = {how: torch.autograd.grad(value, sample.inputs()) for how, value in losses.items()}
     assert_rel_close(losses["compiled"].detach(), losses["eager"].detach(), 1e-6, "loss")
-    for name, a, e in zip(spec.names(sample)[len(spec.output_names):], grads["compiled"], grads["eager"]):
+    for name, a, e in zip(
+        spec.names(sample)[len(spec.output_names) :], grads["compiled"], grads["eager"]
+    ):
         assert_rel_close(a, e, 1e-6, name)
 
 
@@ -89,8 +99,9 @@ def test_non_contiguous(spec, device):
         assert_rel_close(actual, expected, spec.tolerance(torch.float64), name)
 
 
-with_capsules = pytest.mark.parametrize("spec", [spec for spec in OP_DB if spec.capsule_dims],
-                                        ids=lambda spec: spec.name)
+with_capsules = pytest.mark.parametrize(
+    "spec", [spec for spec in OP_DB if spec.capsule_dims], ids=lambda spec: spec.name
+)
 
 
 def in_layout(sample, layout, capsule_dims):
@@ -101,7 +112,9 @@ def in_layout(sample, layout, capsule_dims):
 
 @with_capsules
 @pytest.mark.parametrize("layout", CAPSULE_LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=lambda dtype: str(dtype).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32], ids=lambda dtype: str(dtype).removeprefix("torch.")
+)
 def test_capsule_layouts(spec, device, layout, dtype):
     """The layouts einsum, permute and slicing give: outputs and every gradient match the reference;
     the first input's gradient comes back contiguous (docs/ops.md, "Layouts")."""
@@ -111,16 +124,22 @@ def test_capsule_layouts(spec, device, layout, dtype):
         for name, actual, expected in compared:
             assert_rel_close(actual, expected, spec.tolerance(dtype), f"{shape} {name}")
         grad_first = compared[len(spec.output_names)][1]
-        assert grad_first.is_contiguous(), f"{shape} grad_{spec.input_names[0]} strides {grad_first.stride()}"
+        assert grad_first.is_contiguous(), (
+            f"{shape} grad_{spec.input_names[0]} strides {grad_first.stride()}"
+        )
 
 
 def copies_of(spec, sample, like: torch.Tensor) -> list[str]:
     """The copies (aten::clone, contiguous, copy_) of a tensor of like's shape that a forward and
     backward of the sample make, from the profiler's record of every aten op the kernels call."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
         spec.run(spec.fn, sample)
     copy_ops = {"aten::clone", "aten::contiguous", "aten::copy_"}
-    return [e.name for e in prof.events() if e.name in copy_ops and list(like.shape) in e.input_shapes]
+    return [
+        e.name for e in prof.events() if e.name in copy_ops and list(like.shape) in e.input_shapes
+    ]
 
 
 @with_capsules
@@ -132,7 +151,9 @@ def test_capsule_layouts_are_not_copied(spec):
         laid_out = in_layout(sample, layout, spec.capsule_dims)
         assert copies_of(spec, laid_out, laid_out.tensors[0]) == [], layout
     strided = in_layout(sample, "inner", spec.capsule_dims)
-    assert copies_of(spec, strided, strided.tensors[0]), "no copy seen of capsules that are not contiguous"
+    assert copies_of(spec, strided, strided.tensors[0]), (
+        "no copy seen of capsules that are not contiguous"
+    )
 
 
 @per_op
@@ -160,8 +181,12 @@ def test_bad_dtype_is_named(spec, device):
     shape, options = spec.opcheck[0]
     sample = detached(spec.draw(shape, device, torch.float64, **options))
     first, *rest = spec.input_names
-    with pytest.raises(RuntimeError, match=f"{first} must be float32, float64, float16 or bfloat16"):
-        spec.outputs(spec.fn, replace(sample, tensors=(sample.tensors[0].int(), *sample.tensors[1:])))
+    with pytest.raises(
+        RuntimeError, match=f"{first} must be float32, float64, float16 or bfloat16"
+    ):
+        spec.outputs(
+            spec.fn, replace(sample, tensors=(sample.tensors[0].int(), *sample.tensors[1:]))
+        )
     for k, name in enumerate(rest, 1):
         tensors = list(sample.tensors)
         tensors[k] = tensors[k].float()
@@ -176,22 +201,33 @@ def test_autocast_rule(spec, device, amp):
     (float32 for EM routing, the autocast dtype for dynamic routing and dense capsules, none for
     squash) and gives bitwise what it gives on the cast inputs outside autocast, gradients
     included; the reference follows the same rule."""
-    rule = {**dict.fromkeys(_autocast.IN_FLOAT32, torch.float32),
-            **dict.fromkeys(_autocast.IN_AUTOCAST_DTYPE, amp)}.get(spec.name)
+    rule = {
+        **dict.fromkeys(_autocast.IN_FLOAT32, torch.float32),
+        **dict.fromkeys(_autocast.IN_AUTOCAST_DTYPE, amp),
+    }.get(spec.name)
     shape, options = spec.opcheck[0]
     sample = spec.draw(shape, device, torch.float32, **options)
     # The first input as the layer below delivers it under autocast; the rest as float32 parameters.
-    sample = replace(sample, tensors=(sample.tensors[0].detach().to(amp).requires_grad_(), *sample.tensors[1:]))
-    cast = replace(sample, tensors=tuple(t if t is None or rule is None else t.to(rule) for t in sample.tensors))
+    sample = replace(
+        sample, tensors=(sample.tensors[0].detach().to(amp).requires_grad_(), *sample.tensors[1:])
+    )
+    cast = replace(
+        sample,
+        tensors=tuple(t if t is None or rule is None else t.to(rule) for t in sample.tensors),
+    )
     with torch.autocast(device, dtype=amp):
         got, cotangents = spec.run(spec.fn, sample)
         ref_got = spec.outputs(spec.ref, sample)
     want, _ = spec.run(spec.fn, cast, cotangents)
     inputs = sample.inputs()
-    want[len(want) - len(inputs):] = [g.to(t.dtype) for g, t in zip(want[len(want) - len(inputs):], inputs)]
+    want[len(want) - len(inputs) :] = [
+        g.to(t.dtype) for g, t in zip(want[len(want) - len(inputs) :], inputs)
+    ]
     for name, a, b in zip(spec.names(sample), got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert [o.dtype for o in ref_got] == [o.dtype for o in got[:len(ref_got)]]
-    if rule == torch.float32:  # autocast is off inside: the reference on the float32 inputs, bitwise
+    assert [o.dtype for o in ref_got] == [o.dtype for o in got[: len(ref_got)]]
+    if (
+        rule == torch.float32
+    ):  # autocast is off inside: the reference on the float32 inputs, bitwise
         for name, a, b in zip(spec.output_names, ref_got, spec.outputs(spec.ref, cast)):
             assert torch.equal(a, b), f"reference {name}"

@@ -1,5 +1,6 @@
 """capsroute._runinfo (what records say about a run, the device, atomic writes) and the model
 configuration that `capsroute train --model-config` and the figures share (capsroute.models)."""
+
 import json
 import re
 
@@ -15,7 +16,9 @@ def test_commit_of_this_checkout():
     if commit == "unknown":
         pytest.skip("capsroute is not imported from a git checkout")
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", commit)
-    assert _runinfo.short_commit(commit) == commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+    assert _runinfo.short_commit(commit) == commit[:7] + (
+        "-dirty" if commit.endswith("-dirty") else ""
+    )
 
 
 def test_short_commit():
@@ -25,14 +28,19 @@ def test_short_commit():
 
 
 def test_names():
-    assert [_runinfo.dtype_name(d) for d in (torch.float32, torch.bfloat16)] == ["float32", "bfloat16"]
+    assert [_runinfo.dtype_name(d) for d in (torch.float32, torch.bfloat16)] == [
+        "float32",
+        "bfloat16",
+    ]
     assert _runinfo.device_name(torch.device("cpu")) == "cpu"
     assert _runinfo.cpu_model()
 
 
 def test_cpu_id(monkeypatch):
     """The processor's family and model from /proc/cpuinfo's fields, or None without them."""
-    monkeypatch.setattr(_runinfo, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"})
+    monkeypatch.setattr(
+        _runinfo, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "26", "model": "2"}
+    )
     assert _runinfo.cpu_id() == "family 26 model 2" and _runinfo.cpu_model() == "AMD EPYC"
     monkeypatch.setattr(_runinfo, "_cpuinfo", lambda: {})
     assert _runinfo.cpu_id() is None
@@ -68,8 +76,14 @@ def test_model_config():
     assert config == {"conv_channels": 32, "decoder": (64, 128), "iters": 2, "name": "abc"}
     with pytest.raises(ValueError, match="expected KEY=VALUE, got 'conv_channels'"):
         parse_model_config(["conv_channels"])
-    model = build_model("capsnet", "reference", {"conv_channels": 32, "primary_types": 8, "decoder": (64, 128)})
-    assert isinstance(model, CapsNet) and model.conv.out_channels == 32 and model.classes.backend == "reference"
+    model = build_model(
+        "capsnet", "reference", {"conv_channels": 32, "primary_types": 8, "decoder": (64, 128)}
+    )
+    assert (
+        isinstance(model, CapsNet)
+        and model.conv.out_channels == 32
+        and model.classes.backend == "reference"
+    )
     assert isinstance(build_model("matrixcapsnet"), MatrixCapsNet)
 
 
@@ -83,10 +97,14 @@ def test_bad_model_config_is_a_usage_error(capsys):
 def test_command_line_under_torchrun(monkeypatch):
     """Under torchrun the record names the torchrun line (the parent's, where /proc shows it), else one
     that starts the same processes."""
-    assert _runinfo.command_line("capsroute train", ["--epochs", "1"]) == "capsroute train --epochs 1"
+    assert (
+        _runinfo.command_line("capsroute train", ["--epochs", "1"]) == "capsroute train --epochs 1"
+    )
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(_runinfo.os, "getppid", lambda: 2**31 - 1)  # no such process
-    assert _runinfo.command_line("capsroute train", ["--epochs", "1"]) == \
-        "torchrun --nnodes 1 --nproc-per-node 2 -m capsroute.train --epochs 1"
+    assert (
+        _runinfo.command_line("capsroute train", ["--epochs", "1"])
+        == "torchrun --nnodes 1 --nproc-per-node 2 -m capsroute.train --epochs 1"
+    )

@@ -8,6 +8,7 @@ I = 16384 would be 16.8 GB on its own, before gradients and the reference's copi
 At B = 1 or 2 the CUDA routing kernels split each element's rows over many blocks (the row-range
 path, see routing_splits in csrc/cuda/routing_launch.cuh). scripts/cuda_check.sh runs these in a
 stage of their own (tests-scale): their gigabytes of votes and float64 references take a while."""
+
 import pytest
 import torch
 
@@ -19,8 +20,18 @@ pytestmark = pytest.mark.slow  # gigabytes of votes per test
 
 I, D, DIN = 16384, 32, 8
 GPU_CASES = [
-    pytest.param("cuda", 100, id="cuda-J100", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
-    pytest.param("cuda", 1000, id="cuda-J1000", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
+    pytest.param(
+        "cuda",
+        100,
+        id="cuda-J100",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")],
+    ),
+    pytest.param(
+        "cuda",
+        1000,
+        id="cuda-J1000",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")],
+    ),
 ]
 
 
@@ -36,7 +47,9 @@ def test_dynamic_routing_at_scale(device, J):
     votes = 0.02 * torch.randn(B, I, J, D, device=device)  # |s| ~ 1 summed over 16384 inputs
     grad = torch.randn(B, J, D, device=device)
     ours = grads_of(lambda x: capsroute.dynamic_routing(x, 3), [votes], grad)
-    ref = grads_of(lambda x: reference.dynamic_routing(x, 3), [votes.to(ref_dtype)], grad.to(ref_dtype))
+    ref = grads_of(
+        lambda x: reference.dynamic_routing(x, 3), [votes.to(ref_dtype)], grad.to(ref_dtype)
+    )
     for name, a, e in zip(["v", "grad_votes"], ours, ref):
         assert_rel_close(a, e, 1e-4, name)
 
@@ -48,7 +61,10 @@ def test_dense_capsules_at_scale(device, J):
     weight = 0.01 * torch.randn(inputs, J, D, DIN, device=device)
     grad = torch.randn(B, J, D, device=device)
     ours = grads_of(lambda x, w: capsroute.dense_capsules(x, w, 3), [u, weight], grad)
-    ref = grads_of(lambda x, w: reference.dense_capsules(x, w, 3), [u.to(ref_dtype), weight.to(ref_dtype)],
-                   grad.to(ref_dtype))
+    ref = grads_of(
+        lambda x, w: reference.dense_capsules(x, w, 3),
+        [u.to(ref_dtype), weight.to(ref_dtype)],
+        grad.to(ref_dtype),
+    )
     for name, a, e in zip(["v", "grad_u", "grad_weight"], ours, ref):
         assert_rel_close(a, e, 1e-4, name)

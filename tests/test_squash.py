@@ -1,4 +1,5 @@
 """squash beyond the contract (tests/test_op_contract.py): the dim argument and the zero vector."""
+
 import torch
 
 import capsroute

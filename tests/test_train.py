@@ -1,5 +1,6 @@
 """`capsroute train` end to end on CPU, on the committed MNIST subset (tests/data/mnist-small):
 learning, exact resume, Ctrl-C, torch.distributed with two gloo processes, figures."""
+
 import json
 import os
 import shlex
@@ -22,8 +23,18 @@ SMALL_CAPSNET = ["--model-config", "conv_channels=32", "primary_types=8", "decod
 
 
 def train_args(out: Path, *extra: str) -> list[str]:
-    return ["--data-dir", str(DATA), "--out", str(out), "--no-progress", "--no-plots", "--batch-size", "32",
-            *SMALL_CAPSNET, *extra]
+    return [
+        "--data-dir",
+        str(DATA),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--no-plots",
+        "--batch-size",
+        "32",
+        *SMALL_CAPSNET,
+        *extra,
+    ]
 
 
 def checkpoint(run: Path) -> dict:
@@ -39,7 +50,9 @@ def test_capsnet_learns(tmp_path):
     history = json.loads((tmp_path / "metrics.json").read_text())["epochs"]
     assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
     assert result["test_accuracy"] >= 0.90, result
-    assert result["kind"] == "train" and result["model"] == "capsnet" and result["backend"] == "fused"
+    assert (
+        result["kind"] == "train" and result["model"] == "capsnet" and result["backend"] == "fused"
+    )
     assert result["epochs"] == 3 and result["sec_per_epoch"] > 0 and result["images_per_sec"] > 0
     csv_lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("epoch,step,lr,train_loss") and len(csv_lines) == 4
@@ -62,14 +75,25 @@ def test_resume_is_bit_identical(tmp_path):
         for name, tensor in state.items():
             assert torch.equal(tensor, b["optimizer"]["state"][key][name]), (key, name)
     timing = {"epoch_seconds", "images_per_sec"}
-    assert [{k: v for k, v in m.items() if k not in timing} for m in a["history"]] == \
-           [{k: v for k, v in m.items() if k not in timing} for m in b["history"]]
+    assert [{k: v for k, v in m.items() if k not in timing} for m in a["history"]] == [
+        {k: v for k, v in m.items() if k not in timing} for m in b["history"]
+    ]
 
 
 def test_resume_finishes_the_run(tmp_path):
     """Started from the `capsroute` command, resumed through the module: the record's command is
     the one that started the run, runnable as written, and the resume commands follow it."""
-    started = train_args(tmp_path, "--train-subset", "128", "--test-subset", "64", "--epochs", "2", "--max-steps", "5")
+    started = train_args(
+        tmp_path,
+        "--train-subset",
+        "128",
+        "--test-subset",
+        "64",
+        "--epochs",
+        "2",
+        "--max-steps",
+        "5",
+    )
     assert cli_main(["train", *started]) == 0
     assert not (tmp_path / "result.json").exists()
     resumed = ["--resume", str(tmp_path), "--no-progress", "--no-plots"]
@@ -83,10 +107,20 @@ def test_resume_finishes_the_run(tmp_path):
 
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
     """SIGINT in the middle of training: exit code 130, a checkpoint to resume from."""
-    cmd = [sys.executable, "-m", "capsroute.train",
-           *train_args(tmp_path, "--train-subset", "64", "--test-subset", "32", "--epochs", "100000")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "capsroute.train",
+        *train_args(tmp_path, "--train-subset", "64", "--test-subset", "32", "--epochs", "100000"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "metrics.json").exists():  # past the first epoch: inside the loop
@@ -106,12 +140,27 @@ def test_ctrl_c_writes_a_checkpoint(tmp_path):
 def test_two_gloo_processes(tmp_path):
     """torchrun with two CPU processes (DDP over gloo): both shards train, the result counts
     two devices and the global batch."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "capsroute.train",
-           *train_args(tmp_path, "--train-subset", "256", "--test-subset", "64", "--epochs", "2")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "capsroute.train",
+        *train_args(tmp_path, "--train-subset", "256", "--test-subset", "64", "--epochs", "2"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         _, stderr = proc.communicate(timeout=300)
     finally:  # a hung rendezvous must not leave worker processes behind
@@ -129,8 +178,22 @@ def test_two_gloo_processes(tmp_path):
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision(tmp_path, amp):
-    assert train.main(train_args(tmp_path, "--train-subset", "128", "--test-subset", "32", "--epochs", "2",
-                                 "--amp", amp)) == 0
+    assert (
+        train.main(
+            train_args(
+                tmp_path,
+                "--train-subset",
+                "128",
+                "--test-subset",
+                "32",
+                "--epochs",
+                "2",
+                "--amp",
+                amp,
+            )
+        )
+        == 0
+    )
     history = json.loads((tmp_path / "metrics.json").read_text())["epochs"]
     assert all(torch.isfinite(torch.tensor(m["train_loss"])) for m in history)
     assert history[-1]["train_loss"] < history[0]["train_loss"]
@@ -140,18 +203,34 @@ def test_reference_backend_trains_the_same_network(tmp_path):
     common = ["--train-subset", "64", "--test-subset", "32", "--epochs", "1", "--shift", "0"]
     assert train.main(train_args(tmp_path / "fused", *common)) == 0
     assert train.main(train_args(tmp_path / "reference", *common, "--backend", "reference")) == 0
-    fused, reference = checkpoint(tmp_path / "fused")["model"], checkpoint(tmp_path / "reference")["model"]
+    fused, reference = (
+        checkpoint(tmp_path / "fused")["model"],
+        checkpoint(tmp_path / "reference")["model"],
+    )
     for name in fused:
         torch.testing.assert_close(fused[name], reference[name], rtol=1e-4, atol=1e-5)
 
 
 def test_missing_data_says_how_to_get_it(tmp_path):
     with pytest.raises(SystemExit, match="--download"):
-        train.main(["--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run"), "--no-progress"])
+        train.main(
+            [
+                "--data-dir",
+                str(tmp_path / "nowhere"),
+                "--out",
+                str(tmp_path / "run"),
+                "--no-progress",
+            ]
+        )
 
 
 def test_figures_from_a_run(tmp_path, capsys):
-    assert train.main(train_args(tmp_path, "--train-subset", "64", "--test-subset", "32", "--epochs", "1")) == 0
+    assert (
+        train.main(
+            train_args(tmp_path, "--train-subset", "64", "--test-subset", "32", "--epochs", "1")
+        )
+        == 0
+    )
     capsys.readouterr()
     assert cli_main(["plot", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
@@ -160,7 +239,11 @@ def test_figures_from_a_run(tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     elsewhere = tmp_path / "figures"
     assert cli_main(["plot", str(tmp_path), "--out", str(elsewhere)]) == 0
-    assert sorted(p.name for p in elsewhere.iterdir()) == ["curves.png", "perturbations.png", "reconstructions.png"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == [
+        "curves.png",
+        "perturbations.png",
+        "reconstructions.png",
+    ]
     capsys.readouterr()
     # A run kept without its checkpoint (as bench/results keeps them): the curves alone.
     (tmp_path / "checkpoint.pt").unlink()

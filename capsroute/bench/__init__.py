@@ -16,21 +16,75 @@ uses them:
   plot         the figures (also `capsroute plot`)
   cli          the command line
 """
-from .cases import ALL_OPS, DTYPES, EM_OPS, IMPLS, MODEL_OPS, OPS, SHAPES, Case, capsroute_supports, get_impl, \
-    make_cases, make_inputs, op_name, parse_shape
+
+from .cases import (
+    ALL_OPS,
+    DTYPES,
+    EM_OPS,
+    IMPLS,
+    MODEL_OPS,
+    OPS,
+    SHAPES,
+    Case,
+    capsroute_supports,
+    get_impl,
+    make_cases,
+    make_inputs,
+    op_name,
+    parse_shape,
+)
 from .cli import add_arguments, run
 from .floor import floor_model, floor_ms, measure_bandwidth, measure_peak_tflops
-from .model_bench import bench_model_case, compile_crash, find_max_batch, make_model, model_max_batch, train_step
+from .model_bench import (
+    bench_model_case,
+    compile_crash,
+    find_max_batch,
+    make_model,
+    model_max_batch,
+    train_step,
+)
 from .op_bench import bench_case
 from .report import default_out, format_table, report_path
 from .runner import add_max_batches, run_benchmarks
 from .timing import clear_grads, fwd_bwd_step, fwd_step, peak_memory_mb, synchronize, time_samples
 
 __all__ = [
-    "ALL_OPS", "DTYPES", "EM_OPS", "IMPLS", "MODEL_OPS", "OPS", "SHAPES", "Case", "add_arguments", "add_max_batches",
-    "bench_case", "bench_model_case", "capsroute_supports", "clear_grads", "compile_crash", "default_out",
-    "find_max_batch", "floor_model", "floor_ms", "format_table", "fwd_bwd_step", "fwd_step", "get_impl",
-    "make_cases", "make_inputs", "make_model", "measure_bandwidth", "measure_peak_tflops", "model_max_batch",
-    "op_name", "parse_shape", "peak_memory_mb", "report_path", "run", "run_benchmarks", "synchronize",
-    "time_samples", "train_step",
+    "ALL_OPS",
+    "DTYPES",
+    "EM_OPS",
+    "IMPLS",
+    "MODEL_OPS",
+    "OPS",
+    "SHAPES",
+    "Case",
+    "add_arguments",
+    "add_max_batches",
+    "bench_case",
+    "bench_model_case",
+    "capsroute_supports",
+    "clear_grads",
+    "compile_crash",
+    "default_out",
+    "find_max_batch",
+    "floor_model",
+    "floor_ms",
+    "format_table",
+    "fwd_bwd_step",
+    "fwd_step",
+    "get_impl",
+    "make_cases",
+    "make_inputs",
+    "make_model",
+    "measure_bandwidth",
+    "measure_peak_tflops",
+    "model_max_batch",
+    "op_name",
+    "parse_shape",
+    "peak_memory_mb",
+    "report_path",
+    "run",
+    "run_benchmarks",
+    "synchronize",
+    "time_samples",
+    "train_step",
 ]

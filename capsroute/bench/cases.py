@@ -1,5 +1,6 @@
 """What `capsroute bench` runs: the ops and their shapes, the cases (op x shape x batch), and each
 case's random inputs and implementations."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,36 +31,50 @@ IMPLS = ("capsroute", "eager", "compiled")
 LAYOUTS = ("contiguous", "einsum")
 LAYOUT_OPS = ("dynamic_routing", "dense_capsules")
 SHAPES = {  # the canonical shapes (bench/README.md); for EM ops D is the pose size H (16: 4x4 matrices)
-    "mnist": dict(I=1152, J=10, D=16, Din=8),   # MNIST DigitCaps
+    "mnist": dict(I=1152, J=10, D=16, Din=8),  # MNIST DigitCaps
     "large": dict(I=4608, J=100, D=16, Din=8),
-    "em-class": dict(I=512, J=10, D=16, Din=16),   # EM class capsules
-    "em-conv": dict(I=288, J=32, D=16, Din=16),    # EM conv capsules: 3*3*32 inputs, B = batch x 36 positions
-    "scale-100": dict(I=16384, J=100, D=32, Din=8),   # far past MNIST: time should grow no faster than the work
+    "em-class": dict(I=512, J=10, D=16, Din=16),  # EM class capsules
+    "em-conv": dict(
+        I=288, J=32, D=16, Din=16
+    ),  # EM conv capsules: 3*3*32 inputs, B = batch x 36 positions
+    "scale-100": dict(
+        I=16384, J=100, D=32, Din=8
+    ),  # far past MNIST: time should grow no faster than the work
     "scale-1000": dict(I=16384, J=1000, D=32, Din=8),
 }
 DEFAULT_BATCHES = {
     "cpu": {"mnist": [32], "large": [8], "em-class": [16], "em-conv": [2 * 36], None: [32]},
-    "cuda": {"mnist": [32, 128, 512, 2048], "large": [32, 128, 512, 2048], "em-class": [64, 256],
-             "em-conv": [64 * 36], None: [32, 128, 512, 2048]},
+    "cuda": {
+        "mnist": [32, 128, 512, 2048],
+        "large": [32, 128, 512, 2048],
+        "em-class": [64, 256],
+        "em-conv": [64 * 36],
+        None: [32, 128, 512, 2048],
+    },
 }
 MODEL_BATCHES = {"cpu": [16], "cuda": [32, 128, 512]}
 MODEL_SHAPE_NAME = "1x28x28"  # model ops train on MNIST-sized images
 DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"], "em": ["em-class", "em-conv"]}
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16}
-VOTE_STD = 0.1      # dynamic_routing votes ~ N(0, 0.1^2): |s| ~ 1, so squash and the agreement matter
-WEIGHT_STD = 0.05   # dense_capsules weight ~ N(0, 0.05^2); u = squash(N(0, 1)) like primary capsules
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+VOTE_STD = 0.1  # dynamic_routing votes ~ N(0, 0.1^2): |s| ~ 1, so squash and the agreement matter
+WEIGHT_STD = 0.05  # dense_capsules weight ~ N(0, 0.05^2); u = squash(N(0, 1)) like primary capsules
+
 
 @dataclass(frozen=True)
 class Case:
     op: str
-    shape_name: str          # "mnist", "large" or "I,J,D,Din"
+    shape_name: str  # "mnist", "large" or "I,J,D,Din"
     B: int
     I: int
     J: int
     D: int
     Din: int
-    layout: str = "contiguous"   # LAYOUTS
+    layout: str = "contiguous"  # LAYOUTS
 
     def shape(self) -> dict:
         if self.op in MODEL_OPS:
@@ -72,16 +87,24 @@ class Case:
         return s
 
     def label(self) -> str:
-        return f"{self.op} {self.shape_name} B={self.B}" + (f" {self.layout}" if self.layout != "contiguous" else "")
+        return f"{self.op} {self.shape_name} B={self.B}" + (
+            f" {self.layout}" if self.layout != "contiguous" else ""
+        )
 
 
 def parse_shape(spec: str) -> tuple[str, dict]:
     """'mnist' | 'large' | 'I,J,D,Din' (Din may be left out: 8) -> (name, dict(I, J, D, Din))."""
     if spec in SHAPES:
         return spec, dict(SHAPES[spec])
-    parts = [int(p) for p in re.split(r"[,x]", spec)] if re.fullmatch(r"\d+([,x]\d+){2,3}", spec) else []
+    parts = (
+        [int(p) for p in re.split(r"[,x]", spec)]
+        if re.fullmatch(r"\d+([,x]\d+){2,3}", spec)
+        else []
+    )
     if not parts or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"shape must be one of {', '.join(SHAPES)} or I,J,D[,Din]; got {spec!r}")
+        raise argparse.ArgumentTypeError(
+            f"shape must be one of {', '.join(SHAPES)} or I,J,D[,Din]; got {spec!r}"
+        )
     if len(parts) == 3:
         parts.append(8)
     return ",".join(map(str, parts)), dict(zip(("I", "J", "D", "Din"), parts))
@@ -116,7 +139,9 @@ def make_cases(ops, shapes, batches, device_type: str, layouts=("contiguous",)) 
             op_shapes = shapes
         for name, dims in op_shapes:
             if op == "em_routing_pose" and dims["D"] != 16:
-                raise argparse.ArgumentTypeError(f"em_routing_pose needs 4x4 poses (H = 16), got shape {name}")
+                raise argparse.ArgumentTypeError(
+                    f"em_routing_pose needs 4x4 poses (H = 16), got shape {name}"
+                )
             bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
             for B in bs:
                 for layout in layouts if op in LAYOUT_OPS else ("contiguous",):
@@ -150,12 +175,18 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
         u = reference.squash(randn(case.B, case.I, case.Din, cast=False)).to(dtype)
         inputs = (u, randn(case.I, case.J, case.D, case.Din, std=WEIGHT_STD))
     elif op in EM_OPS:
-        activations = (torch.rand(case.B, case.I, generator=gen, device=device).to(dtype),
-                       randn(case.J, std=0.5), randn(case.J, std=0.5))  # a_in, beta_u, beta_a
+        activations = (
+            torch.rand(case.B, case.I, generator=gen, device=device).to(dtype),
+            randn(case.J, std=0.5),
+            randn(case.J, std=0.5),
+        )  # a_in, beta_u, beta_a
         if op == "em_routing":
             inputs = (randn(case.B, case.I, case.J, case.D),) + activations
         else:
-            inputs = (randn(case.B, case.I, 4, 4), randn(case.I, case.J, 4, 4, std=0.5)) + activations
+            inputs = (
+                randn(case.B, case.I, 4, 4),
+                randn(case.I, case.J, 4, 4, std=0.5),
+            ) + activations
     else:
         raise ValueError(f"unknown op {op!r}")
     inputs = (lay_out(inputs[0], case.layout), *inputs[1:])
@@ -183,4 +214,3 @@ def capsroute_supports(op: str, device: torch.device) -> bool:
         return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"capsroute::{op}", key))
     except Exception:
         return True  # can't tell: try it
-

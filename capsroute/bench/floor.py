@@ -1,5 +1,6 @@
 """The floor: bytes that must move / measured copy bandwidth, flops / measured matmul peak
 (bench/README.md, "The floor")."""
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     return 2 * nbytes / (min(times) / 1e3) / 1e9
 
 
-def measure_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float:
+def measure_peak_tflops(
+    device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10
+) -> float:
     """Matmul throughput in TFLOP/s in `dtype`: 2 n^3 / time, best of `repeats`."""
     if n is None:
         if device.type == "cuda":
@@ -31,9 +34,13 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype, n: int | None 
     b = torch.randn(n, n, device=device).to(dtype)
     for _ in range(2):
         torch.mm(a, b)
-    times = time_samples(lambda: torch.mm(a, b), device, repeats=repeats,
-                         max_seconds=5.0 if device.type == "cuda" else 3.0)
-    return 2 * n ** 3 / (min(times) / 1e3) / 1e12
+    times = time_samples(
+        lambda: torch.mm(a, b),
+        device,
+        repeats=repeats,
+        max_seconds=5.0 if device.type == "cuda" else 3.0,
+    )
+    return 2 * n**3 / (min(times) / 1e3) / 1e12
 
 
 def floor_model(case: Case, itemsize: int, iters: int) -> dict:
@@ -56,11 +63,13 @@ def floor_model(case: Case, itemsize: int, iters: int) -> dict:
     else:
         inp = (B * I * Din + I * J * D * Din) * itemsize
         flops_fwd = B * (2 * I * J * D * Din + route)
-    return {"bytes_fwd": inp + out, "flops_fwd": flops_fwd,
-            "bytes_fwd_bwd": inp + out + out + inp,  # + read grad_v, write input grads
-            "flops_fwd_bwd": 3 * flops_fwd}
+    return {
+        "bytes_fwd": inp + out,
+        "flops_fwd": flops_fwd,
+        "bytes_fwd_bwd": inp + out + out + inp,  # + read grad_v, write input grads
+        "flops_fwd_bwd": 3 * flops_fwd,
+    }
 
 
 def floor_ms(nbytes: float, flops: float, bandwidth_gbs: float, peak_tflops: float) -> float:
     return max(nbytes / (bandwidth_gbs * 1e9), flops / (peak_tflops * 1e12)) * 1e3
-

@@ -1,6 +1,7 @@
 """What the op benches and the model benches share: each implementation of a case measured in turn
 (eager first, so the others are checked against its values), the first call (the compile, for
 torch.compile), warm-up, the timed steps, the checks against eager, and the ratios to capsroute."""
+
 from __future__ import annotations
 
 import statistics
@@ -38,10 +39,15 @@ def dynamo_stats() -> dict:
     served it (a warm cache makes compile_s much smaller than a cold compile)."""
     try:
         from torch._dynamo.utils import counters
-        hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get("autograd_cache_hit", 0)
-        return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
-                "graph_breaks": int(sum(counters["graph_break"].values())),
-                "compile_cache": "hit" if hits else "miss"}
+
+        hits = counters["inductor"].get("fxgraph_cache_hit", 0) + counters["aot_autograd"].get(
+            "autograd_cache_hit", 0
+        )
+        return {
+            "graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "compile_cache": "hit" if hits else "miss",
+        }
     except Exception:  # noqa: BLE001  (private API: optional)
         return {}
 
@@ -56,6 +62,7 @@ def reset_dynamo() -> None:
     torch._dynamo.reset()
     try:
         from torch._dynamo.utils import counters
+
         counters.clear()
     except Exception:  # noqa: BLE001  (private API: optional)
         pass
@@ -69,7 +76,9 @@ def timed_call(step: Callable, device: torch.device) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
-def first_call(step: Callable, before: Callable, impl: str, device: torch.device) -> tuple[object, dict]:
+def first_call(
+    step: Callable, before: Callable, impl: str, device: torch.device
+) -> tuple[object, dict]:
     """The first call of step() after before(). For 'compiled' it is the call that compiles: its wall
     time is the record's compile_s (left out of the timings), beside what torch.compile did."""
     before()
@@ -77,7 +86,9 @@ def first_call(step: Callable, before: Callable, impl: str, device: torch.device
     return out, ({"compile_s": round(seconds, 3), **dynamo_stats()} if impl == "compiled" else {})
 
 
-def warm_up(fwd_bwd: Callable, fwd: Callable, before: Callable, *, fwd_bwd_calls: int, fwd_calls: int) -> None:
+def warm_up(
+    fwd_bwd: Callable, fwd: Callable, before: Callable, *, fwd_bwd_calls: int, fwd_calls: int
+) -> None:
     for _ in range(fwd_bwd_calls):
         before()
         fwd_bwd()
@@ -91,14 +102,24 @@ def kernel_paths_ran() -> dict:
     fallbacks included, not only the switches it was run with."""
     paths = {}
     for op in OPS:
-        ran = {direction: capsroute.last_kernel_path(op, direction) for direction in ("forward", "backward")}
+        ran = {
+            direction: capsroute.last_kernel_path(op, direction)
+            for direction in ("forward", "backward")
+        }
         if any(ran.values()):
             paths[op] = ran
     return paths
 
 
-def time_steps(rec: dict, fwd: Callable, fwd_bwd: Callable, before: Callable, device: torch.device, repeats: int,
-               max_seconds: float) -> None:
+def time_steps(
+    rec: dict,
+    fwd: Callable,
+    fwd_bwd: Callable,
+    before: Callable,
+    device: torch.device,
+    repeats: int,
+    max_seconds: float,
+) -> None:
     """Median and min times of fwd() and of fwd_bwd(), the peak memory of fwd_bwd(), and the kernel
     paths the timed calls of capsroute's ops ran (kernel_paths, where any ran), into rec."""
     capsroute.clear_kernel_paths()
@@ -115,8 +136,15 @@ def time_steps(rec: dict, fwd: Callable, fwd_bwd: Callable, before: Callable, de
         rec["kernel_paths"] = paths
 
 
-def time_inference(rec: dict, fwd: Callable, impl: str, device: torch.device, warmup: int, repeats: int,
-                   max_seconds: float) -> None:
+def time_inference(
+    rec: dict,
+    fwd: Callable,
+    impl: str,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    max_seconds: float,
+) -> None:
     """fwd() under no_grad (compiled: a second graph, its compile time recorded): fwd_infer_ms."""
     with torch.no_grad():
         seconds = timed_call(fwd, device)[1]
@@ -128,9 +156,19 @@ def time_inference(rec: dict, fwd: Callable, impl: str, device: torch.device, wa
     rec["fwd_infer_ms"] = statistics.median(it)
 
 
-def bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str], dict],
-                estimate: Callable[[str], int], make_inputs: Callable[[], object], unavailable: dict[str, str],
-                measure: Callable, note: Callable[[str], None], progress) -> list[dict]:
+def bench_impls(
+    case: Case,
+    impls,
+    device: torch.device,
+    *,
+    base: Callable[[str], dict],
+    estimate: Callable[[str], int],
+    make_inputs: Callable[[], object],
+    unavailable: dict[str, str],
+    measure: Callable,
+    note: Callable[[str], None],
+    progress,
+) -> list[dict]:
     """The loop of bench_case and bench_model_case: each impl on one case, eager first, so that
     measure(impl, inputs, ref_snap) -> (record, snapshot) can check the others against eager's
     snapshot. An impl is skipped, with the reason in its record, where `unavailable` gives one
@@ -150,7 +188,9 @@ def bench_impls(case: Case, impls, device: torch.device, *, base: Callable[[str]
         for impl in impls:
             need = estimate(impl)
             if need > 0.8 * avail:
-                too_big[impl] = f"estimated {need / 2**30:.1f} GiB > 80% of the {avail / 2**30:.1f} GiB available"
+                too_big[impl] = (
+                    f"estimated {need / 2**30:.1f} GiB > 80% of the {avail / 2**30:.1f} GiB available"
+                )
         if len(too_big) == len(impls):
             for impl in impls:
                 skip(impl, too_big[impl])
@@ -216,9 +256,20 @@ def add_ratios(records: list[dict]):
         for r in records:
             if r["impl"] == "capsroute" or "skipped" in r:
                 continue
-            vs = {k: (r[k] / caps[k] if caps[k] else None) for k in ("fwd_ms", "fwd_bwd_ms", "peak_mb")}
-            r["vs_capsroute"] = {"fwd": vs["fwd_ms"], "fwd_bwd": vs["fwd_bwd_ms"], "peak_mb": vs["peak_mb"]}
-            ratios.update({f"{r['impl']}_fwd": vs["fwd_ms"], f"{r['impl']}_fwd_bwd": vs["fwd_bwd_ms"],
-                           f"{r['impl']}_peak_mb": vs["peak_mb"]})
+            vs = {
+                k: (r[k] / caps[k] if caps[k] else None)
+                for k in ("fwd_ms", "fwd_bwd_ms", "peak_mb")
+            }
+            r["vs_capsroute"] = {
+                "fwd": vs["fwd_ms"],
+                "fwd_bwd": vs["fwd_bwd_ms"],
+                "peak_mb": vs["peak_mb"],
+            }
+            ratios.update(
+                {
+                    f"{r['impl']}_fwd": vs["fwd_ms"],
+                    f"{r['impl']}_fwd_bwd": vs["fwd_bwd_ms"],
+                    f"{r['impl']}_peak_mb": vs["peak_mb"],
+                }
+            )
         caps["ratios"] = ratios
-

@@ -1,6 +1,7 @@
 """The model ops' bench: a whole training step of CapsNet or MatrixCapsNet per implementation (fused
 backend, reference backend eager, and compiled), and --max-batch, the largest batch whose training
 step fits in GPU memory."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,17 +16,31 @@ from ..losses import training_loss
 from ..models import build_model
 from ..nn import set_backend
 from .cases import Case, capsroute_supports
-from .measure import bench_impls, first_call, max_rel_err, no_kernel, reset_dynamo, sample, time_inference, \
-    time_steps, warm_up
+from .measure import (
+    bench_impls,
+    first_call,
+    max_rel_err,
+    no_kernel,
+    reset_dynamo,
+    sample,
+    time_inference,
+    time_steps,
+    warm_up,
+)
 from .timing import MiB, free_memory, is_oom, synchronize
 
-MODEL_IMAGE = (1, 28, 28)   # MNIST-sized images (C, H, W)
+MODEL_IMAGE = (1, 28, 28)  # MNIST-sized images (C, H, W)
 MODEL_BACKENDS = {"capsroute": "fused", "eager": "reference", "compiled": "reference"}
-MODEL_KERNELS = {"capsnet": ("squash", "dense_capsules"), "matrixcapsnet": ("em_routing_pose", "em_routing")}
-MODEL_LR = 1e-3             # Adam, as `capsroute train`
-SPREAD_MARGIN = 0.2         # MatrixCapsNet's spread loss at the start of its margin schedule
-MAX_BATCH_CAP = 2 ** 15     # --max-batch without a value
-MODEL_TOL_FACTOR = 10       # model ops warn at 10x the routing ops' max_rel_err tolerance (1e-2 for float32)
+MODEL_KERNELS = {
+    "capsnet": ("squash", "dense_capsules"),
+    "matrixcapsnet": ("em_routing_pose", "em_routing"),
+}
+MODEL_LR = 1e-3  # Adam, as `capsroute train`
+SPREAD_MARGIN = 0.2  # MatrixCapsNet's spread loss at the start of its margin schedule
+MAX_BATCH_CAP = 2**15  # --max-batch without a value
+MODEL_TOL_FACTOR = (
+    10  # model ops warn at 10x the routing ops' max_rel_err tolerance (1e-2 for float32)
+)
 
 
 def _model_precision(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype | None]:
@@ -50,10 +65,14 @@ def make_model(op: str, *, iters: int = 3, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def make_model_inputs(B: int, device, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_model_inputs(
+    B: int, device, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images in [0, 1) of shape (B, 1, 28, 28) and random labels in [0, 10)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    images = torch.rand(B, *MODEL_IMAGE, generator=gen, device=device).to(_model_precision(dtype)[0])
+    images = torch.rand(B, *MODEL_IMAGE, generator=gen, device=device).to(
+        _model_precision(dtype)[0]
+    )
     labels = torch.randint(0, 10, (B,), generator=gen, device=device)
     return images, labels
 
@@ -73,12 +92,14 @@ def model_fwd_step(fn, images, labels, device: torch.device, amp=None):
     def step():
         with _autocast(device, amp):
             return fn(images, labels)
+
     return step
 
 
 def train_step(fn, optimizer, images, labels, device: torch.device, amp=None):
     """One training step: forward, loss, backward, optimizer.step(); returns the loss (detached).
     Gradients are reset (optimizer.zero_grad(set_to_none=True)) before each call, outside the clock."""
+
     def step():
         with _autocast(device, amp):
             out = fn(images, labels)
@@ -86,6 +107,7 @@ def train_step(fn, optimizer, images, labels, device: torch.device, amp=None):
         loss.backward()
         optimizer.step()
         return loss.detach()
+
     return step
 
 
@@ -96,9 +118,15 @@ def model_supported(op: str, device: torch.device) -> bool:
 def compile_crash(op: str, device: torch.device, version: str = torch.__version__) -> str | None:
     """Why the compiled impl of a model op is not run here, where torch.compile is known to crash
     the whole process (so the run would lose every result), else None."""
-    if op == "matrixcapsnet" and device.type == "cpu" and torch.torch_version.TorchVersion(version) < "2.14":
-        return (f"torch.compile of the MatrixCapsNet step crashes on the CPU with torch {version} (a double free "
-                "in inductor's generated C++, seen with 2.11 and 2.13; 2.14.1 runs it)")
+    if (
+        op == "matrixcapsnet"
+        and device.type == "cpu"
+        and torch.torch_version.TorchVersion(version) < "2.14"
+    ):
+        return (
+            f"torch.compile of the MatrixCapsNet step crashes on the CPU with torch {version} (a double free "
+            "in inductor's generated C++, seen with 2.11 and 2.13; 2.14.1 runs it)"
+        )
     return None
 
 
@@ -110,8 +138,12 @@ def _tensor_bytes(tensors) -> int:
 # peaks measured on the CPU at B=8 and 64 (CapsNet ~2.5 MiB eager, ~0.7 fused; MatrixCapsNet ~38 eager,
 # ~32 compiled, ~0.9 fused).
 PER_IMAGE_MB = {
-    ("capsnet", "capsroute"): 4, ("capsnet", "eager"): 12, ("capsnet", "compiled"): 12,
-    ("matrixcapsnet", "capsroute"): 4, ("matrixcapsnet", "eager"): 60, ("matrixcapsnet", "compiled"): 60,
+    ("capsnet", "capsroute"): 4,
+    ("capsnet", "eager"): 12,
+    ("capsnet", "compiled"): 12,
+    ("matrixcapsnet", "capsroute"): 4,
+    ("matrixcapsnet", "eager"): 60,
+    ("matrixcapsnet", "compiled"): 60,
 }
 
 
@@ -122,9 +154,21 @@ def model_estimated_bytes(case: Case, impl: str, itemsize: int, params: int) -> 
     return int((4 * params * 4 + case.B * PER_IMAGE_MB[case.op, impl] * MiB) * scale)
 
 
-def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, labels, *, dtype: torch.dtype,
-                     device: torch.device, repeats: int, warmup: int, max_seconds: float, inference: bool,
-                     ref_snap: dict | None) -> tuple[dict, dict]:
+def bench_model_impl(
+    case: Case,
+    impl: str,
+    base: torch.nn.Module,
+    images,
+    labels,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    max_seconds: float,
+    inference: bool,
+    ref_snap: dict | None,
+) -> tuple[dict, dict]:
     """Measures one impl of a model op at one batch size; returns (partial record, snapshot for checks).
 
     The first two training steps are warm-up calls whose losses (before and after one Adam step) and
@@ -138,7 +182,9 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
     before = lambda: optimizer.zero_grad(set_to_none=True)  # noqa: E731
 
     loss0, compile_info = first_call(step, before, impl, device)
-    snap = {f"grad:{name}": sample(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    snap = {
+        f"grad:{name}": sample(p.grad) for name, p in model.named_parameters() if p.grad is not None
+    }
     before()
     losses = [loss0.item(), step().item()]
     del loss0
@@ -157,7 +203,9 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
     before()
     # what is allocated before a step (and so not in peak_mb): parameters, Adam state, images and labels
     state = [t for st in optimizer.state.values() for t in st.values()]
-    rec["state_mb"] = (_tensor_bytes(model.parameters()) + _tensor_bytes(state) + _tensor_bytes((images, labels))) / MiB
+    rec["state_mb"] = (
+        _tensor_bytes(model.parameters()) + _tensor_bytes(state) + _tensor_bytes((images, labels))
+    ) / MiB
     if inference:
         model.eval()
         try:
@@ -167,9 +215,21 @@ def bench_model_impl(case: Case, impl: str, base: torch.nn.Module, images, label
     return rec, snap
 
 
-def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: torch.device, repeats: int,
-                     warmup: int, max_seconds: float, inference: bool, seed: int = 0,
-                     note: Callable[[str], None] = print, progress=None) -> list[dict]:
+def bench_model_case(
+    case: Case,
+    impls,
+    *,
+    dtype: torch.dtype,
+    iters: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    max_seconds: float,
+    inference: bool,
+    seed: int = 0,
+    note: Callable[[str], None] = print,
+    progress=None,
+) -> list[dict]:
     """All implementations of a model op at one batch size (bench_case for a whole training step)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     base_model = make_model(case.op, iters=iters, seed=seed)
@@ -177,29 +237,65 @@ def bench_model_case(case: Case, impls, *, dtype: torch.dtype, iters: int, devic
     amp = _model_precision(dtype)[1]
 
     def base(impl):
-        return {"op": case.op, "shape": case.shape(), "dtype": dtype_name(dtype), "impl": impl,
-                "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": None,
-                "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": None, "floor_x": None,
-                "floor_fwd_x": None, "params": params,
-                "optimizer": "Adam", "amp": None if amp is None else dtype_name(amp)}
+        return {
+            "op": case.op,
+            "shape": case.shape(),
+            "dtype": dtype_name(dtype),
+            "impl": impl,
+            "fwd_ms": None,
+            "fwd_bwd_ms": None,
+            "peak_mb": None,
+            "floor_ms": None,
+            "shape_name": case.shape_name,
+            "iters": iters,
+            "floor_fwd_ms": None,
+            "floor_x": None,
+            "floor_fwd_x": None,
+            "params": params,
+            "optimizer": "Adam",
+            "amp": None if amp is None else dtype_name(amp),
+        }
 
     def measure(impl, inputs, ref_snap):
-        return bench_model_impl(case, impl, base_model, *inputs, dtype=dtype, device=device, repeats=repeats,
-                                warmup=warmup, max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
+        return bench_model_impl(
+            case,
+            impl,
+            base_model,
+            *inputs,
+            dtype=dtype,
+            device=device,
+            repeats=repeats,
+            warmup=warmup,
+            max_seconds=max_seconds,
+            inference=inference,
+            ref_snap=ref_snap,
+        )
 
     unavailable = {}
     if not model_supported(case.op, device):
         unavailable["capsroute"] = no_kernel(device, MODEL_KERNELS[case.op])
     if (crash := compile_crash(case.op, device)) is not None:
         unavailable["compiled"] = crash
-    return bench_impls(case, impls, device, base=base,
-                       estimate=lambda impl: model_estimated_bytes(case, impl, itemsize, params),
-                       make_inputs=lambda: make_model_inputs(case.B, device, dtype, seed), unavailable=unavailable,
-                       measure=measure, note=note, progress=progress)
+    return bench_impls(
+        case,
+        impls,
+        device,
+        base=base,
+        estimate=lambda impl: model_estimated_bytes(case, impl, itemsize, params),
+        make_inputs=lambda: make_model_inputs(case.B, device, dtype, seed),
+        unavailable=unavailable,
+        measure=measure,
+        note=note,
+        progress=progress,
+    )
 
 
-def find_max_batch(step: Callable[[int], object], cap: int = MAX_BATCH_CAP, *,
-                   free: Callable[[], None] = lambda: None) -> tuple[int | None, list[tuple[int, bool]]]:
+def find_max_batch(
+    step: Callable[[int], object],
+    cap: int = MAX_BATCH_CAP,
+    *,
+    free: Callable[[], None] = lambda: None,
+) -> tuple[int | None, list[tuple[int, bool]]]:
     """The largest power of two b <= cap for which step(b) runs without running out of memory.
 
     Tries b = 1, 2, 4, ... and stops at the first that raises an out-of-memory error (is_oom:
@@ -225,8 +321,16 @@ def find_max_batch(step: Callable[[int], object], cap: int = MAX_BATCH_CAP, *,
     return best, tries
 
 
-def model_max_batch(op: str, impl: str, *, device: torch.device, dtype: torch.dtype, iters: int = 3, seed: int = 0,
-                    cap: int = MAX_BATCH_CAP) -> dict:
+def model_max_batch(
+    op: str,
+    impl: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    iters: int = 3,
+    seed: int = 0,
+    cap: int = MAX_BATCH_CAP,
+) -> dict:
     """find_max_batch for one training step (fresh Adam state each try, so its memory counts) of one
     impl of a model op. For 'compiled' one torch.compile wrapper serves every try (torch recompiles
     with a dynamic batch size after the second size, as it would for a training loop that changes it)."""
@@ -248,9 +352,17 @@ def model_max_batch(op: str, impl: str, *, device: torch.device, dtype: torch.dt
     try:
         best, tries = find_max_batch(step, cap, free=lambda: free_memory(device))
     finally:
-        del model, fn
+        model = fn = None  # frees them before free_memory; step() is not called again
         free_memory(device)
-    return {"op": op, "impl": impl, "dtype": dtype_name(dtype), "max_batch": best, "cap": cap,
-            "capped": bool(tries and tries[-1][1]),  # every try fitted: the largest may be above the cap
-            "tries": [b for b, _ in tries], "search_s": round(time.perf_counter() - t0, 1)}
-
+    return {
+        "op": op,
+        "impl": impl,
+        "dtype": dtype_name(dtype),
+        "max_batch": best,
+        "cap": cap,
+        "capped": bool(
+            tries and tries[-1][1]
+        ),  # every try fitted: the largest may be above the cap
+        "tries": [b for b, _ in tries],
+        "search_s": round(time.perf_counter() - t0, 1),
+    }

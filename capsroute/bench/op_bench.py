@@ -1,5 +1,6 @@
 """The routing ops' bench: every implementation of one (op, shape, batch) case on the same random
 inputs, with the case's floor."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -9,8 +10,17 @@ import torch
 from .._runinfo import dtype_name
 from .cases import Case, capsroute_supports, get_impl, make_inputs
 from .floor import floor_model, floor_ms
-from .measure import bench_impls, first_call, max_rel_err, no_kernel, reset_dynamo, sample, time_inference, \
-    time_steps, warm_up
+from .measure import (
+    bench_impls,
+    first_call,
+    max_rel_err,
+    no_kernel,
+    reset_dynamo,
+    sample,
+    time_inference,
+    time_steps,
+    warm_up,
+)
 from .timing import clear_grads, fwd_bwd_step, fwd_step
 
 
@@ -22,15 +32,33 @@ def estimated_bytes(case: Case, impl: str, itemsize: int) -> int:
         inputs = votes
     else:
         inputs = (case.B * case.I * case.Din + case.I * case.J * case.D * case.Din) * itemsize
-    if impl == "capsroute":  # dense never materialises votes; its backward keeps a few weight-sized buffers
-        work = votes // 2 if case.op == "dynamic_routing" else 6 * case.I * case.J * case.D * case.Din * itemsize
+    if (
+        impl == "capsroute"
+    ):  # dense never materialises votes; its backward keeps a few weight-sized buffers
+        work = (
+            votes // 2
+            if case.op == "dynamic_routing"
+            else 6 * case.I * case.J * case.D * case.Din * itemsize
+        )
     else:
         work = 8 * votes
     return 2 * inputs + work
 
 
-def bench_impl(case: Case, impl: str, inputs, grad, *, iters: int, device: torch.device, repeats: int,
-               warmup: int, max_seconds: float, inference: bool, ref_snap: dict | None) -> tuple[dict, dict]:
+def bench_impl(
+    case: Case,
+    impl: str,
+    inputs,
+    grad,
+    *,
+    iters: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    max_seconds: float,
+    inference: bool,
+    ref_snap: dict | None,
+) -> tuple[dict, dict]:
     """Measures one implementation on one case; returns (partial record, snapshot for checks).
 
     The first forward+backward (which compiles, for 'compiled') gives the output and input gradients
@@ -58,37 +86,86 @@ def bench_impl(case: Case, impl: str, inputs, grad, *, iters: int, device: torch
     return rec, snap
 
 
-def bench_case(case: Case, impls, *, dtype: torch.dtype, iters: int, device: torch.device, repeats: int,
-               warmup: int, max_seconds: float, inference: bool, bandwidth_gbs: float, peak_tflops: float,
-               seed: int = 0, note: Callable[[str], None] = print, progress=None) -> list[dict]:
+def bench_case(
+    case: Case,
+    impls,
+    *,
+    dtype: torch.dtype,
+    iters: int,
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    max_seconds: float,
+    inference: bool,
+    bandwidth_gbs: float,
+    peak_tflops: float,
+    seed: int = 0,
+    note: Callable[[str], None] = print,
+    progress=None,
+) -> list[dict]:
     """All implementations on one case: a list of records (skipped ones carry 'skipped': reason)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     fm = floor_model(case, itemsize, iters)
     f_fwd = floor_ms(fm["bytes_fwd"], fm["flops_fwd"], bandwidth_gbs, peak_tflops)
     f_all = floor_ms(fm["bytes_fwd_bwd"], fm["flops_fwd_bwd"], bandwidth_gbs, peak_tflops)
-    bound = "memory" if fm["bytes_fwd_bwd"] / (bandwidth_gbs * 1e9) >= fm["flops_fwd_bwd"] / (peak_tflops * 1e12) \
+    bound = (
+        "memory"
+        if fm["bytes_fwd_bwd"] / (bandwidth_gbs * 1e9) >= fm["flops_fwd_bwd"] / (peak_tflops * 1e12)
         else "compute"
+    )
 
     def base(impl):
-        return {"op": case.op, "shape": case.shape(), "layout": case.layout, "dtype": dtype_name(dtype),
-                "impl": impl, "fwd_ms": None, "fwd_bwd_ms": None, "peak_mb": None, "floor_ms": f_all,
-                "shape_name": case.shape_name, "iters": iters, "floor_fwd_ms": f_fwd, "floor_bound": bound,
-                **fm}
+        return {
+            "op": case.op,
+            "shape": case.shape(),
+            "layout": case.layout,
+            "dtype": dtype_name(dtype),
+            "impl": impl,
+            "fwd_ms": None,
+            "fwd_bwd_ms": None,
+            "peak_mb": None,
+            "floor_ms": f_all,
+            "shape_name": case.shape_name,
+            "iters": iters,
+            "floor_fwd_ms": f_fwd,
+            "floor_bound": bound,
+            **fm,
+        }
 
     def measure(impl, inputs, ref_snap):
         try:
-            return bench_impl(case, impl, *inputs, iters=iters, device=device, repeats=repeats, warmup=warmup,
-                              max_seconds=max_seconds, inference=inference, ref_snap=ref_snap)
+            return bench_impl(
+                case,
+                impl,
+                *inputs,
+                iters=iters,
+                device=device,
+                repeats=repeats,
+                warmup=warmup,
+                max_seconds=max_seconds,
+                inference=inference,
+                ref_snap=ref_snap,
+            )
         finally:
             clear_grads(inputs[0])
 
-    unavailable = {} if capsroute_supports(case.op, device) else {"capsroute": no_kernel(device, [case.op])}
-    records = bench_impls(case, impls, device, base=base, estimate=lambda impl: estimated_bytes(case, impl, itemsize),
-                          make_inputs=lambda: make_inputs(case.op, case, dtype, device, seed), unavailable=unavailable,
-                          measure=measure, note=note, progress=progress)
+    unavailable = (
+        {} if capsroute_supports(case.op, device) else {"capsroute": no_kernel(device, [case.op])}
+    )
+    records = bench_impls(
+        case,
+        impls,
+        device,
+        base=base,
+        estimate=lambda impl: estimated_bytes(case, impl, itemsize),
+        make_inputs=lambda: make_inputs(case.op, case, dtype, device, seed),
+        unavailable=unavailable,
+        measure=measure,
+        note=note,
+        progress=progress,
+    )
     for r in records:
         if "skipped" not in r:
             r["floor_x"] = r["fwd_bwd_ms"] / f_all if f_all > 0 else None
             r["floor_fwd_x"] = r["fwd_ms"] / f_fwd if f_fwd > 0 else None
     return records
-

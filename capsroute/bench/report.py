@@ -1,4 +1,5 @@
 """A run's report as people read it: the table printed at the end, and where its JSON goes."""
+
 from __future__ import annotations
 
 import math
@@ -44,24 +45,48 @@ def format_table(report: dict) -> str:
     results = report["results"]
     models = any(r["op"] in MODEL_OPS for r in results)
     max_batch = any("max_batch" in r for r in results)
-    head = ["op", "shape", "B", "impl", "fwd ms", "f+b ms", "peak MiB", "floor ms", "x floor",
-            "fwd vs caps", "f+b vs caps", "mem vs caps", "compile s", "rel err"]
+    head = [
+        "op",
+        "shape",
+        "B",
+        "impl",
+        "fwd ms",
+        "f+b ms",
+        "peak MiB",
+        "floor ms",
+        "x floor",
+        "fwd vs caps",
+        "f+b vs caps",
+        "mem vs caps",
+        "compile s",
+        "rel err",
+    ]
     head += ["img/s"] * models + ["max B"] * max_batch
     rows = []
     for r in report["results"]:
         s = r["shape"]
         shape = (r.get("shape_name") or f"{s['I']},{s['J']},{s['D']}") + (
-            f" {r['layout']}" if r.get("layout", "contiguous") != "contiguous" else "")
+            f" {r['layout']}" if r.get("layout", "contiguous") != "contiguous" else ""
+        )
         row = [r["op"], shape, str(s["B"]), r["impl"]]
         if "skipped" in r:
             rows.append(row + [f"skipped: {r['skipped']}"])
             continue
         vs = r.get("vs_capsroute", {})
         peak = r["peak_mb"]
-        row += [_fmt_ms(r["fwd_ms"]), _fmt_ms(r["fwd_bwd_ms"]), _fmt(peak, ".3f" if peak is not None and peak < 1 else ".1f"),
-                _fmt_ms(r["floor_ms"]), _fmt(r.get("floor_x"), ".1f"),
-                *(_fmt(vs.get(k), ".2f") + ("x" if vs.get(k) is not None else "") for k in ("fwd", "fwd_bwd", "peak_mb")),
-                _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("max_rel_err"), ".0e")]
+        row += [
+            _fmt_ms(r["fwd_ms"]),
+            _fmt_ms(r["fwd_bwd_ms"]),
+            _fmt(peak, ".3f" if peak is not None and peak < 1 else ".1f"),
+            _fmt_ms(r["floor_ms"]),
+            _fmt(r.get("floor_x"), ".1f"),
+            *(
+                _fmt(vs.get(k), ".2f") + ("x" if vs.get(k) is not None else "")
+                for k in ("fwd", "fwd_bwd", "peak_mb")
+            ),
+            _fmt(r.get("compile_s"), ".1f"),
+            _fmt(r.get("max_rel_err"), ".0e"),
+        ]
         if models:
             ips = r.get("images_per_s")
             row.append(_fmt(ips, ".1f" if ips is not None and ips < 100 else ".0f"))
@@ -69,8 +94,10 @@ def format_table(report: dict) -> str:
             row.append(_fmt_max_batch(r))
         rows.append(row)
     # skipped rows (4 cells + the reason) size only the first 4 columns
-    widths = [max([len(head[k])] + [len(row[k]) for row in rows if k < 4 or len(row) == len(head)])
-              for k in range(len(head))]
+    widths = [
+        max([len(head[k])] + [len(row[k]) for row in rows if k < 4 or len(row) == len(head)])
+        for k in range(len(head))
+    ]
     right = set(range(2, len(head)))
 
     def line(cells):
@@ -82,18 +109,30 @@ def format_table(report: dict) -> str:
                 out.append(c.rjust(widths[k]) if k in right else c.ljust(widths[k]))
         return "  ".join(out).rstrip()
 
-    title = (f"device {report['device']}  torch {report['torch']}  commit {report['commit'][:12]}  "
-             f"dtype {report['dtype']}  iters {report['iters']}  threads {report['threads']}"
-             + (f"  load {report['loadavg_start']:.1f}" if report.get("loadavg_start") is not None else "")
-             + (f"  CUDA kernels {kernel_set(report)}" if kernel_set(report) else ""))
+    title = (
+        f"device {report['device']}  torch {report['torch']}  commit {report['commit'][:12]}  "
+        f"dtype {report['dtype']}  iters {report['iters']}  threads {report['threads']}"
+        + (
+            f"  load {report['loadavg_start']:.1f}"
+            if report.get("loadavg_start") is not None
+            else ""
+        )
+        + (f"  CUDA kernels {kernel_set(report)}" if kernel_set(report) else "")
+    )
     if report.get("bandwidth_gbs") is not None:
-        title += (f"\nfloor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak "
-                  f"{report['peak_tflops']:.2f} TFLOP/s; floor ms and x floor are for forward+backward")
+        title += (
+            f"\nfloor: copy bandwidth {report['bandwidth_gbs']:.1f} GB/s, matmul peak "
+            f"{report['peak_tflops']:.2f} TFLOP/s; floor ms and x floor are for forward+backward"
+        )
     if models:
-        title += ("\nmodel ops (capsnet, matrixcapsnet): f+b ms is a whole training step (forward, loss, backward, "
-                  "Adam step), img/s = B / f+b; no floor; rel err compares losses and gradients with eager")
+        title += (
+            "\nmodel ops (capsnet, matrixcapsnet): f+b ms is a whole training step (forward, loss, backward, "
+            "Adam step), img/s = B / f+b; no floor; rel err compares losses and gradients with eager"
+        )
     sep = "  ".join("-" * w for w in widths)
-    return "\n".join([title, line(head), sep] + [line(r) for r in rows] + kernel_path_lines(results))
+    return "\n".join(
+        [title, line(head), sep] + [line(r) for r in rows] + kernel_path_lines(results)
+    )
 
 
 def kernel_path_lines(results: list[dict]) -> list[str]:
@@ -104,8 +143,9 @@ def kernel_path_lines(results: list[dict]) -> list[str]:
         paths = r.get("kernel_paths", {})
         if all(p == "cpu" for ran in paths.values() for p in ran.values()):
             continue
-        ran = ", ".join(f"{op} {p['forward'] or '-'} / {p['backward'] or '-'}"
-                        for op, p in paths.items())
+        ran = ", ".join(
+            f"{op} {p['forward'] or '-'} / {p['backward'] or '-'}" for op, p in paths.items()
+        )
         row = f"{r['op']} {r.get('shape_name', '')} B={r['shape']['B']} {r['impl']}"
         lines.append(f"kernel paths of {row}: {ran}")
     return lines
@@ -130,4 +170,3 @@ def unique_path(path: Path) -> Path:
         if not p.exists():
             return p
     return path
-

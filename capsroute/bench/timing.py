@@ -1,6 +1,7 @@
 """How a step is timed and its memory measured: the forward and forward+backward steps, the timer
 (CUDA events or perf_counter), the peak memory of one call (CUDA allocator statistics, or on the CPU
 a replay of the profiler's allocation events), and the out-of-memory helpers."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,20 +13,24 @@ from typing import Callable
 
 import torch
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # quiets kineto's "gpuGetDeviceCount failed" on GPU-less hosts
+os.environ.setdefault(
+    "KINETO_LOG_LEVEL", "5"
+)  # quiets kineto's "gpuGetDeviceCount failed" on GPU-less hosts
 
-MiB = 2.0 ** 20
+MiB = 2.0**20
 
 
 def fwd_step(fn, inputs, iters):
     def step():
         return fn(*inputs, iters)
+
     return step
 
 
 def fwd_bwd_step(fn, inputs, grad, iters):
     """Forward + backward; returns the (first) output. grad is a tensor or, for ops with several
     outputs (EM routing: pose, a_out), a tuple."""
+
     def step():
         out = fn(*inputs, iters)
         if isinstance(out, tuple):
@@ -33,6 +38,7 @@ def fwd_bwd_step(fn, inputs, grad, iters):
             return out[0]
         out.backward(grad)
         return out
+
     return step
 
 
@@ -46,8 +52,15 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def time_samples(step: Callable, device: torch.device, *, repeats: int, before: Callable | None = None,
-                 min_repeats: int = 3, max_seconds: float = float("inf")) -> list[float]:
+def time_samples(
+    step: Callable,
+    device: torch.device,
+    *,
+    repeats: int,
+    before: Callable | None = None,
+    min_repeats: int = 3,
+    max_seconds: float = float("inf"),
+) -> list[float]:
     """Times `repeats` calls of step() (ms each). before() runs outside the clock before each call."""
     times = []
     started = time.perf_counter()
@@ -109,14 +122,16 @@ def cpu_peak_bytes(step: Callable) -> int:
     reset before the call). Checked on torch 2.14: allocate 10 MiB, allocate 4 MiB, free the 10,
     allocate 2 MiB gives 14 MiB.
     """
-    from torch.profiler import ProfilerActivity, profile
     from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
 
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = step()
     del out
     tree = prof.profiler.kineto_results.experimental_event_tree()
-    allocs = sorted((n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns)
+    allocs = sorted(
+        (n for n in _walk(tree) if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns
+    )
     live = peak = 0
     for n in allocs:
         live += n.extra_fields.alloc_size
@@ -165,4 +180,3 @@ def available_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
-

@@ -22,11 +22,12 @@ inline void check_rank(const at::Tensor& t, int64_t rank, const char* name, cons
               " dims), got shape ", t.sizes());
 }
 
-inline void check_same(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), "capsroute: ", name, " is on ", t.device(), " but ", ref_name,
-              " is on ", ref.device());
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "capsroute: ", name, " has dtype ", t.scalar_type(),
-              " but ", ref_name, " has dtype ", ref.scalar_type());
+inline void check_same(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                       const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), "capsroute: ", name, " is on ", t.device(), " but ",
+              ref_name, " is on ", ref.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "capsroute: ", name, " has dtype ",
+              t.scalar_type(), " but ", ref_name, " has dtype ", ref.scalar_type());
 }
 
 inline void check_eps(double eps) {
@@ -38,20 +39,24 @@ inline void check_routing_options(int64_t iters, double eps) {
   check_eps(eps);
 }
 
-inline void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& ref, int64_t J, int64_t D) {
+inline void check_bias(const std::optional<at::Tensor>& bias, const at::Tensor& ref, int64_t J,
+                       int64_t D) {
   if (!bias.has_value()) return;
   check_same(*bias, ref, "bias", "the capsule input");
   TORCH_CHECK(bias->dim() == 2 && bias->size(0) == J && bias->size(1) == D,
-              "capsroute: bias must have shape (J, D) = (", J, ", ", D, "), got shape ", bias->sizes());
+              "capsroute: bias must have shape (J, D) = (", J, ", ", D, "), got shape ",
+              bias->sizes());
 }
 
 // votes (B, I, J, D)
-inline void check_dynamic_routing_inputs(const at::Tensor& votes, const std::optional<at::Tensor>& bias,
-                                         int64_t iters, double eps) {
+inline void check_dynamic_routing_inputs(const at::Tensor& votes,
+                                         const std::optional<at::Tensor>& bias, int64_t iters,
+                                         double eps) {
   check_float_dtype(votes, "votes");
   check_rank(votes, 4, "votes", "(B, I, J, D)");
   TORCH_CHECK(votes.size(2) >= 1 && votes.size(3) >= 1,
-              "capsroute: votes must have J >= 1 outputs and D >= 1 dims, got shape ", votes.sizes());
+              "capsroute: votes must have J >= 1 outputs and D >= 1 dims, got shape ",
+              votes.sizes());
   check_bias(bias, votes, votes.size(2), votes.size(3));
   check_routing_options(iters, eps);
 }
@@ -63,14 +68,17 @@ inline void check_dense_shapes(const at::Tensor& u, const at::Tensor& weight) {
   check_rank(weight, 4, "weight", "(I, J, D, Din)");
   check_same(weight, u, "weight", "u");
   TORCH_CHECK(weight.size(0) == u.size(1) && weight.size(3) == u.size(2),
-              "capsroute: weight must have shape (I, J, D, Din) with I = ", u.size(1), " and Din = ", u.size(2),
-              " to match u of shape ", u.sizes(), ", got weight of shape ", weight.sizes());
+              "capsroute: weight must have shape (I, J, D, Din) with I = ", u.size(1),
+              " and Din = ", u.size(2), " to match u of shape ", u.sizes(),
+              ", got weight of shape ", weight.sizes());
   TORCH_CHECK(weight.size(1) >= 1 && weight.size(2) >= 1,
-              "capsroute: weight must have J >= 1 outputs and D >= 1 dims, got shape ", weight.sizes());
+              "capsroute: weight must have J >= 1 outputs and D >= 1 dims, got shape ",
+              weight.sizes());
 }
 
 inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& weight,
-                                        const std::optional<at::Tensor>& bias, int64_t iters, double eps) {
+                                        const std::optional<at::Tensor>& bias, int64_t iters,
+                                        double eps) {
   check_dense_shapes(u, weight);
   check_bias(bias, u, weight.size(1), weight.size(2));
   check_routing_options(iters, eps);
@@ -78,127 +86,146 @@ inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& w
 
 // Saved state of the routing forward: s before squash per iteration, (B, iters, J, D) in the
 // accumulation dtype.
-inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& s_hist, int64_t B,
-                                          int64_t J, int64_t D) {
+inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& s_hist,
+                                          int64_t B, int64_t J, int64_t D) {
   check_rank(grad_v, 3, "grad_v", "(B, J, D)");
   TORCH_CHECK(grad_v.size(0) == B && grad_v.size(1) == J && grad_v.size(2) == D,
-              "capsroute: grad_v must have shape (", B, ", ", J, ", ", D, "), got ", grad_v.sizes());
+              "capsroute: grad_v must have shape (", B, ", ", J, ", ", D, "), got ",
+              grad_v.sizes());
   check_rank(s_hist, 4, "s_hist", "(B, iters, J, D)");
-  TORCH_CHECK(s_hist.size(0) == B && s_hist.size(1) >= 1 && s_hist.size(2) == J && s_hist.size(3) == D,
-              "capsroute: s_hist must have shape (", B, ", iters, ", J, ", ", D, "), got ", s_hist.sizes());
+  TORCH_CHECK(
+      s_hist.size(0) == B && s_hist.size(1) >= 1 && s_hist.size(2) == J && s_hist.size(3) == D,
+      "capsroute: s_hist must have shape (", B, ", iters, ", J, ", ", D, "), got ", s_hist.sizes());
   TORCH_CHECK(grad_v.device() == s_hist.device(), "capsroute: grad_v is on ", grad_v.device(),
               " but s_hist is on ", s_hist.device());
 }
 
 // a_in (B, I), beta_u (J,), beta_a (J,) and the options of EM routing; ref is the input they
 // must share a device and dtype with (votes or pose).
-inline void check_em_common(const at::Tensor& ref, const char* ref_name, int64_t B, int64_t I, int64_t J,
-                            const at::Tensor& a_in, const at::Tensor& beta_u, const at::Tensor& beta_a, int64_t iters,
-                            double final_lambda, double eps) {
+inline void check_em_common(const at::Tensor& ref, const char* ref_name, int64_t B, int64_t I,
+                            int64_t J, const at::Tensor& a_in, const at::Tensor& beta_u,
+                            const at::Tensor& beta_a, int64_t iters, double final_lambda,
+                            double eps) {
   check_same(a_in, ref, "a_in", ref_name);
   check_same(beta_u, ref, "beta_u", ref_name);
   check_same(beta_a, ref, "beta_a", ref_name);
-  TORCH_CHECK(a_in.dim() == 2 && a_in.size(0) == B && a_in.size(1) == I, "capsroute: a_in must have shape (B, I) = (",
-              B, ", ", I, "), got shape ", a_in.sizes());
-  TORCH_CHECK(beta_u.dim() == 1 && beta_u.size(0) == J, "capsroute: beta_u must have shape (J,) = (", J,
-              ",), got shape ", beta_u.sizes());
-  TORCH_CHECK(beta_a.dim() == 1 && beta_a.size(0) == J, "capsroute: beta_a must have shape (J,) = (", J,
-              ",), got shape ", beta_a.sizes());
+  TORCH_CHECK(a_in.dim() == 2 && a_in.size(0) == B && a_in.size(1) == I,
+              "capsroute: a_in must have shape (B, I) = (", B, ", ", I, "), got shape ",
+              a_in.sizes());
+  TORCH_CHECK(beta_u.dim() == 1 && beta_u.size(0) == J,
+              "capsroute: beta_u must have shape (J,) = (", J, ",), got shape ", beta_u.sizes());
+  TORCH_CHECK(beta_a.dim() == 1 && beta_a.size(0) == J,
+              "capsroute: beta_a must have shape (J,) = (", J, ",), got shape ", beta_a.sizes());
   TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
-  TORCH_CHECK(std::isfinite(final_lambda), "capsroute: final_lambda must be finite, got ", final_lambda);
-  TORCH_CHECK(std::isfinite(eps) && eps > 0, "capsroute: eps must be finite and > 0 (it floors the variance), got ",
-              eps);
+  TORCH_CHECK(std::isfinite(final_lambda), "capsroute: final_lambda must be finite, got ",
+              final_lambda);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0,
+              "capsroute: eps must be finite and > 0 (it floors the variance), got ", eps);
 }
 
 // votes (B, I, J, H)
-inline void check_em_routing_inputs(const at::Tensor& votes, const at::Tensor& a_in, const at::Tensor& beta_u,
-                                    const at::Tensor& beta_a, int64_t iters, double final_lambda, double eps) {
+inline void check_em_routing_inputs(const at::Tensor& votes, const at::Tensor& a_in,
+                                    const at::Tensor& beta_u, const at::Tensor& beta_a,
+                                    int64_t iters, double final_lambda, double eps) {
   check_float_dtype(votes, "votes");
   check_rank(votes, 4, "votes", "(B, I, J, H)");
   TORCH_CHECK(votes.size(2) >= 1 && votes.size(3) >= 1,
-              "capsroute: votes must have J >= 1 outputs and H >= 1 pose values, got shape ", votes.sizes());
-  check_em_common(votes, "votes", votes.size(0), votes.size(1), votes.size(2), a_in, beta_u, beta_a, iters,
-                  final_lambda, eps);
+              "capsroute: votes must have J >= 1 outputs and H >= 1 pose values, got shape ",
+              votes.sizes());
+  check_em_common(votes, "votes", votes.size(0), votes.size(1), votes.size(2), a_in, beta_u, beta_a,
+                  iters, final_lambda, eps);
 }
 
 // pose (B, I, 4, 4), weight (I, J, 4, 4)
-inline void check_em_routing_pose_inputs(const at::Tensor& pose, const at::Tensor& weight, const at::Tensor& a_in,
-                                         const at::Tensor& beta_u, const at::Tensor& beta_a, int64_t iters,
+inline void check_em_routing_pose_inputs(const at::Tensor& pose, const at::Tensor& weight,
+                                         const at::Tensor& a_in, const at::Tensor& beta_u,
+                                         const at::Tensor& beta_a, int64_t iters,
                                          double final_lambda, double eps) {
   check_float_dtype(pose, "pose");
   TORCH_CHECK(pose.dim() == 4 && pose.size(2) == 4 && pose.size(3) == 4,
               "capsroute: pose must have shape (B, I, 4, 4), got shape ", pose.sizes());
   check_same(weight, pose, "weight", "pose");
-  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == pose.size(1) && weight.size(1) >= 1 && weight.size(2) == 4 &&
-                  weight.size(3) == 4,
-              "capsroute: weight must have shape (I, J, 4, 4) with I = ", pose.size(1), " and J >= 1, got shape ",
-              weight.sizes());
-  check_em_common(pose, "pose", pose.size(0), pose.size(1), weight.size(1), a_in, beta_u, beta_a, iters,
-                  final_lambda, eps);
+  TORCH_CHECK(weight.dim() == 4 && weight.size(0) == pose.size(1) && weight.size(1) >= 1 &&
+                  weight.size(2) == 4 && weight.size(3) == 4,
+              "capsroute: weight must have shape (I, J, 4, 4) with I = ", pose.size(1),
+              " and J >= 1, got shape ", weight.sizes());
+  check_em_common(pose, "pose", pose.size(0), pose.size(1), weight.size(1), a_in, beta_u, beta_a,
+                  iters, final_lambda, eps);
 }
 
 // The iteration count of saved EM statistics (B, iters, J, 2H + 1), read before the other inputs
 // are checked, so that a stats tensor of the wrong rank is named as such.
 inline int64_t em_stats_iters(const at::Tensor& stats) {
-  TORCH_CHECK(stats.dim() == 4, "capsroute: stats must have shape (B, iters, J, 2H + 1), got ", stats.sizes());
+  TORCH_CHECK(stats.dim() == 4, "capsroute: stats must have shape (B, iters, J, 2H + 1), got ",
+              stats.sizes());
   return stats.size(1);
 }
 
 // What an EM routing backward gets besides the forward's inputs: grad_pose (B, J, H),
 // grad_a_out (B, J) and the saved stats (B, iters, J, 2H + 1).
-inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const at::Tensor& stats,
-                                     int64_t B, int64_t J, int64_t H) {
-  TORCH_CHECK(stats.dim() == 4 && stats.size(0) == B && stats.size(2) == J && stats.size(3) == 2 * H + 1,
-              "capsroute: stats must have shape (B, iters, J, 2H + 1) = (", B, ", iters, ", J, ", ", 2 * H + 1,
-              "), got ", stats.sizes());
-  TORCH_CHECK(grad_pose.sizes() == at::IntArrayRef({B, J, H}), "capsroute: grad_pose must have shape (", B, ", ", J,
-              ", ", H, "), got ", grad_pose.sizes());
-  TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, J}), "capsroute: grad_a_out must have shape (", B, ", ", J,
-              "), got ", grad_a_out.sizes());
+inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out,
+                                     const at::Tensor& stats, int64_t B, int64_t J, int64_t H) {
+  TORCH_CHECK(
+      stats.dim() == 4 && stats.size(0) == B && stats.size(2) == J && stats.size(3) == 2 * H + 1,
+      "capsroute: stats must have shape (B, iters, J, 2H + 1) = (", B, ", iters, ", J, ", ",
+      2 * H + 1, "), got ", stats.sizes());
+  TORCH_CHECK(grad_pose.sizes() == at::IntArrayRef({B, J, H}),
+              "capsroute: grad_pose must have shape (", B, ", ", J, ", ", H, "), got ",
+              grad_pose.sizes());
+  TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, J}),
+              "capsroute: grad_a_out must have shape (", B, ", ", J, "), got ", grad_a_out.sizes());
 }
 
 // pose (B, H, W, C_in, 4, 4), a_in (B, H, W, C_in), weight (K, K, C_in, C_out, 4, 4)
-inline void check_conv_em_routing_inputs(const at::Tensor& pose, const at::Tensor& a_in, const at::Tensor& weight,
-                                         const at::Tensor& beta_u, const at::Tensor& beta_a, int64_t iters,
-                                         int64_t stride, int64_t padding, double final_lambda, double eps) {
+inline void check_conv_em_routing_inputs(const at::Tensor& pose, const at::Tensor& a_in,
+                                         const at::Tensor& weight, const at::Tensor& beta_u,
+                                         const at::Tensor& beta_a, int64_t iters, int64_t stride,
+                                         int64_t padding, double final_lambda, double eps) {
   check_float_dtype(pose, "pose");
   TORCH_CHECK(pose.dim() == 6 && pose.size(4) == 4 && pose.size(5) == 4,
               "capsroute: pose must have shape (B, H, W, C_in, 4, 4), got shape ", pose.sizes());
   check_same(weight, pose, "weight", "pose");
-  TORCH_CHECK(weight.dim() == 6 && weight.size(0) == weight.size(1) && weight.size(0) >= 1 && weight.size(3) >= 1 &&
-                  weight.size(4) == 4 && weight.size(5) == 4,
-              "capsroute: weight must have shape (K, K, C_in, C_out, 4, 4) with K, C_out >= 1, got shape ",
-              weight.sizes());
+  TORCH_CHECK(
+      weight.dim() == 6 && weight.size(0) == weight.size(1) && weight.size(0) >= 1 &&
+          weight.size(3) >= 1 && weight.size(4) == 4 && weight.size(5) == 4,
+      "capsroute: weight must have shape (K, K, C_in, C_out, 4, 4) with K, C_out >= 1, got shape ",
+      weight.sizes());
   TORCH_CHECK(weight.size(2) == pose.size(3), "capsroute: weight has C_in = ", weight.size(2),
               " (its dim 2) but pose has C_in = ", pose.size(3));
   TORCH_CHECK(stride >= 1, "capsroute: stride must be >= 1, got ", stride);
   TORCH_CHECK(padding >= 0, "capsroute: padding must be >= 0, got ", padding);
   const int64_t K = weight.size(0), H = pose.size(1) + 2 * padding, W = pose.size(2) + 2 * padding;
-  TORCH_CHECK(K <= H && K <= W, "capsroute: weight's kernel size K = ", K, " is larger than the padded input (",
-              H, " x ", W, " with padding ", padding, ")");
+  TORCH_CHECK(K <= H && K <= W, "capsroute: weight's kernel size K = ", K,
+              " is larger than the padded input (", H, " x ", W, " with padding ", padding, ")");
   check_same(a_in, pose, "a_in", "pose");
-  TORCH_CHECK(a_in.sizes() == pose.sizes().slice(0, 4), "capsroute: a_in must have shape (B, H, W, C_in) = ",
-              pose.sizes().slice(0, 4), ", got shape ", a_in.sizes());
-  check_em_common(pose, "pose", pose.size(0), a_in.size(1) * a_in.size(2) * a_in.size(3), weight.size(3),
-                  a_in.flatten(1), beta_u, beta_a, iters, final_lambda, eps);
+  TORCH_CHECK(a_in.sizes() == pose.sizes().slice(0, 4),
+              "capsroute: a_in must have shape (B, H, W, C_in) = ", pose.sizes().slice(0, 4),
+              ", got shape ", a_in.sizes());
+  check_em_common(pose, "pose", pose.size(0), a_in.size(1) * a_in.size(2) * a_in.size(3),
+                  weight.size(3), a_in.flatten(1), beta_u, beta_a, iters, final_lambda, eps);
 }
 
 // The iteration count of conv_em_routing's saved stats (B, H', W', iters, C_out, 33).
 inline int64_t conv_em_stats_iters(const at::Tensor& stats) {
-  TORCH_CHECK(stats.dim() == 6, "capsroute: stats must have shape (B, H', W', iters, C_out, 33), got ", stats.sizes());
+  TORCH_CHECK(stats.dim() == 6,
+              "capsroute: stats must have shape (B, H', W', iters, C_out, 33), got ",
+              stats.sizes());
   return stats.size(3);
 }
 
 inline void check_conv_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out,
-                                          const at::Tensor& stats, int64_t B, int64_t Ho, int64_t Wo, int64_t J) {
-  TORCH_CHECK(stats.dim() == 6 && stats.size(0) == B && stats.size(1) == Ho && stats.size(2) == Wo &&
-                  stats.size(4) == J && stats.size(5) == 2 * kPoseSize + 1,
-              "capsroute: stats must have shape (B, H', W', iters, C_out, 33) = (", B, ", ", Ho, ", ", Wo, ", iters, ",
-              J, ", 33), got ", stats.sizes());
-  TORCH_CHECK(grad_pose.sizes() == at::IntArrayRef({B, Ho, Wo, J, kPoseSize}), "capsroute: grad_pose must have shape (",
-              B, ", ", Ho, ", ", Wo, ", ", J, ", 16), got ", grad_pose.sizes());
-  TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, Ho, Wo, J}), "capsroute: grad_a_out must have shape (", B,
-              ", ", Ho, ", ", Wo, ", ", J, "), got ", grad_a_out.sizes());
+                                          const at::Tensor& stats, int64_t B, int64_t Ho,
+                                          int64_t Wo, int64_t J) {
+  TORCH_CHECK(stats.dim() == 6 && stats.size(0) == B && stats.size(1) == Ho &&
+                  stats.size(2) == Wo && stats.size(4) == J && stats.size(5) == 2 * kPoseSize + 1,
+              "capsroute: stats must have shape (B, H', W', iters, C_out, 33) = (", B, ", ", Ho,
+              ", ", Wo, ", iters, ", J, ", 33), got ", stats.sizes());
+  TORCH_CHECK(grad_pose.sizes() == at::IntArrayRef({B, Ho, Wo, J, kPoseSize}),
+              "capsroute: grad_pose must have shape (", B, ", ", Ho, ", ", Wo, ", ", J,
+              ", 16), got ", grad_pose.sizes());
+  TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, Ho, Wo, J}),
+              "capsroute: grad_a_out must have shape (", B, ", ", Ho, ", ", Wo, ", ", J, "), got ",
+              grad_a_out.sizes());
 }
 
 inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& votes,
@@ -210,12 +237,15 @@ inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, cons
 }
 
 inline void check_dense_capsules_backward_inputs(const at::Tensor& grad_v, const at::Tensor& u,
-                                                 const at::Tensor& weight, const at::Tensor& s_hist, double eps) {
+                                                 const at::Tensor& weight, const at::Tensor& s_hist,
+                                                 double eps) {
   check_dense_shapes(u, weight);
   check_routing_backward_inputs(grad_v, s_hist, u.size(0), weight.size(1), weight.size(2));
   check_eps(eps);
 }
 
-inline at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+inline at::ScalarType acc_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 }  // namespace capsroute

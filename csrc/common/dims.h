@@ -20,7 +20,7 @@ struct RoutingDims {
 struct EmDims {
   int64_t B, I, J, H, iters;
   double final_lambda;
-  CAPSROUTE_HD int64_t stats_row() const { return 2 * H + 1; }  // mu (H), var (H), logit
+  CAPSROUTE_HD int64_t stats_row() const { return 2 * H + 1; }          // mu (H), var (H), logit
   CAPSROUTE_HD int64_t stats_block() const { return J * stats_row(); }  // per element and iteration
 };
 
@@ -30,7 +30,9 @@ struct EmDims {
 struct ConvEmDims {
   int64_t B, H, W, C_in, C_out, K, stride, padding, iters;
   double final_lambda;
-  CAPSROUTE_HD int64_t out_size(int64_t in_size) const { return (in_size + 2 * padding - K) / stride + 1; }
+  CAPSROUTE_HD int64_t out_size(int64_t in_size) const {
+    return (in_size + 2 * padding - K) / stride + 1;
+  }
   CAPSROUTE_HD int64_t Ho() const { return out_size(H); }
   CAPSROUTE_HD int64_t Wo() const { return out_size(W); }
   // The first and last output index, along an axis of `outs` outputs, whose windows contain input

@@ -1,6 +1,6 @@
-// Math of EM routing (docs/ops.md, em_routing) shared by the CPU and CUDA backends: plain arithmetic on
-// the accumulation type (float for float/half/bfloat16 storage, double for double), so that
-// both backends compute the same thing.
+// Math of EM routing (docs/ops.md, em_routing) shared by the CPU and CUDA backends: plain
+// arithmetic on the accumulation type (float for float/half/bfloat16 storage, double for double),
+// so that both backends compute the same thing.
 #pragma once
 
 #include <cmath>
@@ -72,9 +72,10 @@ CAPSROUTE_HD T em_log_prior(T logit, const T* var, int64_t H) {
 // g_r_i = g_mass + sum_h g_mu_M (V_h - mu_h) + g_var_M ((V_h - mu_h)^2 - var0_h) and
 // g_V_ih += r_i (g_mu_M_h + 2 g_var_M_h (V_h - mu_h)).
 template <typename acc_t>
-CAPSROUTE_HD acc_t em_m_step_backward(int64_t H, acc_t lam, acc_t eps, acc_t beta_u, acc_t mass, const acc_t* mu,
-                                      const acc_t* var, acc_t g_logit, acc_t* g_mu, acc_t* g_var, acc_t* g_mu_M,
-                                      acc_t* g_var_M, acc_t& g_beta_u, acc_t& g_beta_a) {
+CAPSROUTE_HD acc_t em_m_step_backward(int64_t H, acc_t lam, acc_t eps, acc_t beta_u, acc_t mass,
+                                      const acc_t* mu, const acc_t* var, acc_t g_logit, acc_t* g_mu,
+                                      acc_t* g_var, acc_t* g_mu_M, acc_t* g_var_M, acc_t& g_beta_u,
+                                      acc_t& g_beta_a) {
   const acc_t g_cost = -lam * g_logit;  // the same for every h
   g_beta_a += lam * g_logit;
   g_beta_u += g_cost * static_cast<acc_t>(H) * mass;

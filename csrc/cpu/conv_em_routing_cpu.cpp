@@ -218,8 +218,8 @@ void route(const ConvEmLayout<scalar_t, acc_t>& L, const scalar_t* beta_u, const
                       log_norm, R_e);
         });
         em.set_assignments([&](int64_t e, int64_t o) { return R[e * d.C_out + o]; });
-        em.m_step(cpu::VoteRows<acc_t>{votes.data(), d.C_out * kPoseSize, kPoseSize}, a.data(), beta_u, beta_a, t,
-                  stats + L.parent(n, t, 0, kStatsRow));
+        em.m_step(cpu::VoteRows<acc_t>{votes.data(), d.C_out * kPoseSize, kPoseSize}, a.data(),
+                  beta_u, beta_a, t, stats + L.parent(n, t, 0, kStatsRow));
         if (t < d.iters - 1) window_priors(L, n, t, stats, priors);
       }
     });

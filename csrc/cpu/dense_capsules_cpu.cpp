@@ -39,7 +39,7 @@ constexpr int64_t kVoteGradBlockBytes = 256 << 10;
 // each u_bi is contiguous (u_strides), and weight (I, J*D, Din), so that the votes of element n
 // and input capsule i are weight[i] @ u[n, i].
 struct VoteOperands {
-  at::Tensor u;       // (B, I, Din)
+  at::Tensor u;  // (B, I, Din)
   CapsuleStrides u_strides;
   at::Tensor weight;  // (I, J*D, Din)
 
@@ -47,7 +47,8 @@ struct VoteOperands {
       : u(with_contiguous_capsules(u_in.to(acc))),
         u_strides(capsule_strides(u, 2)),
         weight(weight_in.to(acc).contiguous().view(
-            {weight_in.size(0), weight_in.size(1) * weight_in.size(2), weight_in.size(3)})) {}  // I = 0 too
+            {weight_in.size(0), weight_in.size(1) * weight_in.size(2), weight_in.size(3)})) {
+  }  // I = 0 too
 
   template <typename acc_t>
   const acc_t* u_capsule(int64_t n, int64_t i) const {
@@ -64,8 +65,11 @@ void transpose_weight_rows(const acc_t* w_i, int64_t JD, int64_t Din, acc_t* w_t
   int64_t c0 = 0;
   for (; c0 + kRows <= JD; c0 += kRows) {
     int64_t k0 = 0;
-    for (; k0 + 8 <= Din; k0 += 8) cpu::transpose<acc_t, kRows, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
-    if (k0 < Din) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD, kRows, Din - k0);
+    for (; k0 + 8 <= Din; k0 += 8)
+      cpu::transpose<acc_t, kRows, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
+    if (k0 < Din)
+      at::vec::transpose_mxn<acc_t>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD, kRows,
+                                    Din - k0);
   }
   if (c0 < JD) at::vec::transpose_mxn<acc_t>(w_i + c0 * Din, Din, w_t + c0, JD, JD - c0, Din);
 }
@@ -120,7 +124,8 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
       for (int64_t i = begin; i < end; ++i) {
         transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
         for (int64_t e = 0; e < G; ++e)
-          vote_row(ops.u_capsule<acc_t>(n0 + e, i), w_t.data(), Din, JD, slab.get() + (e * I + i) * JD);
+          vote_row(ops.u_capsule<acc_t>(n0 + e, i), w_t.data(), Din, JD,
+                   slab.get() + (e * I + i) * JD);
       }
     });
     at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
@@ -135,8 +140,8 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
 // held in registers (a GEMM micro-kernel each). u_i steps by u_stride from one element to the
 // next, g_u_i by g_u_stride; grad_weight's row i is (J*D, Din), so the sums are written transposed.
 template <int kRows, typename acc_t>
-void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_stride, int64_t Din, int64_t JD,
-                      int64_t k0, acc_t* g_w_i) {
+void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_stride, int64_t Din,
+                      int64_t JD, int64_t k0, acc_t* g_w_i) {
   constexpr int64_t W = cpu::Vec<acc_t>::size();
   for (int64_t c0 = 0; c0 < JD; c0 += W) {
     const int64_t n = std::min(W, JD - c0);
@@ -149,7 +154,8 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
     }
     alignas(64) acc_t columns[kRows][W];
     for (int r = 0; r < kRows; ++r) sum[r].store(columns[r]);
-    if (n == W)  // a register transpose where there is one (cpu::transpose), not kRows * W scalar stores
+    if (n ==
+        W)  // a register transpose where there is one (cpu::transpose), not kRows * W scalar stores
       cpu::transpose<acc_t, kRows, W>(columns[0], W, g_w_i + c0 * Din + k0, Din);
     else
       at::vec::transpose_mxn<acc_t>(columns[0], W, g_w_i + c0 * Din + k0, Din, kRows, n);
@@ -157,8 +163,8 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
 }
 
 template <int kRows, typename acc_t>
-void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t g_u_stride, int64_t JD, int64_t k0,
-                     acc_t* g_u_i) {
+void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t g_u_stride, int64_t JD,
+                     int64_t k0, acc_t* g_u_i) {
   constexpr int64_t W = cpu::Vec<acc_t>::size();
   for (int64_t e = 0; e < B; ++e) {
     cpu::Vec<acc_t> sum[kRows];
@@ -169,7 +175,8 @@ void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t g_u_st
       for (int r = 0; r < kRows; ++r)
         sum[r] = at::vec::fmadd(cpu::load_part(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
     }
-    if constexpr (kRows > 1 && kRows <= W) {  // the rows' horizontal sums together (lanes past kRows: 0)
+    if constexpr (kRows > 1 &&
+                  kRows <= W) {  // the rows' horizontal sums together (lanes past kRows: 0)
       cpu::Vec<acc_t> sums[W];
       for (int r = 0; r < W; ++r) sums[r] = r < kRows ? sum[r] : cpu::Vec<acc_t>(acc_t(0));
       cpu::lane_sums(sums).store(g_u_i + e * g_u_stride + k0, kRows);
@@ -187,9 +194,9 @@ void for_each_row_block(int64_t Din, F&& f) {
   for (; k0 < Din; ++k0) f(std::integral_constant<int, 1>{}, k0);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tensor& u_in, const at::Tensor& weight_in,
-                                                                  const std::optional<at::Tensor>& bias_in, int64_t iters,
-                                                                  bool leaky, bool /*detach: backward only*/, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(
+    const at::Tensor& u_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps) {
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   record_kernel_path("dense_capsules", Direction::forward, "cpu");
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
@@ -201,29 +208,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(const at::Tens
   at::Tensor c = at::empty({B, dims.I, dims.J}, u_in.options());
   at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, u_in.options().dtype(acc));
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-    cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-      for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
-        cpu::ForwardScratch<acc_t> scratch(dims);
-        for (int64_t n = n0; n < n0 + T; ++n) {
-          cpu::route_forward<decltype(capsule_dim)::value>(
-              cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd(), dims.D}, b, dims, static_cast<acc_t>(eps),
-              scratch, s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
-              v.mutable_data_ptr<scalar_t>() + n * dims.jd(), c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
-        }
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_cpu", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+        cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+          for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
+            cpu::ForwardScratch<acc_t> scratch(dims);
+            for (int64_t n = n0; n < n0 + T; ++n) {
+              cpu::route_forward<decltype(capsule_dim)::value>(
+                  cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd(), dims.D}, b,
+                  dims, static_cast<acc_t>(eps), scratch,
+                  s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
+                  v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
+                  c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
+            }
+          });
+        });
       });
-    });
-  });
   return {v, c, s_hist};
 }
 
 // Backward step 1: the routing backward of every element, on the votes recomputed a group of
 // elements at a time; fills each element's BackwardState and adds its dL/dbias.
 template <typename Backward, typename acc_t>
-void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, acc_t eps, bool detach,
-                             const acc_t* g_v, const acc_t* s_hist, acc_t* grad_bias_items, acc_t* states) {
+void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, acc_t eps,
+                             bool detach, const acc_t* g_v, const acc_t* s_hist,
+                             acc_t* grad_bias_items, acc_t* states) {
   using State = cpu::BackwardState<acc_t>;
   const int64_t JD = dims.jd();
   for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
@@ -241,13 +252,14 @@ void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, a
 // are read once per block while in L1; capsule by capsule over all elements, they fell out of L1
 // between capsules.
 template <typename Backward, typename acc_t>
-void vote_grad_block(const Backward& backward, const RoutingDims& dims, acc_t* states, int64_t i0, int64_t rows,
-                     acc_t* G) {
+void vote_grad_block(const Backward& backward, const RoutingDims& dims, acc_t* states, int64_t i0,
+                     int64_t rows, acc_t* G) {
   using State = cpu::BackwardState<acc_t>;
   const int64_t B = dims.B, JD = dims.jd();
   for (int64_t n = 0; n < B; ++n) {
     const State state(states + n * State::numel(dims), dims);
-    for (int64_t i = i0; i < i0 + rows; ++i) backward.vote_grad_row(state, i, G + ((i - i0) * B + n) * JD);
+    for (int64_t i = i0; i < i0 + rows; ++i)
+      backward.vote_grad_row(state, i, G + ((i - i0) * B + n) * JD);
   }
 }
 
@@ -255,13 +267,14 @@ void vote_grad_block(const Backward& backward, const RoutingDims& dims, acc_t* s
 // in L2) contracted with u_i into grad_weight_i and with weight_i into grad_u_i. Each task owns
 // its capsules' rows of both, so the sum over elements runs in order whatever the thread count.
 template <typename Backward, typename acc_t>
-void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t eps, bool detach, int64_t Din,
-                         acc_t* states, acc_t* g_u, acc_t* g_w) {
+void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t eps, bool detach,
+                         int64_t Din, acc_t* states, acc_t* g_u, acc_t* g_w) {
   const int64_t B = dims.B, JD = dims.jd();
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
   const int64_t u_stride = ops.u_strides.element, g_u_stride = dims.I * Din;  // grad_u: contiguous
   const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
-  const int64_t block = std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
+  const int64_t block =
+      std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
   at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
     const Backward backward(dims, eps, detach);
     std::vector<acc_t> G(block * B * JD), w_t(Din * JD);
@@ -273,7 +286,8 @@ void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t
         transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
         for_each_row_block(Din, [&](auto k_rows, int64_t k0) {
           constexpr int kRows = decltype(k_rows)::value;
-          weight_grad_rows<kRows>(G_i, ops.u_capsule<acc_t>(0, i), B, u_stride, Din, JD, k0, g_w + i * JD * Din);
+          weight_grad_rows<kRows>(G_i, ops.u_capsule<acc_t>(0, i), B, u_stride, Din, JD, k0,
+                                  g_w + i * JD * Din);
           input_grad_rows<kRows>(G_i, w_t.data(), B, g_u_stride, JD, k0, g_u + i * Din);
         });
       }
@@ -281,13 +295,14 @@ void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const at::Tensor& grad_v_in, const at::Tensor& u_in,
-                                                                           const at::Tensor& weight_in, const at::Tensor& s_hist_in,
-                                                                           bool leaky, bool detach, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(
+    const at::Tensor& grad_v_in, const at::Tensor& u_in, const at::Tensor& weight_in,
+    const at::Tensor& s_hist_in, bool leaky, bool detach, double eps) {
   check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
   record_kernel_path("dense_capsules", Direction::backward, "cpu");
   const int64_t B = u_in.size(0), Din = u_in.size(2);
-  const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
+  const RoutingDims dims{
+      B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
@@ -296,21 +311,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(const
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u_in.options().dtype(acc));
   at::Tensor grad_u, grad_weight;  // allocated once the vote slabs are freed: a lower peak
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_backward_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    // The backward state of every element (about a third of the votes' size at iters = 3).
-    at::Tensor states = at::empty({B, cpu::BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
-    cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-      using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
-      routing_backward_states<Backward>(ops, dims, static_cast<acc_t>(eps), detach, grad_v.const_data_ptr<acc_t>(),
-                                        s_hist.const_data_ptr<acc_t>(), grad_bias_items.mutable_data_ptr<acc_t>(),
-                                        states.mutable_data_ptr<acc_t>());
-      grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
-      grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
-      contract_vote_grads<Backward>(ops, dims, static_cast<acc_t>(eps), detach, Din, states.mutable_data_ptr<acc_t>(),
-                                    grad_u.mutable_data_ptr<acc_t>(), grad_weight.mutable_data_ptr<acc_t>());
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_backward_cpu", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        // The backward state of every element (about a third of the votes' size at iters = 3).
+        at::Tensor states =
+            at::empty({B, cpu::BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
+        cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+          using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
+          routing_backward_states<Backward>(
+              ops, dims, static_cast<acc_t>(eps), detach, grad_v.const_data_ptr<acc_t>(),
+              s_hist.const_data_ptr<acc_t>(), grad_bias_items.mutable_data_ptr<acc_t>(),
+              states.mutable_data_ptr<acc_t>());
+          grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
+          grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
+          contract_vote_grads<Backward>(
+              ops, dims, static_cast<acc_t>(eps), detach, Din, states.mutable_data_ptr<acc_t>(),
+              grad_u.mutable_data_ptr<acc_t>(), grad_weight.mutable_data_ptr<acc_t>());
+        });
+      });
   const at::ScalarType dtype = u_in.scalar_type();
   return {grad_u.to(dtype), grad_weight.to(dtype), grad_bias_items.sum(0).to(dtype)};
 }

@@ -1,9 +1,9 @@
-// EM routing (docs/ops.md, em_routing) of one batch element on the CPU: the forward (M-step, E-step)
-// and the exact backward, shared by em_routing (votes given) and the fused pose variant. The loops
-// over a capsule's H pose values are vector loops (vec_math.h), one chunk of up to a vector's width
-// at a time; the input capsules i are taken a tile at a time (vec_math.h: the E-step's softmax over J
-// lane-wise, a tile's sums over h reduced together) and the assignments R and their gradient are
-// stored by tile.
+// EM routing (docs/ops.md, em_routing) of one batch element on the CPU: the forward (M-step,
+// E-step) and the exact backward, shared by em_routing (votes given) and the fused pose variant.
+// The loops over a capsule's H pose values are vector loops (vec_math.h), one chunk of up to a
+// vector's width at a time; the input capsules i are taken a tile at a time (vec_math.h: the
+// E-step's softmax over J lane-wise, a tile's sums over h reduced together) and the assignments R
+// and their gradient are stored by tile.
 #pragma once
 
 #include <algorithm>
@@ -25,18 +25,24 @@ inline void for_each_pose_chunk(int64_t H, F&& f) {
   for (int64_t h = 0; h < H; h += W) f(h, std::min(W, H - h));
 }
 
-// One element: votes (I, J, H) as VoteRows, a_in (I), betas (J); statistics per iteration in `stats`
-// (iters, J, 2H + 1). kH: H when fixed at compile time (dispatch_size), else 0. All scratch is per thread.
+// One element: votes (I, J, H) as VoteRows, a_in (I), betas (J); statistics per iteration in
+// `stats` (iters, J, 2H + 1). kH: H when fixed at compile time (dispatch_size), else 0. All scratch
+// is per thread.
 template <typename vote_t, typename acc_t, int kH>
 class EmElement {
  public:
   EmElement(const EmDims& d, double eps)
-      : d_(d), eps_(eps), R_(padded_rows<acc_t>(d.I) * d.J), mass_(d.J), norm_(d.J), inv_2var_(d.J * d.H) {}
+      : d_(d),
+        eps_(eps),
+        R_(padded_rows<acc_t>(d.I) * d.J),
+        mass_(d.J),
+        norm_(d.J),
+        inv_2var_(d.J * d.H) {}
 
   // The M-step of iteration t from the assignments in R_: writes mu, var, logit into st.
   template <typename beta_t>
-  void m_step(VoteRows<vote_t> votes, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, int64_t t,
-              acc_t* st) {
+  void m_step(VoteRows<vote_t> votes, const vote_t* a_in, const beta_t* beta_u,
+              const beta_t* beta_a, int64_t t, acc_t* st) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H;
     const acc_t eps = static_cast<acc_t>(eps_);
@@ -87,7 +93,8 @@ class EmElement {
     }
   }
 
-  // The E-step after iteration t (statistics st): R_ = softmax_j(log a_j + log p_ij), in the log domain.
+  // The E-step after iteration t (statistics st): R_ = softmax_j(log a_j + log p_ij), in the log
+  // domain.
   void e_step(VoteRows<vote_t> votes, const acc_t* st) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H;
@@ -95,22 +102,24 @@ class EmElement {
     const acc_t* var = st + JH;
     const acc_t* logit = st + 2 * JH;
     for (int64_t j = 0; j < J; ++j) norm_[j] = em_log_prior(logit[j], var + j * H, H);
-    for (int64_t jh = 0; jh < JH; ++jh) inv_2var_[jh] = 1 / (2 * var[jh]);  // no division in the loop over (i, j, h)
+    for (int64_t jh = 0; jh < JH; ++jh)
+      inv_2var_[jh] = 1 / (2 * var[jh]);  // no division in the loop over (i, j, h)
     for (int64_t i0 = 0; i0 < I; i0 += W) {
       const int64_t n = std::min(W, I - i0);
       acc_t* R = R_.data() + i0 * J;  // this tile's (J, W)
       for (int64_t j = 0; j < J; ++j) {
         const acc_t* mu_j = mu + j * H;
         const acc_t* inv_2var_j = inv_2var_.data() + j * H;
-        const Vec<acc_t> distance = tile_sums<acc_t>(n, [&](int64_t k) {  // sum_h (V - mu)^2 / (2 var)
-          const vote_t* v = votes.capsule(i0 + k, j);
-          Vec<acc_t> sum(acc_t(0));
-          for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-            const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
-            sum = at::vec::fmadd(diff * diff, load_part(inv_2var_j + h, m), sum);
-          });
-          return sum;
-        });
+        const Vec<acc_t> distance =
+            tile_sums<acc_t>(n, [&](int64_t k) {  // sum_h (V - mu)^2 / (2 var)
+              const vote_t* v = votes.capsule(i0 + k, j);
+              Vec<acc_t> sum(acc_t(0));
+              for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+                const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
+                sum = at::vec::fmadd(diff * diff, load_part(inv_2var_j + h, m), sum);
+              });
+              return sum;
+            });
         (Vec<acc_t>(norm_[j]) - distance).store(R + j * W);  // log p_ij
       }
       softmax_lanes(R, J, false, R);
@@ -120,8 +129,8 @@ class EmElement {
   // The whole forward of one element: statistics of every iteration into st (iters, J, 2H + 1),
   // the last means into pose_out (J, H) and the activations into a_out (J).
   template <typename beta_t, typename out_t>
-  void forward(VoteRows<vote_t> votes, const vote_t* a_in, const beta_t* beta_u, const beta_t* beta_a, acc_t* st,
-               out_t* pose_out, out_t* a_out) {
+  void forward(VoteRows<vote_t> votes, const vote_t* a_in, const beta_t* beta_u,
+               const beta_t* beta_a, acc_t* st, out_t* pose_out, out_t* a_out) {
     const int64_t JH = d_.J * d_.H, row = d_.J * d_.stats_row();
     reset_assignments();
     for (int64_t t = 0; t < d_.iters; ++t) {
@@ -134,7 +143,8 @@ class EmElement {
   }
 
   void reset_assignments() { std::fill(R_.begin(), R_.end(), acc_t(1) / acc_t(d_.J)); }
-  // Assignments the caller computes (conv_em_routing's E-step spans windows): R_ij = assignment(i, j).
+  // Assignments the caller computes (conv_em_routing's E-step spans windows): R_ij = assignment(i,
+  // j).
   template <typename F>
   void set_assignments(F&& assignment) {
     for (int64_t i = 0; i < d_.I; ++i)
@@ -160,7 +170,8 @@ class EmBackward {
         em_(d, eps),
         tiled_ij_(padded_rows<acc_t>(d.I) * d.J),
         R_hist_(d.iters * tiled_ij_),
-        g_R_(tiled_ij_),  // padding lanes: 0 (or NaN from an infinite g_mass), never read into a real one
+        g_R_(tiled_ij_),  // padding lanes: 0 (or NaN from an infinite g_mass), never read into a
+                          // real one
         g_L_(kTileRows<acc_t> * d.J),
         g_mu_(d.J * d.H),
         g_var_(d.J * d.H),
@@ -173,13 +184,17 @@ class EmBackward {
         g_var_M_(d.J * d.H) {}
 
   template <typename beta_t>
-  void run(VoteRows<vote_t> votes, const vote_t* a, const beta_t* bu, const acc_t* st, const acc_t* g_pose,
-           const acc_t* g_a_out, acc_t* g_V, acc_t* g_a, acc_t* g_beta_u, acc_t* g_beta_a) {
+  void run(VoteRows<vote_t> votes, const vote_t* a, const beta_t* bu, const acc_t* st,
+           const acc_t* g_pose, const acc_t* g_a_out, acc_t* g_V, acc_t* g_a, acc_t* g_beta_u,
+           acc_t* g_beta_a) {
     constexpr int64_t W = kTileRows<acc_t>;
-    const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H, iters = d_.iters, row = d_.stats_row(), IJ = tiled_ij_;
+    const int64_t I = d_.I, J = d_.J, H = kH > 0 ? kH : d_.H, JH = J * H, iters = d_.iters,
+                  row = d_.stats_row(), IJ = tiled_ij_;
     const acc_t e = static_cast<acc_t>(eps_);
-    std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_, &g_logit = g_logit_,  // short names
-                       &mass = mass_, &g_mass = g_mass_, &inv_var = inv_var_, &g_mu_M = g_mu_M_, &g_var_M = g_var_M_;
+    std::vector<acc_t>&R_hist = R_hist_, &g_R = g_R_, &g_mu = g_mu_, &g_var = g_var_,
+    &g_logit = g_logit_,  // short names
+        &mass = mass_, &g_mass = g_mass_, &inv_var = inv_var_, &g_mu_M = g_mu_M_,
+    &g_var_M = g_var_M_;
     // R^t for every iteration, from the saved statistics.
     em_.reset_assignments();
     for (int64_t t = 0; t < iters; ++t) {
@@ -212,10 +227,12 @@ class EmBackward {
           const acc_t* g_R_tile = g_R.data() + i0 * J;
           Vec<acc_t> weighted(acc_t(0));
           for (int64_t j = 0; j < J; ++j)
-            weighted = at::vec::fmadd(Vec<acc_t>::loadu(R_next + j * W), Vec<acc_t>::loadu(g_R_tile + j * W), weighted);
+            weighted = at::vec::fmadd(Vec<acc_t>::loadu(R_next + j * W),
+                                      Vec<acc_t>::loadu(g_R_tile + j * W), weighted);
           for (int64_t j = 0; j < J; ++j) {
             acc_t* g_L = g_L_.data() + j * W;
-            (Vec<acc_t>::loadu(R_next + j * W) * (Vec<acc_t>::loadu(g_R_tile + j * W) - weighted)).store(g_L);
+            (Vec<acc_t>::loadu(R_next + j * W) * (Vec<acc_t>::loadu(g_R_tile + j * W) - weighted))
+                .store(g_L);
             for (int64_t k = 0; k < n; ++k) g_logit[j] += g_L[k] * one_minus_sigmoid_[j];
             const acc_t* mu_j = mu + j * H;
             const acc_t* iv_j = inv_var.data() + j * H;
@@ -232,7 +249,8 @@ class EmBackward {
                 acc_t* gv = g_V + (i0 + k) * JH + j * H + h;
                 store_part(load_part(gv, m) - gl * q, gv, m);
                 sum_mu = at::vec::fmadd(gl, q, sum_mu);
-                sum_var = at::vec::fmadd(Vec<acc_t>(acc_t(0.5) * g_L[k]) * iv, q * diff - Vec<acc_t>(acc_t(1)), sum_var);
+                sum_var = at::vec::fmadd(Vec<acc_t>(acc_t(0.5) * g_L[k]) * iv,
+                                         q * diff - Vec<acc_t>(acc_t(1)), sum_var);
               }
               store_part(sum_mu, g_mu_j + h, m);
               store_part(sum_var, g_var_j + h, m);
@@ -247,12 +265,14 @@ class EmBackward {
       for (int64_t i0 = 0; i0 < I; i0 += W) {
         const int64_t n = std::min(W, I - i0);
         for (int64_t j = 0; j < J; ++j)
-          for (int64_t k = 0; k < n; ++k) mass[j] += R[i0 * J + j * W + k] * static_cast<acc_t>(a[i0 + k]);
+          for (int64_t k = 0; k < n; ++k)
+            mass[j] += R[i0 * J + j * W + k] * static_cast<acc_t>(a[i0 + k]);
       }
       const acc_t lam = em_lambda(d_.final_lambda, t);
       for (int64_t j = 0; j < J; ++j)
-        g_mass[j] = em_m_step_backward(H, lam, e, static_cast<acc_t>(bu[j]), mass[j], mu + j * H, var + j * H,
-                                       g_logit[j], g_mu.data() + j * H, g_var.data() + j * H, g_mu_M.data() + j * H,
+        g_mass[j] = em_m_step_backward(H, lam, e, static_cast<acc_t>(bu[j]), mass[j], mu + j * H,
+                                       var + j * H, g_logit[j], g_mu.data() + j * H,
+                                       g_var.data() + j * H, g_mu_M.data() + j * H,
                                        g_var_M.data() + j * H, g_beta_u[j], g_beta_a[j]);
       for (int64_t i0 = 0; i0 < I; i0 += W) {
         const int64_t n = std::min(W, I - i0);
@@ -267,20 +287,23 @@ class EmBackward {
           const acc_t* gm_j = g_mu_M.data() + j * H;
           const acc_t* gvar_j = g_var_M.data() + j * H;
           // g_r = g_m + sum_h gm diff + gvar (diff^2 - var0); g_V += r (gm + 2 gvar diff).
-          const Vec<acc_t> g_r = Vec<acc_t>(g_mass[j]) + tile_sums<acc_t>(n, [&](int64_t k) {
-            const vote_t* v = votes.capsule(i0 + k, j);
-            acc_t* gv = g_V + (i0 + k) * JH + j * H;
-            const Vec<acc_t> rk(r[k]);
-            Vec<acc_t> sum(acc_t(0));
-            for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
-              const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
-              const Vec<acc_t> var0 = load_part(var_j + h, m) - Vec<acc_t>(e);
-              const Vec<acc_t> gm = load_part(gm_j + h, m), gvar = load_part(gvar_j + h, m);
-              sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
-              store_part(at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm), load_part(gv + h, m)), gv + h, m);
-            });
-            return sum;
-          });
+          const Vec<acc_t> g_r =
+              Vec<acc_t>(g_mass[j]) + tile_sums<acc_t>(n, [&](int64_t k) {
+                const vote_t* v = votes.capsule(i0 + k, j);
+                acc_t* gv = g_V + (i0 + k) * JH + j * H;
+                const Vec<acc_t> rk(r[k]);
+                Vec<acc_t> sum(acc_t(0));
+                for_each_pose_chunk<acc_t>(H, [&](int64_t h, int64_t m) {
+                  const Vec<acc_t> diff = load_acc<acc_t>(v + h, m) - load_part(mu_j + h, m);
+                  const Vec<acc_t> var0 = load_part(var_j + h, m) - Vec<acc_t>(e);
+                  const Vec<acc_t> gm = load_part(gm_j + h, m), gvar = load_part(gvar_j + h, m);
+                  sum = at::vec::fmadd(gvar, diff * diff - var0, at::vec::fmadd(gm, diff, sum));
+                  store_part(at::vec::fmadd(rk, at::vec::fmadd(gvar + gvar, diff, gm),
+                                            load_part(gv + h, m)),
+                             gv + h, m);
+                });
+                return sum;
+              });
           (g_r * a_tile).store(g_R.data() + i0 * J + j * W);
           g_a_tile = at::vec::fmadd(g_r, R_j, g_a_tile);
         }
@@ -296,8 +319,8 @@ class EmBackward {
   double eps_;
   EmElement<vote_t, acc_t, kH> em_;
   int64_t tiled_ij_;  // padded I times J: the size of R^t or g_R
-  std::vector<acc_t> R_hist_, g_R_, g_L_, g_mu_, g_var_, g_logit_, one_minus_sigmoid_, mass_, g_mass_, inv_var_, g_mu_M_,
-      g_var_M_;
+  std::vector<acc_t> R_hist_, g_R_, g_L_, g_mu_, g_var_, g_logit_, one_minus_sigmoid_, mass_,
+      g_mass_, inv_var_, g_mu_M_, g_var_M_;
 };
 
 }  // namespace cpu

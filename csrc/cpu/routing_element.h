@@ -39,11 +39,12 @@ inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc
 // The agreement update b_ij += <u_ij, v_j> of the tile at i0: logits (J, W), v (J, D). Always
 // inlined, so that the caller's compile-time D reaches tile_dots.
 template <typename vote_t, typename acc_t>
-C10_ALWAYS_INLINE void add_tile_agreement(VoteRows<vote_t> u, int64_t i0, int64_t n, const acc_t* v, int64_t J, int64_t D,
-                                          acc_t* logits) {
+C10_ALWAYS_INLINE void add_tile_agreement(VoteRows<vote_t> u, int64_t i0, int64_t n, const acc_t* v,
+                                          int64_t J, int64_t D, acc_t* logits) {
   constexpr int64_t W = kTileRows<acc_t>;
   for (int64_t j = 0; j < J; ++j)
-    (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j, v + j * D, D)).store(logits + j * W);
+    (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j, v + j * D, D))
+        .store(logits + j * W);
 }
 
 // Per-thread scratch of route_forward.
@@ -79,7 +80,8 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
       for (int64_t j = 0; j < J; ++j) tile_axpy(c + j * W, u, i0, n, j, s + j * D, D);
       if (r == d.iters - 1) {
         for (int64_t k = 0; k < n; ++k)
-          for (int64_t j = 0; j < J; ++j) c_out[(i0 + k) * J + j] = static_cast<out_t>(c[j * W + k]);
+          for (int64_t j = 0; j < J; ++j)
+            c_out[(i0 + k) * J + j] = static_cast<out_t>(c[j * W + k]);
       }
     }
     squash_capsules(s, J, D, eps, v);
@@ -96,10 +98,14 @@ template <typename acc_t>
 struct BackwardState {
   // Elements of one state: v_hist and gs_hist (iters, J, D), coupling and g_logits (iters, I, J)
   // stored by tile (iters, padded I / W, J, W).
-  static int64_t numel(const RoutingDims& d) { return 2 * d.iters * (d.jd() + padded_rows<acc_t>(d.I) * d.J); }
+  static int64_t numel(const RoutingDims& d) {
+    return 2 * d.iters * (d.jd() + padded_rows<acc_t>(d.I) * d.J);
+  }
 
   BackwardState(acc_t* storage, const RoutingDims& d)
-      : v_hist(storage), gs_hist(v_hist + d.iters * d.jd()), coupling(gs_hist + d.iters * d.jd()),
+      : v_hist(storage),
+        gs_hist(v_hist + d.iters * d.jd()),
+        coupling(gs_hist + d.iters * d.jd()),
         g_logits(coupling + d.iters * padded_rows<acc_t>(d.I) * d.J) {}
 
   acc_t *v_hist, *gs_hist, *coupling, *g_logits;
@@ -123,11 +129,15 @@ class RoutingBackward {
   // the first one, a tile at a time while its votes are in L1: one pass over the votes fewer than
   // a pass of their own (left only for iters = 1 or detach).
   template <typename vote_t, typename grad_t>
-  void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias, const BackwardState<acc_t>& st) {
+  void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias,
+           const BackwardState<acc_t>& st) {
     constexpr int64_t W = kTileRows<acc_t>;
-    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters, IJ = tiled_ij_;
-    for (int64_t r = 0; r < R; ++r) squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
-    const bool steps_back = R > 1 && !detach_;  // else no pass over the votes for the couplings to join
+    const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters,
+                  IJ = tiled_ij_;
+    for (int64_t r = 0; r < R; ++r)
+      squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
+    const bool steps_back =
+        R > 1 && !detach_;  // else no pass over the votes for the couplings to join
     if (!steps_back)
       for (int64_t i0 = 0; i0 < I; i0 += W) recompute_tile_coupling(u, i0, std::min(W, I - i0), st);
     for (int64_t k = 0; k < JD; ++k) gv_[k] = static_cast<acc_t>(g_v[k]);
@@ -137,7 +147,8 @@ class RoutingBackward {
       squash_vjp(s_hist + r * JD, gv_.data(), gs);
       for (int64_t k = 0; k < JD; ++k) g_bias[k] += gs[k];
       if (!steps_back || r == 0) break;  // b^0 = 0 is a constant; detach stops at the last s
-      // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij u_ij.
+      // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij
+      // u_ij.
       std::fill(gv_next_.begin(), gv_next_.end(), acc_t(0));
       acc_t* gc = tile_.data();  // this tile's (J, W) <gs^r_j, u_ij>
       for (int64_t i0 = 0; i0 < I; i0 += W) {
@@ -154,10 +165,12 @@ class RoutingBackward {
         }
         for (int64_t j = 0; j < J; ++j) {
           const Vec<acc_t> cj = Vec<acc_t>::loadu(c + j * W);
-          at::vec::fmadd(cj, Vec<acc_t>::loadu(gc + j * W) - weighted, Vec<acc_t>::loadu(g_next + j * W))
+          at::vec::fmadd(cj, Vec<acc_t>::loadu(gc + j * W) - weighted,
+                         Vec<acc_t>::loadu(g_next + j * W))
               .store(g_here + j * W);
         }
-        for (int64_t j = 0; j < J; ++j) tile_axpy(g_here + j * W, u, i0, n, j, gv_next_.data() + j * D, D);
+        for (int64_t j = 0; j < J; ++j)
+          tile_axpy(g_here + j * W, u, i0, n, j, gv_next_.data() + j * D, D);
       }
       std::swap(gv_, gv_next_);
     }
@@ -170,7 +183,8 @@ class RoutingBackward {
   void vote_grad_row(const BackwardState<acc_t>& st, int64_t i, acc_t* out) const {
     constexpr int64_t W = Vec<acc_t>::size();
     const int64_t J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
-    for (int64_t r = first_r_; r < d_.iters; ++r) {  // g_logits is 0 at r = iters - 1, the only r with detach
+    for (int64_t r = first_r_; r < d_.iters;
+         ++r) {  // g_logits is 0 at r = iters - 1, the only r with detach
       for (int64_t j = 0; j < J; ++j) {
         const int64_t ij = r * tiled_ij_ + tiled_index<acc_t>(i, j, J);
         const Vec<acc_t> c_ij(st.coupling[ij]), g_ij(st.g_logits[ij]);
@@ -186,10 +200,11 @@ class RoutingBackward {
   }
 
  private:
-  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from b^{r+1} = b^r + <u, v^r>;
-  // tile_ holds the logits (and is free again afterwards).
+  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from b^{r+1} = b^r + <u,
+  // v^r>; tile_ holds the logits (and is free again afterwards).
   template <typename vote_t>
-  C10_ALWAYS_INLINE void recompute_tile_coupling(VoteRows<vote_t> u, int64_t i0, int64_t n, const BackwardState<acc_t>& st) {
+  C10_ALWAYS_INLINE void recompute_tile_coupling(VoteRows<vote_t> u, int64_t i0, int64_t n,
+                                                 const BackwardState<acc_t>& st) {
     const int64_t J = d_.J, D = capsule_dim<kD>(d_), JD = J * D;
     acc_t* logits = tile_.data();  // this tile's (J, W)
     std::fill(tile_.begin(), tile_.end(), acc_t(0));

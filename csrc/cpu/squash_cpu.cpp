@@ -3,9 +3,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../common/acc_math.h"
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
-#include "../common/acc_math.h"
 
 namespace capsroute {
 namespace {
@@ -14,7 +14,8 @@ namespace {
 template <bool kBackward>
 at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, double eps) {
   check_float_dtype(s_in, "s");
-  TORCH_CHECK(s_in.dim() >= 1, "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
+  TORCH_CHECK(s_in.dim() >= 1,
+              "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
   check_eps(eps);
   record_kernel_path("squash", kBackward ? Direction::backward : Direction::forward, "cpu");
   const at::Tensor s = s_in.contiguous();
@@ -42,7 +43,8 @@ at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, do
                                                     k.radial * sg * static_cast<acc_t>(x[d]));
         } else {
           const acc_t scale = squash_scale(q, static_cast<acc_t>(eps));
-          for (int64_t d = 0; d < D; ++d) op[row * D + d] = static_cast<scalar_t>(scale * static_cast<acc_t>(x[d]));
+          for (int64_t d = 0; d < D; ++d)
+            op[row * D + d] = static_cast<scalar_t>(scale * static_cast<acc_t>(x[d]));
         }
       }
     });
@@ -50,11 +52,13 @@ at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, do
   return out;
 }
 
-at::Tensor squash_cpu(const at::Tensor& s, double eps) { return squash_rows_cpu<false>(s, nullptr, eps); }
+at::Tensor squash_cpu(const at::Tensor& s, double eps) {
+  return squash_rows_cpu<false>(s, nullptr, eps);
+}
 
 at::Tensor squash_backward_cpu(const at::Tensor& grad_v, const at::Tensor& s, double eps) {
-  TORCH_CHECK(grad_v.sizes() == s.sizes(), "capsroute: grad_v must have the shape of s ", s.sizes(), ", got ",
-              grad_v.sizes());
+  TORCH_CHECK(grad_v.sizes() == s.sizes(), "capsroute: grad_v must have the shape of s ", s.sizes(),
+              ", got ", grad_v.sizes());
   return squash_rows_cpu<true>(s, &grad_v, eps);
 }
 

@@ -22,12 +22,13 @@ namespace cpu {
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
 
-// Calls f(std::integral_constant<int, n>) when n is one of kSizes, else f(std::integral_constant<int,
-// 0>) (any n): the loops over n values then get a constant trip count (unrolled, their operands
-// kept in registers).
+// Calls f(std::integral_constant<int, n>) when n is one of kSizes, else
+// f(std::integral_constant<int, 0>) (any n): the loops over n values then get a constant trip count
+// (unrolled, their operands kept in registers).
 template <int... kSizes, typename F>
 void dispatch_size(int64_t n, F&& f) {
-  const bool fixed = ((n == kSizes ? (f(std::integral_constant<int, kSizes>{}), true) : false) || ...);
+  const bool fixed =
+      ((n == kSizes ? (f(std::integral_constant<int, kSizes>{}), true) : false) || ...);
   if (!fixed) f(std::integral_constant<int, 0>{});
 }
 
@@ -121,7 +122,8 @@ inline acc_t dot(const T* a, const U* b, int64_t n) {
     constexpr int64_t W = Vec<acc_t>::size();
     if (n >= W) {
       Vec<acc_t> acc = Vec<acc_t>::loadu(a) * Vec<acc_t>::loadu(b);
-      for (k = W; k + W <= n; k += W) acc = at::vec::fmadd(Vec<acc_t>::loadu(a + k), Vec<acc_t>::loadu(b + k), acc);
+      for (k = W; k + W <= n; k += W)
+        acc = at::vec::fmadd(Vec<acc_t>::loadu(a + k), Vec<acc_t>::loadu(b + k), acc);
       sum = reduce_sum(acc);
     }
   }
@@ -159,7 +161,8 @@ inline Vec<float> lane_sums(const Vec<float>* x) {
   const __m256 x45 = _mm256_hadd_ps(x[4], x[5]), x67 = _mm256_hadd_ps(x[6], x[7]);
   // [x0..x3's sums of lanes 0-3 | x0..x3's sums of lanes 4-7], and the same for x4..x7
   const __m256 x0123 = _mm256_hadd_ps(x01, x23), x4567 = _mm256_hadd_ps(x45, x67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(x0123, x4567, 0x20), _mm256_permute2f128_ps(x0123, x4567, 0x31));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x0123, x4567, 0x20),
+                       _mm256_permute2f128_ps(x0123, x4567, 0x31));
 }
 #elif defined(CPU_CAPABILITY_AVX512)
 // Sixteen horizontal sums as a transpose-and-add tree: 45 instructions instead of 16 x 8.
@@ -169,14 +172,18 @@ inline Vec<float> lane_sums(const Vec<float>* x) {
   // (x[4g..4g+3]) -> t[g] = [the four vectors' sums over this 128-bit lane].
   __m512 pairs[8];
   for (int p = 0; p < 8; ++p)
-    pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * p], x[2 * p + 1]), _mm512_unpackhi_ps(x[2 * p], x[2 * p + 1]));
+    pairs[p] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * p], x[2 * p + 1]),
+                             _mm512_unpackhi_ps(x[2 * p], x[2 * p + 1]));
   __m512 t[4];
   for (int g = 0; g < 4; ++g)
-    t[g] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * g], pairs[2 * g + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(pairs[2 * g], pairs[2 * g + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    t[g] =
+        _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * g], pairs[2 * g + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                      _mm512_shuffle_ps(pairs[2 * g], pairs[2 * g + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   // Across the four 128-bit lanes: 128-bit lane g of the result is t[g] summed over its lanes.
-  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
-  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
+  const __m512 t01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x88), _mm512_shuffle_f32x4(t[0], t[1], 0xDD));
+  const __m512 t23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x88), _mm512_shuffle_f32x4(t[2], t[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
 }
 
@@ -198,7 +205,8 @@ C10_ALWAYS_INLINE void transpose_8x8_halves(__m512* r) {
   // Now, for m < 4, r[m] holds rows 0-3 and r[m + 4] rows 4-7, of column m in 128-bit lanes 0
   // and 2 (one per half) and of column m + 4 in lanes 1 and 3.
   const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i high = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i high =
+      _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int m = 0; m < 4; ++m) {
     t[m] = _mm512_permutex2var_ps(r[m], low, r[m + 4]);
     t[m + 4] = _mm512_permutex2var_ps(r[m], high, r[m + 4]);
@@ -209,8 +217,8 @@ C10_ALWAYS_INLINE void transpose_8x8_halves(__m512* r) {
 
 // dst (N, M) = src (M, N) transposed, rows ld_src and ld_dst apart: at::vec's transpose_mxn, except
 // for the float blocks of AVX-512 (16 x 8 and 8 x 16) done here. at::vec has a fast 8 x 8 for AVX2,
-// but for AVX-512 one out-of-line 16 x 16 transpose with masked loads and stores whatever the block,
-// which made the weight transposes 38% of dense_capsules' time.
+// but for AVX-512 one out-of-line 16 x 16 transpose with masked loads and stores whatever the
+// block, which made the weight transposes 38% of dense_capsules' time.
 template <typename T, int M, int N>
 C10_ALWAYS_INLINE void transpose(const T* src, int64_t ld_src, T* dst, int64_t ld_dst) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -246,7 +254,9 @@ struct VoteRows {
   // (A constructor, not an aggregate: a stride left out does not compile.)
   VoteRows(const vote_t* data, int64_t row_stride, int64_t capsule_stride)
       : data(data), row_stride(row_stride), capsule_stride(capsule_stride) {}
-  const vote_t* capsule(int64_t i, int64_t j) const { return data + i * row_stride + j * capsule_stride; }
+  const vote_t* capsule(int64_t i, int64_t j) const {
+    return data + i * row_stride + j * capsule_stride;
+  }
 };
 
 // The votes of element n of a (B, I, J, D) tensor at data with the given strides.
@@ -261,14 +271,16 @@ VoteRows<vote_t> element_votes(const vote_t* data, const CapsuleStrides& strides
 template <typename acc_t, typename RowSum>
 C10_ALWAYS_INLINE Vec<acc_t> tile_sums(int64_t n, RowSum&& row_sum) {
   Vec<acc_t> partial[kTileRows<acc_t>];
-  for (int64_t k = 0; k < kTileRows<acc_t>; ++k) partial[k] = k < n ? row_sum(k) : Vec<acc_t>(acc_t(0));
+  for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
+    partial[k] = k < n ? row_sum(k) : Vec<acc_t>(acc_t(0));
   return lane_sums(partial);
 }
 
 // Lane k: the dot of x (D values) with capsule j of row i0 + k, for the n rows of the tile at i0
 // (lanes past n: 0).
 template <typename acc_t, typename vote_t>
-C10_ALWAYS_INLINE Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t j, const acc_t* x, int64_t D) {
+C10_ALWAYS_INLINE Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t j,
+                                       const acc_t* x, int64_t D) {
   // tile_sums spelled out: through its lambda, dynamic routing's forward ran 2-4% slower (GCC 12).
   Vec<acc_t> partial[kTileRows<acc_t>];
   for (int64_t k = 0; k < kTileRows<acc_t>; ++k)
@@ -278,8 +290,8 @@ C10_ALWAYS_INLINE Vec<acc_t> tile_dots(VoteRows<vote_t> u, int64_t i0, int64_t n
 
 // y (D values) += coef[k] times capsule j of row i0 + k, k < n in order.
 template <typename acc_t, typename vote_t>
-C10_ALWAYS_INLINE void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n, int64_t j, acc_t* y,
-                      int64_t D) {
+C10_ALWAYS_INLINE void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t i0, int64_t n,
+                                 int64_t j, acc_t* y, int64_t D) {
   constexpr int64_t W = Vec<acc_t>::size();
   for (int64_t d0 = 0; d0 < D; d0 += W) {
     const int64_t m = std::min(W, D - d0);
@@ -292,12 +304,14 @@ C10_ALWAYS_INLINE void tile_axpy(const acc_t* coef, VoteRows<vote_t> u, int64_t 
 
 // The softmax over n logits of Vec<T>::size() rows at once, row k in lane k: logits and out are n
 // vectors (n, W); with an extra zero logit when extra_zero_logit (its share is dropped: the leaky
-// softmax of dynamic routing). No horizontal max or sum, and n exps for W rows. out may alias logits.
+// softmax of dynamic routing). No horizontal max or sum, and n exps for W rows. out may alias
+// logits.
 template <typename T>
 inline void softmax_lanes(const T* logits, int64_t n, bool extra_zero_logit, T* out) {
   constexpr int64_t W = Vec<T>::size();
   Vec<T> max_logit = extra_zero_logit ? Vec<T>(T(0)) : Vec<T>::loadu(logits);
-  for (int64_t k = 0; k < n; ++k) max_logit = at::vec::maximum(max_logit, Vec<T>::loadu(logits + k * W));
+  for (int64_t k = 0; k < n; ++k)
+    max_logit = at::vec::maximum(max_logit, Vec<T>::loadu(logits + k * W));
   Vec<T> denom = extra_zero_logit ? (Vec<T>(T(0)) - max_logit).exp() : Vec<T>(T(0));
   for (int64_t k = 0; k < n; ++k) {
     const Vec<T> e = (Vec<T>::loadu(logits + k * W) - max_logit).exp();

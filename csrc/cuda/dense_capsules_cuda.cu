@@ -49,8 +49,8 @@ void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::T
 // workspace that every chunk reuses (stream order), then body(b0, chunk_dims, u_chunk, votes).
 // u_acc and weight_acc in the accumulation dtype.
 template <typename Body>
-void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_acc, const RoutingDims& dims,
-                             Body&& body) {
+void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_acc,
+                             const RoutingDims& dims, Body&& body) {
   const int64_t chunk = std::min(dims.B, dense_chunk(dims, u_acc.element_size()));
   at::Tensor votes_ws = at::empty({chunk, dims.I, dims.J, dims.D}, u_acc.options());
   RoutingDims chunk_dims = dims;
@@ -63,10 +63,9 @@ void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_a
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Tensor& u_in, const at::Tensor& weight_in,
-                                                                   const std::optional<at::Tensor>& bias_in,
-                                                                   int64_t iters, bool leaky,
-                                                                   bool /*detach: backward only*/, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
+    const at::Tensor& u_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
+    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps) {
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   check_cuda(u_in, "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
@@ -77,46 +76,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(const at::Ten
   const RoutingDims dims{u.size(0), weight.size(0), weight.size(1), weight.size(2), iters, leaky};
   at::Tensor v = at::empty({dims.B, dims.J, dims.D}, u.options());
   at::Tensor c = at::empty({dims.B, dims.I, dims.J}, u.options());
-  at::Tensor s_hist = at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
+  at::Tensor s_hist =
+      at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
   if (dims.B == 0) return {v, c, s_hist};
 
   const KernelSet kernels = cuda_kernel_set();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* bias_ptr = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-    if (kernels == KernelSet::v1) {
-      const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
-                                            dims.J * dims.D, Din};
-      record_kernel_path("dense_capsules", Direction::forward,
-                         "dense-v1+" + launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c));
-      return;
-    }
-    const at::ScalarType acc = s_hist.scalar_type();
-    std::string routing_paths;
-    for_each_chunk_of_votes(u.to(acc), weight.to(acc), dims, [&](int64_t b0, const RoutingDims& chunk_dims,
-                                                                 const at::Tensor&, const at::Tensor& votes) {
-      const int64_t Bc = chunk_dims.B;
-      at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc), c_chunk = c.narrow(0, b0, Bc);
-      const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(), dims.I, dims.J * dims.D};
-      add_distinct_path(routing_paths,
-                        launch_routing_forward(chunk_votes, bias_ptr, chunk_dims, eps, s_chunk, v_chunk, c_chunk));
-    });
-    record_kernel_path("dense_capsules", Direction::forward, "dense-v2-gemm+" + routing_paths);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const scalar_t* bias_ptr = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+        if (kernels == KernelSet::v1) {
+          const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(),
+                                                weight.const_data_ptr<scalar_t>(), dims.I,
+                                                dims.J * dims.D, Din};
+          record_kernel_path(
+              "dense_capsules", Direction::forward,
+              "dense-v1+" + launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c));
+          return;
+        }
+        const at::ScalarType acc = s_hist.scalar_type();
+        std::string routing_paths;
+        for_each_chunk_of_votes(
+            u.to(acc), weight.to(acc), dims,
+            [&](int64_t b0, const RoutingDims& chunk_dims, const at::Tensor&,
+                const at::Tensor& votes) {
+              const int64_t Bc = chunk_dims.B;
+              at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc),
+                         c_chunk = c.narrow(0, b0, Bc);
+              const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(), dims.I,
+                                                          dims.J * dims.D};
+              add_distinct_path(routing_paths,
+                                launch_routing_forward(chunk_votes, bias_ptr, chunk_dims, eps,
+                                                       s_chunk, v_chunk, c_chunk));
+            });
+        record_kernel_path("dense_capsules", Direction::forward, "dense-v2-gemm+" + routing_paths);
+      });
   return {v, c, s_hist};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(const at::Tensor& grad_v_in,
-                                                                            const at::Tensor& u_in,
-                                                                            const at::Tensor& weight_in,
-                                                                            const at::Tensor& s_hist_in, bool leaky,
-                                                                            bool detach, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
+    const at::Tensor& grad_v_in, const at::Tensor& u_in, const at::Tensor& weight_in,
+    const at::Tensor& s_hist_in, bool leaky, bool detach, double eps) {
   check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
   const int64_t B = u_in.size(0), Din = u_in.size(2);
   check_cuda(u_in, "u");
   check_same_device(grad_v_in, u_in, "grad_v", "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
-  const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
+  const RoutingDims dims{
+      B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const at::Tensor u = u_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   const at::ScalarType acc = acc_dtype(u.scalar_type());
@@ -130,57 +137,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(cons
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
 
   if (B > 0 && cuda_kernel_set() == KernelSet::v2) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const int64_t I = dims.I, JD = dims.J * dims.D;
-      const at::Tensor weight_acc = weight.to(acc);
-      at::Tensor grad_u_acc = at::empty({B, I, Din}, u.options().dtype(acc));
-      at::Tensor grad_weight_acc = at::zeros({I, JD, Din}, u.options().dtype(acc));
-      const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
-      std::string routing_paths;
-      // The chunk's workspace holds its votes while the routing kernels read them, then (stream
-      // order) their gradient, written from the saved state.
-      for_each_chunk_of_votes(u.to(acc), weight_acc, dims, [&](int64_t b0, const RoutingDims& chunk_dims,
-                                                             const at::Tensor& u_chunk, const at::Tensor& votes) {
-        const int64_t Bc = chunk_dims.B;
-        at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
-        // (The cluster backward writes the gradient over the votes itself: each block reads its
-        // rows' votes into shared memory before it writes their gradient.)
-        const BackwardBuffers<acc_t> buf = launch_routing_backward(
-            MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
-            grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims, detach, eps,
-            grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
-        add_distinct_path(routing_paths, buf.path);
-        if (votes.numel() > 0 && !buf.vote_grad_written)
-          launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I), buf.state, Bc,
-                 votes.mutable_data_ptr<acc_t>());
-        // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T @ u_i.
-        const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);
-        at::Tensor grad_u_by_row = grad_u_acc.narrow(0, b0, Bc).transpose(0, 1);
-        at::bmm_out(grad_u_by_row, grad_votes, weight_acc.view({I, JD, Din}));
-        grad_weight_acc.baddbmm_(grad_votes.transpose(1, 2), u_chunk.transpose(0, 1));
-      });
-      record_kernel_path("dense_capsules", Direction::backward, "dense-v2-gemm+" + routing_paths);
-      grad_u.copy_(grad_u_acc);
-      grad_weight.copy_(grad_weight_acc.view_as(weight));
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
+          using acc_t = at::opmath_type<scalar_t>;
+          const int64_t I = dims.I, JD = dims.J * dims.D;
+          const at::Tensor weight_acc = weight.to(acc);
+          at::Tensor grad_u_acc = at::empty({B, I, Din}, u.options().dtype(acc));
+          at::Tensor grad_weight_acc = at::zeros({I, JD, Din}, u.options().dtype(acc));
+          const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
+          std::string routing_paths;
+          // The chunk's workspace holds its votes while the routing kernels read them, then (stream
+          // order) their gradient, written from the saved state.
+          for_each_chunk_of_votes(
+              u.to(acc), weight_acc, dims,
+              [&](int64_t b0, const RoutingDims& chunk_dims, const at::Tensor& u_chunk,
+                  const at::Tensor& votes) {
+                const int64_t Bc = chunk_dims.B;
+                at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
+                // (The cluster backward writes the gradient over the votes itself: each block reads
+                // its rows' votes into shared memory before it writes their gradient.)
+                const BackwardBuffers<acc_t> buf = launch_routing_backward(
+                    MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
+                    grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims,
+                    detach, eps, grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
+                add_distinct_path(routing_paths, buf.path);
+                if (votes.numel() > 0 && !buf.vote_grad_written)
+                  launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I),
+                         buf.state, Bc, votes.mutable_data_ptr<acc_t>());
+                // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T
+                // @ u_i.
+                const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);
+                at::Tensor grad_u_by_row = grad_u_acc.narrow(0, b0, Bc).transpose(0, 1);
+                at::bmm_out(grad_u_by_row, grad_votes, weight_acc.view({I, JD, Din}));
+                grad_weight_acc.baddbmm_(grad_votes.transpose(1, 2), u_chunk.transpose(0, 1));
+              });
+          record_kernel_path("dense_capsules", Direction::backward,
+                             "dense-v2-gemm+" + routing_paths);
+          grad_u.copy_(grad_u_acc);
+          grad_weight.copy_(grad_weight_acc.view_as(weight));
+        });
   } else if (B > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(), dims.I,
-                                            dims.J * dims.D, Din};
-      const BackwardBuffers<acc_t> buf =
-          launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items,
-                                  static_cast<acc_t*>(nullptr));
-      record_kernel_path("dense_capsules", Direction::backward, "dense-v1+" + buf.path);
-      const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
-      if (grad_u.numel() > 0)
-        launch(dense_grad_u_kernel<scalar_t, acc_t>, blocks_for(grad_u.numel()), buf.state,
-               weight.const_data_ptr<scalar_t>(), B, Din, grad_u.mutable_data_ptr<scalar_t>());
-      if (grad_weight.numel() > 0)
-        launch(dense_grad_weight_kernel<scalar_t, acc_t>, blocks_for(grad_weight.numel()), buf.state,
-               u.const_data_ptr<scalar_t>(), B, Din, grad_weight.mutable_data_ptr<scalar_t>());
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
+          using acc_t = at::opmath_type<scalar_t>;
+          const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(),
+                                                weight.const_data_ptr<scalar_t>(), dims.I,
+                                                dims.J * dims.D, Din};
+          const BackwardBuffers<acc_t> buf =
+              launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach,
+                                      eps, grad_bias_items, static_cast<acc_t*>(nullptr));
+          record_kernel_path("dense_capsules", Direction::backward, "dense-v1+" + buf.path);
+          const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
+          if (grad_u.numel() > 0)
+            launch(dense_grad_u_kernel<scalar_t, acc_t>, blocks_for(grad_u.numel()), buf.state,
+                   weight.const_data_ptr<scalar_t>(), B, Din, grad_u.mutable_data_ptr<scalar_t>());
+          if (grad_weight.numel() > 0)
+            launch(dense_grad_weight_kernel<scalar_t, acc_t>, blocks_for(grad_weight.numel()),
+                   buf.state, u.const_data_ptr<scalar_t>(), B, Din,
+                   grad_weight.mutable_data_ptr<scalar_t>());
+        });
   }
   return {grad_u, grad_weight, grad_bias_items.sum(0).to(u.scalar_type())};
 }

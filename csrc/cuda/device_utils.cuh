@@ -37,7 +37,8 @@ __host__ __device__ __forceinline__ T ceil_div(T a, T b) {
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
+    x += __shfl_xor_sync(kFullMask, x, offset);
   return x;
 }
 
@@ -53,7 +54,9 @@ __device__ __forceinline__ T warp_max(T x) {
 
 // -infinity in the accumulation type (overloaded on a dummy argument of that type).
 __device__ __forceinline__ float neg_infinity(float) { return -__int_as_float(0x7f800000); }
-__device__ __forceinline__ double neg_infinity(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ double neg_infinity(double) {
+  return -__longlong_as_double(0x7ff0000000000000LL);
+}
 
 // ---- dynamic shared memory and thread block clusters (sm_90) ----
 // (On the host, tests/emulator/emu.h defines the same functions.)
@@ -68,7 +71,9 @@ __device__ __forceinline__ T* dynamic_shared() {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 // This block's rank in its cluster, a barrier of the whole cluster (ordering the blocks' shared
 // memory writes before it with the reads after it), and block `rank`'s copy of a shared variable.
-__device__ __forceinline__ unsigned cluster_block_rank() { return cooperative_groups::this_cluster().block_rank(); }
+__device__ __forceinline__ unsigned cluster_block_rank() {
+  return cooperative_groups::this_cluster().block_rank();
+}
 __device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
 template <typename T>
 __device__ __forceinline__ T* cluster_shared(T* local, unsigned rank) {
@@ -101,16 +106,20 @@ __device__ __forceinline__ void for_each_row_range(int64_t B, int64_t I, int64_t
 
 // Blocks for a grid-stride loop over n items with kBlockThreads threads per block (n > 0).
 inline unsigned int blocks_for(int64_t n) {
-  return static_cast<unsigned int>(std::min<int64_t>(ceil_div<int64_t>(n, kBlockThreads), kMaxBlocks));
+  return static_cast<unsigned int>(
+      std::min<int64_t>(ceil_div<int64_t>(n, kBlockThreads), kMaxBlocks));
 }
 
 // Blocks for a grid-stride loop over n warp-sized items (one warp each).
 inline unsigned int blocks_for_warps(int64_t n) {
-  return static_cast<unsigned int>(std::min<int64_t>(ceil_div<int64_t>(n, kWarpsPerBlock), kMaxBlocks));
+  return static_cast<unsigned int>(
+      std::min<int64_t>(ceil_div<int64_t>(n, kWarpsPerBlock), kMaxBlocks));
 }
 
 // Blocks for kernels with one block per batch element (looping when B exceeds the cap).
-inline unsigned int blocks_for_items(int64_t B) { return static_cast<unsigned int>(std::min<int64_t>(B, kMaxBlocks)); }
+inline unsigned int blocks_for_items(int64_t B) {
+  return static_cast<unsigned int>(std::min<int64_t>(B, kMaxBlocks));
+}
 
 }  // namespace cuda
 }  // namespace capsroute

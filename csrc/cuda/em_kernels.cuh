@@ -1,5 +1,5 @@
-// EM routing kernels (docs/ops.md, em_routing): the forward (M-step, E-step) and the exact backward of
-// csrc/cpu/em_element.h, step by step, with the same saved statistics.
+// EM routing kernels (docs/ops.md, em_routing): the forward (M-step, E-step) and the exact backward
+// of csrc/cpu/em_element.h, step by step, with the same saved statistics.
 //
 // The kernels are templated on a vote source, as in routing_kernels.cuh (MemoryVotes reads
 // votes (B, I, J, H) from memory; PoseVotes below computes V_ij = P_i @ W_ij of em_routing_pose
@@ -31,9 +31,9 @@
 
 #include <cstdint>
 
-#include "../common/em_math.h"
 #include "../common/acc_math.h"
 #include "../common/dims.h"
+#include "../common/em_math.h"
 #include "device_utils.cuh"
 
 namespace capsroute {
@@ -52,8 +52,8 @@ struct PoseVotes {
   int64_t I, J;
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jh) const {
     const int64_t j = jh / kPoseSize, rc = jh - j * kPoseSize, r = rc / 4, c = rc - r * 4;
-    const scalar_t* P = pose + (b * I + i) * kPoseSize + r * 4;   // row r of P_i
-    const scalar_t* W = weight + (i * J + j) * kPoseSize + c;     // column c of W_ij
+    const scalar_t* P = pose + (b * I + i) * kPoseSize + r * 4;  // row r of P_i
+    const scalar_t* W = weight + (i * J + j) * kPoseSize + c;    // column c of W_ij
     acc_t sum = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) sum += static_cast<acc_t>(P[k]) * static_cast<acc_t>(W[k * 4]);
@@ -75,7 +75,8 @@ __device__ __forceinline__ acc_t em_e_step_norm(acc_t logit, const acc_t* var_j,
 // E-step of one input row: R_ij = softmax_j(norm_j - sum_h (V_ijh - mu_jh)^2 / (2 var_jh)), in
 // the log domain. Called by a whole warp; lane l writes Ri[j] for j = l, l + 32, ... only.
 template <typename Source>
-__device__ __forceinline__ void warp_em_e_step_row(const Source& src, int64_t b, int64_t i, int64_t J, int64_t H,
+__device__ __forceinline__ void warp_em_e_step_row(const Source& src, int64_t b, int64_t i,
+                                                   int64_t J, int64_t H,
                                                    const typename Source::acc_type* mu,
                                                    const typename Source::acc_type* var,
                                                    const typename Source::acc_type* norm,
@@ -101,9 +102,10 @@ __device__ __forceinline__ void warp_em_e_step_row(const Source& src, int64_t b,
 // M-step sums of column jh (capsule j) over rows [i0, i1), in order: m += r_ij and
 // sum += r_ij V_ijh, r_ij = R_ij a_i (R: the element's (I, J) assignments).
 template <typename Source, typename scalar_t>
-__device__ __forceinline__ void em_mean_sums(const Source& src, int64_t b, int64_t i0, int64_t i1, int64_t J,
-                                             int64_t jh, int64_t j, const typename Source::acc_type* R,
-                                             const scalar_t* a, typename Source::acc_type& m,
+__device__ __forceinline__ void em_mean_sums(const Source& src, int64_t b, int64_t i0, int64_t i1,
+                                             int64_t J, int64_t jh, int64_t j,
+                                             const typename Source::acc_type* R, const scalar_t* a,
+                                             typename Source::acc_type& m,
                                              typename Source::acc_type& sum) {
   using acc_t = typename Source::acc_type;
   for (int64_t i = i0; i < i1; ++i) {
@@ -115,10 +117,9 @@ __device__ __forceinline__ void em_mean_sums(const Source& src, int64_t b, int64
 
 // sum_i r_ij (V_ijh - mean)^2 over rows [i0, i1), in order.
 template <typename Source, typename scalar_t>
-__device__ __forceinline__ typename Source::acc_type em_var_sum(const Source& src, int64_t b, int64_t i0, int64_t i1,
-                                                                int64_t J, int64_t jh, int64_t j,
-                                                                const typename Source::acc_type* R, const scalar_t* a,
-                                                                typename Source::acc_type mean) {
+__device__ __forceinline__ typename Source::acc_type em_var_sum(
+    const Source& src, int64_t b, int64_t i0, int64_t i1, int64_t J, int64_t jh, int64_t j,
+    const typename Source::acc_type* R, const scalar_t* a, typename Source::acc_type mean) {
   using acc_t = typename Source::acc_type;
   acc_t sq = 0;
   for (int64_t i = i0; i < i1; ++i) {
@@ -132,9 +133,9 @@ __device__ __forceinline__ typename Source::acc_type em_var_sum(const Source& sr
 // Capsule j after the M-step of iteration t: the activation logit lam (beta_a - sum_h (beta_u +
 // ln(var_jh) / 2) m_j) into logit[j] and, when an E-step follows, its normaliser into norm[j].
 template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ void em_capsule_logit(int64_t j, int64_t H, acc_t m, const acc_t* var, scalar_t beta_u,
-                                                 scalar_t beta_a, acc_t lam, bool before_e_step, acc_t* logit,
-                                                 acc_t* norm) {
+__device__ __forceinline__ void em_capsule_logit(int64_t j, int64_t H, acc_t m, const acc_t* var,
+                                                 scalar_t beta_u, scalar_t beta_a, acc_t lam,
+                                                 bool before_e_step, acc_t* logit, acc_t* norm) {
   const acc_t bu = static_cast<acc_t>(beta_u);
   acc_t cost = 0;
   for (int64_t h = 0; h < H; ++h) cost += (bu + acc_t(0.5) * acc_log(var[j * H + h])) * m;
@@ -143,12 +144,15 @@ __device__ __forceinline__ void em_capsule_logit(int64_t j, int64_t H, acc_t m, 
   if (before_e_step) norm[j] = em_e_step_norm(lg, var + j * H, H);
 }
 
-// The outputs of element b from its last statistics: pose (J*H) = the means, a_out (J) = sigmoid(logit).
+// The outputs of element b from its last statistics: pose (J*H) = the means, a_out (J) =
+// sigmoid(logit).
 template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ void em_write_outputs(const acc_t* last, int64_t J, int64_t JH, scalar_t* pose_b,
-                                                 scalar_t* a_out_b, int tid, int nthreads) {
+__device__ __forceinline__ void em_write_outputs(const acc_t* last, int64_t J, int64_t JH,
+                                                 scalar_t* pose_b, scalar_t* a_out_b, int tid,
+                                                 int nthreads) {
   for (int64_t jh = tid; jh < JH; jh += nthreads) pose_b[jh] = static_cast<scalar_t>(last[jh]);
-  for (int64_t j = tid; j < J; j += nthreads) a_out_b[j] = static_cast<scalar_t>(em_sigmoid(last[2 * JH + j]));
+  for (int64_t j = tid; j < J; j += nthreads)
+    a_out_b[j] = static_cast<scalar_t>(em_sigmoid(last[2 * JH + j]));
 }
 
 // ---- forward ----
@@ -180,12 +184,14 @@ struct EmForwardWorkspace {
 // a_in (B, I), beta_u and beta_a (J,), all contiguous.
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_forward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u, const scalar_t* beta_a,
-                      const EmDims dims, const typename Source::acc_type eps,
-                      const EmForwardWorkspace<typename Source::acc_type> ws, typename Source::acc_type* stats,
-                      scalar_t* pose, scalar_t* a_out) {
+    em_forward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u,
+                      const scalar_t* beta_a, const EmDims dims,
+                      const typename Source::acc_type eps,
+                      const EmForwardWorkspace<typename Source::acc_type> ws,
+                      typename Source::acc_type* stats, scalar_t* pose, scalar_t* a_out) {
   using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, iters = dims.iters, block = dims.stats_block();
+  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, iters = dims.iters,
+                block = dims.stats_block();
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
 
@@ -223,7 +229,8 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       __syncthreads();  // logit and norm complete; the M-step's reads of R are over
       if (t < iters - 1) {
         // E-step, warp per row: R^{t+1}, in place.
-        for (int64_t i = warp; i < I; i += nwarps) warp_em_e_step_row(src, b, i, J, H, mu, var, norm, R + i * J, lane);
+        for (int64_t i = warp; i < I; i += nwarps)
+          warp_em_e_step_row(src, b, i, J, H, mu, var, norm, R + i * J, lane);
         __syncthreads();  // R^{t+1} complete before the next M-step reads it
       }
     }
@@ -246,8 +253,9 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
 
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_mean_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits, int64_t t,
-                        const typename Source::acc_type* stats, const EmForwardWorkspace<typename Source::acc_type> ws) {
+    em_mean_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits,
+                        int64_t t, const typename Source::acc_type* stats,
+                        const EmForwardWorkspace<typename Source::acc_type> ws) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, block = dims.stats_block();
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
@@ -264,7 +272,7 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       for (int64_t i = i0 + warp; i < i1; i += nwarps)
         warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + b * J, R + i * J, lane);
     }
-    __syncthreads();  // the range's R^t complete
+    __syncthreads();                            // the range's R^t complete
     acc_t* out = ws.partial + item * (J + JH);  // m (J) | sum (JH)
     for (int64_t jh = tid; jh < JH; jh += nthreads) {
       const int64_t j = jh / H;
@@ -299,8 +307,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_var_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits, int64_t t,
-                       const typename Source::acc_type* stats, const EmForwardWorkspace<typename Source::acc_type> ws) {
+    em_var_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits,
+                       int64_t t, const typename Source::acc_type* stats,
+                       const EmForwardWorkspace<typename Source::acc_type> ws) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H;
   for_each_row_range(dims.B, I, splits, [&](int64_t b, int64_t item, RowRange rows) {
@@ -314,8 +323,9 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
 
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
-    em_var_reduce_kernel(const scalar_t* beta_u, const scalar_t* beta_a, const EmDims dims, int64_t splits, int64_t t,
-                         const acc_t eps, const EmForwardWorkspace<acc_t> ws, acc_t* stats, scalar_t* pose,
+    em_var_reduce_kernel(const scalar_t* beta_u, const scalar_t* beta_a, const EmDims dims,
+                         int64_t splits, int64_t t, const acc_t eps,
+                         const EmForwardWorkspace<acc_t> ws, acc_t* stats, scalar_t* pose,
                          scalar_t* a_out) {
   const int64_t J = dims.J, H = dims.H, JH = J * H, iters = dims.iters, block = dims.stats_block();
   const int tid = threadIdx.x, nthreads = blockDim.x;
@@ -332,7 +342,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     __syncthreads();  // var complete
     const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
     for (int64_t j = tid; j < J; j += nthreads)
-      em_capsule_logit(j, H, mass[j], var, beta_u[j], beta_a[j], lam, t < iters - 1, var + JH, ws.norm + b * J);
+      em_capsule_logit(j, H, mass[j], var, beta_u[j], beta_a[j], lam, t < iters - 1, var + JH,
+                       ws.norm + b * J);
     if (t == iters - 1) {
       __syncthreads();  // logits complete
       em_write_outputs(st + t * block, J, JH, pose + b * JH, a_out + b * J, tid, nthreads);
@@ -379,10 +390,11 @@ struct EmGrads {
 // gradients reaching the last M-step's outputs (g_mu = grad_pose, g_var = 0, g_logit through the
 // sigmoid of a_out) and zeroed beta gradients. The block's threads, flat loops.
 template <typename acc_t>
-__device__ __forceinline__ void em_backward_start(const acc_t* st, const acc_t* grad_pose_b, const acc_t* grad_a_out_b,
-                                                  const EmDims& dims, acc_t* norm, acc_t* g_mu, acc_t* g_var,
-                                                  acc_t* g_logit, acc_t* g_beta_u, acc_t* g_beta_a, int tid,
-                                                  int nthreads) {
+__device__ __forceinline__ void em_backward_start(const acc_t* st, const acc_t* grad_pose_b,
+                                                  const acc_t* grad_a_out_b, const EmDims& dims,
+                                                  acc_t* norm, acc_t* g_mu, acc_t* g_var,
+                                                  acc_t* g_logit, acc_t* g_beta_u, acc_t* g_beta_a,
+                                                  int tid, int nthreads) {
   const int64_t J = dims.J, H = dims.H, JH = J * H, block = dims.stats_block();
   for (int64_t tj = tid; tj < (dims.iters - 1) * J; tj += nthreads) {
     const int64_t t = tj / J, j = tj - t * J;
@@ -404,8 +416,8 @@ __device__ __forceinline__ void em_backward_start(const acc_t* st, const acc_t* 
 
 // sum_i R_ij a_i over rows [i0, i1), in order.
 template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ acc_t em_mass_sum(const acc_t* R, const scalar_t* a, int64_t i0, int64_t i1, int64_t J,
-                                             int64_t j) {
+__device__ __forceinline__ acc_t em_mass_sum(const acc_t* R, const scalar_t* a, int64_t i0,
+                                             int64_t i1, int64_t J, int64_t j) {
   acc_t m = 0;
   for (int64_t i = i0; i < i1; ++i) m += R[i * J + j] * static_cast<acc_t>(a[i]);
   return m;
@@ -415,7 +427,8 @@ __device__ __forceinline__ acc_t em_mass_sum(const acc_t* R, const scalar_t* a, 
 // g_L = R^{t+1} (g_R - <R^{t+1}_i, g_R_i>) overwrites g_R's row, and g_V -= g_L (V - mu) / var.
 // mu, var: the statistics of iteration t.
 template <typename Source>
-__device__ __forceinline__ void warp_em_e_step_vjp_row(const Source& src, int64_t b, int64_t i, int64_t J, int64_t H,
+__device__ __forceinline__ void warp_em_e_step_vjp_row(const Source& src, int64_t b, int64_t i,
+                                                       int64_t J, int64_t H,
                                                        const typename Source::acc_type* mu,
                                                        const typename Source::acc_type* var,
                                                        const typename Source::acc_type* R_next_i,
@@ -440,14 +453,11 @@ __device__ __forceinline__ void warp_em_e_step_vjp_row(const Source& src, int64_
 // The E-step VJP's sums over rows [i0, i1) for column jh (capsule j), from g_L (in g_R): g_mu,
 // g_var and, when `first` (h = 0), g_logit through d log sigmoid(logit_j).
 template <typename Source>
-__device__ __forceinline__ void em_e_step_vjp_sums(const Source& src, int64_t b, int64_t i0, int64_t i1, int64_t J,
-                                                   int64_t jh, int64_t j, bool first,
-                                                   const typename Source::acc_type* mu,
-                                                   const typename Source::acc_type* var,
-                                                   const typename Source::acc_type* logit,
-                                                   const typename Source::acc_type* g_L,
-                                                   typename Source::acc_type& gm, typename Source::acc_type& gvar,
-                                                   typename Source::acc_type& gl) {
+__device__ __forceinline__ void em_e_step_vjp_sums(
+    const Source& src, int64_t b, int64_t i0, int64_t i1, int64_t J, int64_t jh, int64_t j,
+    bool first, const typename Source::acc_type* mu, const typename Source::acc_type* var,
+    const typename Source::acc_type* logit, const typename Source::acc_type* g_L,
+    typename Source::acc_type& gm, typename Source::acc_type& gvar, typename Source::acc_type& gl) {
   using acc_t = typename Source::acc_type;
   const acc_t inv_var = 1 / var[jh], mean = mu[jh];
   const acc_t d_log_sigmoid = 1 - em_sigmoid(logit[j]);  // d log sigmoid(x) / dx
@@ -465,10 +475,12 @@ __device__ __forceinline__ void em_e_step_vjp_sums(const Source& src, int64_t b,
 // var, g_mass = d logit / d m, and the eps-term of var0 = var - eps through
 // sum_i r (V - mu) = eps mu folded into g_mu.
 template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ void em_m_step_capsule_vjp(int64_t j, int64_t H, acc_t m, acc_t lam, acc_t eps,
-                                                      scalar_t beta_u, const acc_t* mu, const acc_t* var,
-                                                      const acc_t* g_logit, acc_t* g_mu, acc_t* g_var, acc_t* mass,
-                                                      acc_t* g_mass, acc_t* g_beta_u, acc_t* g_beta_a) {
+__device__ __forceinline__ void em_m_step_capsule_vjp(int64_t j, int64_t H, acc_t m, acc_t lam,
+                                                      acc_t eps, scalar_t beta_u, const acc_t* mu,
+                                                      const acc_t* var, const acc_t* g_logit,
+                                                      acc_t* g_mu, acc_t* g_var, acc_t* mass,
+                                                      acc_t* g_mass, acc_t* g_beta_u,
+                                                      acc_t* g_beta_a) {
   const acc_t g_cost = -lam * g_logit[j];  // the same for every h
   g_beta_a[j] += lam * g_logit[j];
   g_beta_u[j] += g_cost * static_cast<acc_t>(H) * m;
@@ -488,11 +500,13 @@ __device__ __forceinline__ void em_m_step_capsule_vjp(int64_t j, int64_t H, acc_
 // g_R = dL/dR^t, g_a += sum_j g_r R. R_i: R^t's row; mu, var: the statistics of iteration t.
 template <typename Source, typename scalar_t>
 __device__ __forceinline__ void warp_em_m_step_vjp_row(
-    const Source& src, int64_t b, int64_t i, int64_t J, int64_t H, scalar_t a_i, typename Source::acc_type eps,
-    const typename Source::acc_type* R_i, const typename Source::acc_type* mu, const typename Source::acc_type* var,
+    const Source& src, int64_t b, int64_t i, int64_t J, int64_t H, scalar_t a_i,
+    typename Source::acc_type eps, const typename Source::acc_type* R_i,
+    const typename Source::acc_type* mu, const typename Source::acc_type* var,
     const typename Source::acc_type* mass, const typename Source::acc_type* g_mass,
-    const typename Source::acc_type* g_mu, const typename Source::acc_type* g_var, typename Source::acc_type* g_V_i,
-    typename Source::acc_type* g_R_i, typename Source::acc_type* g_a_i, int lane) {
+    const typename Source::acc_type* g_mu, const typename Source::acc_type* g_var,
+    typename Source::acc_type* g_V_i, typename Source::acc_type* g_R_i,
+    typename Source::acc_type* g_a_i, int lane) {
   using acc_t = typename Source::acc_type;
   const acc_t ai = static_cast<acc_t>(a_i);
   acc_t g_ai = 0;
@@ -520,9 +534,11 @@ __device__ __forceinline__ void warp_em_m_step_vjp_row(
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
     em_backward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u,
-                       const typename Source::acc_type* stats, const typename Source::acc_type* grad_pose,
+                       const typename Source::acc_type* stats,
+                       const typename Source::acc_type* grad_pose,
                        const typename Source::acc_type* grad_a_out, const EmDims dims,
-                       const typename Source::acc_type eps, const EmBackwardWorkspace<typename Source::acc_type> ws,
+                       const typename Source::acc_type eps,
+                       const EmBackwardWorkspace<typename Source::acc_type> ws,
                        const EmGrads<typename Source::acc_type> out) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, IJ = I * J, iters = dims.iters;
@@ -551,15 +567,16 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     for (int64_t idx = tid; idx < I * JH; idx += nthreads) g_V[idx] = 0;
     for (int64_t i = tid; i < I; i += nthreads) g_a[i] = 0;
     for (int64_t ij = tid; ij < IJ; ij += nthreads) R_hist[ij] = acc_t(1) / acc_t(J);
-    em_backward_start(st, grad_pose + b * JH, grad_a_out + b * J, dims, norm, g_mu, g_var, g_logit, g_beta_u,
-                      g_beta_a, tid, nthreads);
+    em_backward_start(st, grad_pose + b * JH, grad_a_out + b * J, dims, norm, g_mu, g_var, g_logit,
+                      g_beta_u, g_beta_a, tid, nthreads);
     __syncthreads();  // norm complete
 
     // 2. R^{t+1} = E-step of the statistics of iteration t, for every t < iters - 1 (warp per row).
     for (int64_t i = warp; i < I; i += nwarps) {
       for (int64_t t = 0; t + 1 < iters; ++t) {
         const acc_t* mu = st + t * block;
-        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, norm + t * J, R_hist + ((t + 1) * I + i) * J, lane);
+        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, norm + t * J,
+                           R_hist + ((t + 1) * I + i) * J, lane);
       }
     }
     __syncthreads();  // R_hist complete
@@ -572,14 +589,15 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       if (t < iters - 1) {
         // E-step t, warp per row, then the column owners' sums over i (g_logit by the h = 0 owner).
         for (int64_t i = warp; i < I; i += nwarps)
-          warp_em_e_step_vjp_row(src, b, i, J, H, mu, var, R_hist + ((t + 1) * I + i) * J, g_R + i * J,
-                                 g_V + i * JH, lane);
+          warp_em_e_step_vjp_row(src, b, i, J, H, mu, var, R_hist + ((t + 1) * I + i) * J,
+                                 g_R + i * J, g_V + i * JH, lane);
         __syncthreads();  // g_L complete
         for (int64_t jh = tid; jh < JH; jh += nthreads) {
           const int64_t j = jh / H;
           const bool first = jh == j * H;
           acc_t gm = 0, gvar = 0, gl = 0;
-          em_e_step_vjp_sums(src, b, 0, I, J, jh, j, first, mu, var, mu + 2 * JH, g_R, gm, gvar, gl);
+          em_e_step_vjp_sums(src, b, 0, I, J, jh, j, first, mu, var, mu + 2 * JH, g_R, gm, gvar,
+                             gl);
           g_mu[jh] = gm;
           g_var[jh] = gvar;
           if (first) g_logit[j] = gl;
@@ -589,12 +607,12 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       // M-step t: capsules, then warp per row.
       const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
       for (int64_t j = tid; j < J; j += nthreads)
-        em_m_step_capsule_vjp(j, H, em_mass_sum(R, a, 0, I, J, j), lam, eps, beta_u[j], mu, var, g_logit, g_mu, g_var,
-                              mass, g_mass, g_beta_u, g_beta_a);
+        em_m_step_capsule_vjp(j, H, em_mass_sum(R, a, 0, I, J, j), lam, eps, beta_u[j], mu, var,
+                              g_logit, g_mu, g_var, mass, g_mass, g_beta_u, g_beta_a);
       __syncthreads();  // mass, g_mass, g_mu, g_var complete
       for (int64_t i = warp; i < I; i += nwarps)
-        warp_em_m_step_vjp_row(src, b, i, J, H, a[i], eps, R + i * J, mu, var, mass, g_mass, g_mu, g_var,
-                               g_V + i * JH, g_R + i * J, g_a + i, lane);
+        warp_em_m_step_vjp_row(src, b, i, J, H, a[i], eps, R + i * J, mu, var, mass, g_mass, g_mu,
+                               g_var, g_V + i * JH, g_R + i * J, g_a + i, lane);
       __syncthreads();  // g_R of R^t complete before the E-step t - 1 reads it
     }
   }
@@ -611,19 +629,22 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
 //                                  of E-step t - 1 on the same rows and its sums (partial_cols).
 template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
-    em_backward_start_kernel(const acc_t* stats, const acc_t* grad_pose, const acc_t* grad_a_out, const EmDims dims,
-                             const EmBackwardWorkspace<acc_t> ws, const EmGrads<acc_t> out) {
+    em_backward_start_kernel(const acc_t* stats, const acc_t* grad_pose, const acc_t* grad_a_out,
+                             const EmDims dims, const EmBackwardWorkspace<acc_t> ws,
+                             const EmGrads<acc_t> out) {
   const int64_t J = dims.J, JH = J * dims.H;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
-    em_backward_start(stats + b * dims.iters * dims.stats_block(), grad_pose + b * JH, grad_a_out + b * J, dims,
-                      ws.norm + b * dims.iters * J, ws.g_mu + b * JH, ws.g_var + b * JH, ws.g_logit + b * J,
-                      out.g_beta + b * 2 * J, out.g_beta + b * 2 * J + J, threadIdx.x, blockDim.x);
+    em_backward_start(stats + b * dims.iters * dims.stats_block(), grad_pose + b * JH,
+                      grad_a_out + b * J, dims, ws.norm + b * dims.iters * J, ws.g_mu + b * JH,
+                      ws.g_var + b * JH, ws.g_logit + b * J, out.g_beta + b * 2 * J,
+                      out.g_beta + b * 2 * J + J, threadIdx.x, blockDim.x);
 }
 
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_backward_rows_start_kernel(const Source src, const scalar_t* a_in, const typename Source::acc_type* stats,
-                                  const EmDims dims, int64_t splits,
+    em_backward_rows_start_kernel(const Source src, const scalar_t* a_in,
+                                  const typename Source::acc_type* stats, const EmDims dims,
+                                  int64_t splits,
                                   const EmBackwardWorkspace<typename Source::acc_type> ws,
                                   const EmGrads<typename Source::acc_type> out) {
   using acc_t = typename Source::acc_type;
@@ -640,14 +661,15 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     for (int64_t i = i0 + warp; i < i1; i += nwarps) {
       for (int64_t t = 0; t + 1 < iters; ++t) {
         const acc_t* mu = st + t * dims.stats_block();
-        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + (b * iters + t) * J, R_hist + ((t + 1) * I + i) * J,
-                           lane);
+        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + (b * iters + t) * J,
+                           R_hist + ((t + 1) * I + i) * J, lane);
       }
     }
     __syncthreads();  // the range's R^t complete
     for (int64_t tj = tid; tj < iters * J; tj += nthreads) {
       const int64_t t = tj / J, j = tj - t * J;
-      ws.partial_mass[item * iters * J + tj] = em_mass_sum(R_hist + t * IJ, a_in + b * I, i0, i1, J, j);
+      ws.partial_mass[item * iters * J + tj] =
+          em_mass_sum(R_hist + t * IJ, a_in + b * I, i0, i1, J, j);
     }
   });
 }
@@ -655,8 +677,9 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
 // (The 2-block hint: unhinted, ptxas put it at 64 registers on sm_80 and spilled.)
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<acc_t>())
-    em_backward_capsule_kernel(const scalar_t* beta_u, const acc_t* stats, const EmDims dims, int64_t splits, int64_t t,
-                               const acc_t eps, const EmBackwardWorkspace<acc_t> ws, const EmGrads<acc_t> out) {
+    em_backward_capsule_kernel(const scalar_t* beta_u, const acc_t* stats, const EmDims dims,
+                               int64_t splits, int64_t t, const acc_t eps,
+                               const EmBackwardWorkspace<acc_t> ws, const EmGrads<acc_t> out) {
   const int64_t J = dims.J, H = dims.H, JH = J * H, iters = dims.iters, cols = 2 * JH + J;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
@@ -665,7 +688,8 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<acc_t>())
     acc_t* g_var = ws.g_var + b * JH;
     acc_t* g_logit = ws.g_logit + b * J;
     if (t < iters - 1) {
-      const acc_t* part = ws.partial_cols + b * splits * cols;  // g_mu (JH) | g_var (JH) | g_logit (J)
+      const acc_t* part =
+          ws.partial_cols + b * splits * cols;  // g_mu (JH) | g_var (JH) | g_logit (J)
       for (int64_t jh = tid; jh < JH; jh += nthreads) {
         acc_t gm = 0, gvar = 0;
         for (int64_t s = 0; s < splits; ++s) {
@@ -685,9 +709,11 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<acc_t>())
     const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
     for (int64_t j = tid; j < J; j += nthreads) {
       acc_t m = 0;
-      for (int64_t s = 0; s < splits; ++s) m += ws.partial_mass[((b * splits + s) * iters + t) * J + j];
-      em_m_step_capsule_vjp(j, H, m, lam, eps, beta_u[j], mu, mu + JH, g_logit, g_mu, g_var, ws.mass + b * J,
-                            ws.g_mass + b * J, out.g_beta + b * 2 * J, out.g_beta + b * 2 * J + J);
+      for (int64_t s = 0; s < splits; ++s)
+        m += ws.partial_mass[((b * splits + s) * iters + t) * J + j];
+      em_m_step_capsule_vjp(j, H, m, lam, eps, beta_u[j], mu, mu + JH, g_logit, g_mu, g_var,
+                            ws.mass + b * J, ws.g_mass + b * J, out.g_beta + b * 2 * J,
+                            out.g_beta + b * 2 * J + J);
     }
     __syncthreads();  // end of element
   }
@@ -695,8 +721,9 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<acc_t>())
 
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_backward_rows_kernel(const Source src, const scalar_t* a_in, const typename Source::acc_type* stats,
-                            const EmDims dims, int64_t splits, int64_t t, const typename Source::acc_type eps,
+    em_backward_rows_kernel(const Source src, const scalar_t* a_in,
+                            const typename Source::acc_type* stats, const EmDims dims,
+                            int64_t splits, int64_t t, const typename Source::acc_type eps,
                             const EmBackwardWorkspace<typename Source::acc_type> ws,
                             const EmGrads<typename Source::acc_type> out) {
   using acc_t = typename Source::acc_type;
@@ -712,22 +739,24 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     acc_t* g_V = out.g_V + b * I * JH;
     const acc_t* mu = st + t * block;
     for (int64_t i = i0 + warp; i < i1; i += nwarps)
-      warp_em_m_step_vjp_row(src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J, mu, mu + JH,
-                             ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH, ws.g_var + b * JH, g_V + i * JH,
-                             g_R + i * J, out.g_a + b * I + i, lane);
+      warp_em_m_step_vjp_row(src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J, mu,
+                             mu + JH, ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH,
+                             ws.g_var + b * JH, g_V + i * JH, g_R + i * J, out.g_a + b * I + i,
+                             lane);
     if (t > 0) {
-      __syncthreads();  // the range's g_R = dL/dR^t complete
+      __syncthreads();                           // the range's g_R = dL/dR^t complete
       const acc_t* prev = st + (t - 1) * block;  // the statistics E-step t - 1 used
       for (int64_t i = i0 + warp; i < i1; i += nwarps)
-        warp_em_e_step_vjp_row(src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J, g_R + i * J, g_V + i * JH,
-                               lane);
+        warp_em_e_step_vjp_row(src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J,
+                               g_R + i * J, g_V + i * JH, lane);
       __syncthreads();  // the range's g_L complete
       acc_t* part = ws.partial_cols + item * cols;
       for (int64_t jh = tid; jh < JH; jh += nthreads) {
         const int64_t j = jh / H;
         const bool first = jh == j * H;
         acc_t gm = 0, gvar = 0, gl = 0;
-        em_e_step_vjp_sums(src, b, i0, i1, J, jh, j, first, prev, prev + JH, prev + 2 * JH, g_R, gm, gvar, gl);
+        em_e_step_vjp_sums(src, b, i0, i1, J, jh, j, first, prev, prev + JH, prev + 2 * JH, g_R, gm,
+                           gvar, gl);
         part[jh] = gm;
         part[JH + jh] = gvar;
         if (first) part[2 * JH + j] = gl;
@@ -752,25 +781,26 @@ __global__ void __launch_bounds__(kBlockThreads)
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t bi = idx / kPoseSize, rk = idx - bi * kPoseSize, r = rk / 4, k = rk - r * 4;
     const int64_t i = bi % I;
-    const acc_t* G = g_V + bi * J * kPoseSize + r * 4;          // row r of G_ij, j = 0
-    const scalar_t* W = weight + i * J * kPoseSize + k * 4;     // row k of W_ij, j = 0
+    const acc_t* G = g_V + bi * J * kPoseSize + r * 4;       // row r of G_ij, j = 0
+    const scalar_t* W = weight + i * J * kPoseSize + k * 4;  // row k of W_ij, j = 0
     acc_t sum = 0;
     for (int64_t j = 0; j < J; ++j) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) sum += G[j * kPoseSize + c] * static_cast<acc_t>(W[j * kPoseSize + c]);
+      for (int c = 0; c < 4; ++c)
+        sum += G[j * kPoseSize + c] * static_cast<acc_t>(W[j * kPoseSize + c]);
     }
     grad_pose[idx] = static_cast<scalar_t>(sum);
   }
 }
 
-// g_W[i, j, k, c] = (accumulate ? g_W[i, j, k, c] : 0) + sum_b sum_r P[b, i, r, k] G[b, i, j, r, c],
-// b then r in order; thread per (i, j, k, c). Called chunk after chunk of the batch with
+// g_W[i, j, k, c] = (accumulate ? g_W[i, j, k, c] : 0) + sum_b sum_r P[b, i, r, k] G[b, i, j, r,
+// c], b then r in order; thread per (i, j, k, c). Called chunk after chunk of the batch with
 // accumulate set after the first, it adds the elements one by one in batch order into one
 // running sum in the accumulation dtype: the result does not depend on the chunking.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
-    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose, int64_t B, int64_t I, int64_t J, bool accumulate,
-                            acc_t* g_W) {
+    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose, int64_t B, int64_t I, int64_t J,
+                            bool accumulate, acc_t* g_W) {
   const int64_t n = I * J * kPoseSize;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -778,8 +808,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t i = ij / J;
     acc_t sum = accumulate ? g_W[idx] : acc_t(0);
     for (int64_t b = 0; b < B; ++b) {
-      const scalar_t* P = pose + (b * I + i) * kPoseSize + k;    // column k of P_i
-      const acc_t* G = g_V + (b * I * J + ij) * kPoseSize + c;   // column c of G_ij
+      const scalar_t* P = pose + (b * I + i) * kPoseSize + k;   // column k of P_i
+      const acc_t* G = g_V + (b * I * J + ij) * kPoseSize + c;  // column c of G_ij
 #pragma unroll
       for (int r = 0; r < 4; ++r) sum += static_cast<acc_t>(P[r * 4]) * G[r * 4];
     }

@@ -36,10 +36,13 @@ inline int64_t em_splits(const EmDims& dims) {
 }
 
 // The EM path `splits` runs, as capsroute.last_kernel_path() names it.
-inline const char* em_path_name(int64_t splits) { return splits == kEmFused ? "em-block" : "em-row-ranges"; }
+inline const char* em_path_name(int64_t splits) {
+  return splits == kEmFused ? "em-block" : "em-row-ranges";
+}
 
 // The row ranges' partial sums: a (B, splits, n) buffer, or none for the fused kernels.
-inline at::Tensor em_partial_buffer(int64_t B, int64_t splits, int64_t n, const at::TensorOptions& acc_options) {
+inline at::Tensor em_partial_buffer(int64_t B, int64_t splits, int64_t n,
+                                    const at::TensorOptions& acc_options) {
   return splits == kEmFused ? at::Tensor() : at::empty({B, splits, n}, acc_options);
 }
 
@@ -52,8 +55,8 @@ acc_t* data_or_null(at::Tensor& t) {
 // path it ran (em_path_name).
 template <typename Source, typename scalar_t>
 const char* launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
-                              const scalar_t* beta_a, const EmDims& dims, double eps, at::Tensor& stats,
-                              at::Tensor& pose, at::Tensor& a_out) {
+                              const scalar_t* beta_a, const EmDims& dims, double eps,
+                              at::Tensor& stats, at::Tensor& pose, at::Tensor& a_out) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = stats.options();
   const int64_t splits = em_splits(dims);
@@ -63,9 +66,9 @@ const char* launch_em_forward(const Source& src, const scalar_t* a_in, const sca
   at::Tensor partial = em_partial_buffer(dims.B, splits, dims.J * (dims.H + 1), acc_options);
   const EmForwardWorkspace<acc_t> ws{R.mutable_data_ptr<acc_t>(), mass.mutable_data_ptr<acc_t>(),
                                      norm.mutable_data_ptr<acc_t>(), data_or_null<acc_t>(partial)};
-  run_em_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, beta_a, dims, static_cast<acc_t>(eps),
-                 splits, ws, stats.mutable_data_ptr<acc_t>(), pose.mutable_data_ptr<scalar_t>(),
-                 a_out.mutable_data_ptr<scalar_t>());
+  run_em_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, beta_a, dims,
+                 static_cast<acc_t>(eps), splits, ws, stats.mutable_data_ptr<acc_t>(),
+                 pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernel, so reusing them is safe.
   return em_path_name(splits);
@@ -94,16 +97,12 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, int64_t sp
   buf.g_mass = at::empty({B, J}, acc_options);
   buf.partial_cols = em_partial_buffer(B, splits, J * (2 * H + 1), acc_options);
   buf.partial_mass = em_partial_buffer(B, splits, R * J, acc_options);
-  buf.ws = EmBackwardWorkspace<acc_t>{buf.R_hist.template mutable_data_ptr<acc_t>(),
-                                      buf.g_R.template mutable_data_ptr<acc_t>(),
-                                      buf.norm.template mutable_data_ptr<acc_t>(),
-                                      buf.g_mu.template mutable_data_ptr<acc_t>(),
-                                      buf.g_var.template mutable_data_ptr<acc_t>(),
-                                      buf.g_logit.template mutable_data_ptr<acc_t>(),
-                                      buf.mass.template mutable_data_ptr<acc_t>(),
-                                      buf.g_mass.template mutable_data_ptr<acc_t>(),
-                                      data_or_null<acc_t>(buf.partial_cols),
-                                      data_or_null<acc_t>(buf.partial_mass)};
+  buf.ws = EmBackwardWorkspace<acc_t>{
+      buf.R_hist.template mutable_data_ptr<acc_t>(), buf.g_R.template mutable_data_ptr<acc_t>(),
+      buf.norm.template mutable_data_ptr<acc_t>(),   buf.g_mu.template mutable_data_ptr<acc_t>(),
+      buf.g_var.template mutable_data_ptr<acc_t>(),  buf.g_logit.template mutable_data_ptr<acc_t>(),
+      buf.mass.template mutable_data_ptr<acc_t>(),   buf.g_mass.template mutable_data_ptr<acc_t>(),
+      data_or_null<acc_t>(buf.partial_cols),         data_or_null<acc_t>(buf.partial_mass)};
   return buf;
 }
 
@@ -111,18 +110,21 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, int64_t sp
 // grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
 // g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous). Returns the path it ran.
 template <typename Source, typename scalar_t>
-const char* launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u, const at::Tensor& stats,
-                               const at::Tensor& grad_pose, const at::Tensor& grad_a_out, const EmDims& dims,
-                               double eps, at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
+const char* launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
+                               const at::Tensor& stats, const at::Tensor& grad_pose,
+                               const at::Tensor& grad_a_out, const EmDims& dims, double eps,
+                               at::Tensor& g_V, at::Tensor& g_a, at::Tensor& g_beta) {
   using acc_t = typename Source::acc_type;
   // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
   const int64_t splits = em_splits(dims);
-  const EmBackwardBuffers<acc_t> buf = make_em_backward_buffers<acc_t>(dims, splits, stats.options());
+  const EmBackwardBuffers<acc_t> buf =
+      make_em_backward_buffers<acc_t>(dims, splits, stats.options());
   const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
                            g_beta.mutable_data_ptr<acc_t>()};
-  run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, stats.const_data_ptr<acc_t>(),
-                  grad_pose.const_data_ptr<acc_t>(), grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps),
-                  splits, buf.ws, out);
+  run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u,
+                  stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
+                  grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, buf.ws,
+                  out);
   return em_path_name(splits);
 }
 
@@ -130,34 +132,37 @@ const char* launch_em_backward(const Source& src, const scalar_t* a_in, const sc
 // accumulation dtype, the layout the CPU writes (the backwards of both backends read either).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> em_forward_outputs(const at::Tensor& ref,
                                                                          const EmDims& dims) {
-  return {at::empty({dims.B, dims.J, dims.H}, ref.options()), at::empty({dims.B, dims.J}, ref.options()),
-          at::empty({dims.B, dims.iters, dims.J, 2 * dims.H + 1}, ref.options().dtype(acc_dtype(ref.scalar_type())))};
+  return {at::empty({dims.B, dims.J, dims.H}, ref.options()),
+          at::empty({dims.B, dims.J}, ref.options()),
+          at::empty({dims.B, dims.iters, dims.J, 2 * dims.H + 1},
+                    ref.options().dtype(acc_dtype(ref.scalar_type())))};
 }
 
 // What every EM backward needs besides its op's own inputs, on ref's device.
 struct EmBackwardArgs {
   at::Tensor grad_pose, grad_a_out, stats;  // accumulation dtype, contiguous
-  at::Tensor grad_beta_items;               // (B, 2, J) per element [beta_u | beta_a], accumulation dtype
+  at::Tensor grad_beta_items;  // (B, 2, J) per element [beta_u | beta_a], accumulation dtype
 
   // The beta gradients: the per-element rows summed over the batch (a reduction in a fixed
   // order: deterministic), in the given dtype; two tensors of their own, since the schema's
   // outputs must not alias (opcheck).
   std::pair<at::Tensor, at::Tensor> beta_grads(at::ScalarType dtype) const {
-    return {grad_beta_items.select(1, 0).sum(0).to(dtype), grad_beta_items.select(1, 1).sum(0).to(dtype)};
+    return {grad_beta_items.select(1, 0).sum(0).to(dtype),
+            grad_beta_items.select(1, 1).sum(0).to(dtype)};
   }
 };
 
 // The shapes must have been checked (check_em_backward_inputs); this checks devices and
 // converts. ref is the op's main input (votes or pose), already checked to be a CUDA tensor.
 inline EmBackwardArgs prepare_em_backward(const at::Tensor& grad_pose, const at::Tensor& grad_a_out,
-                                          const at::Tensor& stats, const at::Tensor& ref, const char* ref_name,
-                                          int64_t B, int64_t J) {
+                                          const at::Tensor& stats, const at::Tensor& ref,
+                                          const char* ref_name, int64_t B, int64_t J) {
   check_same_device(grad_pose, ref, "grad_pose", ref_name);
   check_same_device(grad_a_out, ref, "grad_a_out", ref_name);
   check_same_device(stats, ref, "stats", ref_name);
   const at::ScalarType acc = acc_dtype(ref.scalar_type());
-  return {grad_pose.to(acc).contiguous(), grad_a_out.to(acc).contiguous(), stats.to(acc).contiguous(),
-          at::empty({B, 2, J}, ref.options().dtype(acc))};
+  return {grad_pose.to(acc).contiguous(), grad_a_out.to(acc).contiguous(),
+          stats.to(acc).contiguous(), at::empty({B, 2, J}, ref.options().dtype(acc))};
 }
 
 // The kernels accumulate gradients in the accumulation dtype: into the output itself when it

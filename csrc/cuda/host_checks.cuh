@@ -14,13 +14,15 @@ namespace capsroute {
 namespace cuda {
 
 // Host check: t lives on the same CUDA device as ref (the tensor the op is guarded on).
-inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), "capsroute: ", name, " is on ", t.device(), " but ", ref_name, " is on ",
-              ref.device());
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), "capsroute: ", name, " is on ", t.device(), " but ",
+              ref_name, " is on ", ref.device());
 }
 
 inline void check_cuda(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "capsroute: ", name, " must be a CUDA tensor for the CUDA kernels, got one on ", t.device());
+  TORCH_CHECK(t.is_cuda(), "capsroute: ", name,
+              " must be a CUDA tensor for the CUDA kernels, got one on ", t.device());
 }
 
 }  // namespace cuda

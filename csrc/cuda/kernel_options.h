@@ -18,8 +18,8 @@ inline std::optional<int64_t> forced_count(const char* name) {
   if (forced == nullptr) return std::nullopt;
   char* end = nullptr;
   const long long n = std::strtoll(forced, &end, 10);
-  TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: ", name, " must be an integer >= 1, got '", forced,
-              "'");
+  TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: ", name,
+              " must be an integer >= 1, got '", forced, "'");
   return n;
 }
 
@@ -30,9 +30,9 @@ inline std::optional<int64_t> forced_count(const char* name) {
 //       votes of a chunk of the batch as one batched GEMM into an L2-sized workspace, the routing
 //       kernels over those stored votes and the backward's contractions as batched GEMMs; the
 //       routing rows of votes read from memory a warp per part of each element, a capsule per
-//       lane, every row's votes read once per pass into registers (routing_warp_kernels.cuh, where the capsules
-//       fit), and on sm_90 the forward an element per cluster with its votes in shared memory
-//       and the backward an element per cluster of 16 with votes, couplings and G there, the
+//       lane, every row's votes read once per pass into registers (routing_warp_kernels.cuh, where
+//       the capsules fit), and on sm_90 the forward an element per cluster with its votes in shared
+//       memory and the backward an element per cluster of 16 with votes, couplings and G there, the
 //       vote gradient written from shared memory (routing_cluster_kernels.cuh); elsewhere the
 //       vote gradient (dynamic_routing, dense_capsules v2) written a tile of rows per block; and
 //       EM routing's rows cut into ranges of a block each (em_launch.cuh, em_splits).
@@ -41,7 +41,8 @@ enum class KernelSet { v1, v2 };
 inline KernelSet cuda_kernel_set() {
   const char* name = std::getenv("CAPSROUTE_CUDA_KERNELS");
   if (name == nullptr || std::strcmp(name, "v1") == 0) return KernelSet::v1;
-  TORCH_CHECK(std::strcmp(name, "v2") == 0, "capsroute: CAPSROUTE_CUDA_KERNELS must be v1 or v2, got '", name, "'");
+  TORCH_CHECK(std::strcmp(name, "v2") == 0,
+              "capsroute: CAPSROUTE_CUDA_KERNELS must be v1 or v2, got '", name, "'");
   return KernelSet::v2;
 }
 
@@ -56,8 +57,8 @@ inline ClusterMode routing_cluster_mode() {
   const char* value = std::getenv("CAPSROUTE_ROUTING_CLUSTER");
   if (value == nullptr || std::strcmp(value, "1") == 0) return ClusterMode::automatic;
   if (std::strcmp(value, "force") == 0) return ClusterMode::force;
-  TORCH_CHECK(std::strcmp(value, "0") == 0, "capsroute: CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got '", value,
-              "'");
+  TORCH_CHECK(std::strcmp(value, "0") == 0,
+              "capsroute: CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got '", value, "'");
   return ClusterMode::off;
 }
 

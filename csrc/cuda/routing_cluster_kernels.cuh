@@ -29,8 +29,8 @@ constexpr int kClusterBlocks = 8;
 // capsule's vector per thread (the rows are contiguous in memory, so consecutive threads read
 // consecutive vectors), unrolled so that each thread keeps two vectors' loads in flight.
 template <int kD, typename Source>
-__device__ __forceinline__ void copy_rows_to_shared(const Source& src, int64_t b, RowRange rows, int64_t J, int D,
-                                                    int64_t stride, bool vectors,
+__device__ __forceinline__ void copy_rows_to_shared(const Source& src, int64_t b, RowRange rows,
+                                                    int64_t J, int D, int64_t stride, bool vectors,
                                                     typename Source::acc_type* votes_s) {
   using acc_t = typename Source::acc_type;
   const auto* votes_b = src.row(b, rows.begin);
@@ -49,8 +49,8 @@ __device__ __forceinline__ void copy_rows_to_shared(const Source& src, int64_t b
 // in shared memory need no loads ahead, whose registers would spill here.)
 template <int kD, typename acc_t, typename F>
 __device__ __forceinline__ void for_each_shared_row(const CapsuleLanes& lanes, RowRange warp_rows,
-                                                    const acc_t* votes_s, int64_t J, int D, int64_t stride,
-                                                    bool with_votes, F&& f) {
+                                                    const acc_t* votes_s, int64_t J, int D,
+                                                    int64_t stride, bool with_votes, F&& f) {
   for (int64_t i0 = warp_rows.begin; i0 < warp_rows.end; i0 += lanes.rows) {
     const int64_t i = i0 + lanes.slot;
     const bool valid = lanes.active && i < warp_rows.end;
@@ -66,8 +66,9 @@ __device__ __forceinline__ void for_each_shared_row(const CapsuleLanes& lanes, R
 // cluster to read, alternating between two buffers from one call to the next (a block may still
 // read the previous call's when another writes this one's). Ends with out complete.
 template <int kBlocks, int kD, typename acc_t, typename init_t>
-__device__ __forceinline__ void cluster_sum(const CapsuleLanes& lanes, acc_t (&x)[kD], int D, int64_t JD,
-                                            acc_t* warp_sums_s, acc_t* block_sums, const init_t* init, acc_t* out) {
+__device__ __forceinline__ void cluster_sum(const CapsuleLanes& lanes, acc_t (&x)[kD], int D,
+                                            int64_t JD, acc_t* warp_sums_s, acc_t* block_sums,
+                                            const init_t* init, acc_t* out) {
   store_part(lanes, x, threadIdx.x / kWarpSize, D, JD, warp_sums_s);
   __syncthreads();  // the warps' sums complete
   sum_ranges(warp_sums_s, kWarpsPerBlock, 0, JD, static_cast<const acc_t*>(nullptr), block_sums);
@@ -88,10 +89,15 @@ __device__ __forceinline__ void cluster_sum(const CapsuleLanes& lanes, acc_t (&x
 struct ClusterForwardLayout {
   int64_t rows, J, JD, capsule_stride;
   __host__ __device__ __forceinline__ ClusterForwardLayout(const RoutingDims& dims)
-      : rows(ceil_div<int64_t>(dims.I, kClusterBlocks)), J(dims.J), JD(dims.J * dims.D), capsule_stride(dims.D | 1) {}
+      : rows(ceil_div<int64_t>(dims.I, kClusterBlocks)),
+        J(dims.J),
+        JD(dims.J * dims.D),
+        capsule_stride(dims.D | 1) {}
   __host__ __device__ __forceinline__ int64_t logits() const { return rows * J * capsule_stride; }
   __host__ __device__ __forceinline__ int64_t warp_sums() const { return logits() + rows * J; }
-  __host__ __device__ __forceinline__ int64_t block_sums() const { return warp_sums() + kWarpsPerBlock * JD; }
+  __host__ __device__ __forceinline__ int64_t block_sums() const {
+    return warp_sums() + kWarpsPerBlock * JD;
+  }
   __host__ __device__ __forceinline__ int64_t s() const { return block_sums() + 2 * JD; }
   __host__ __device__ __forceinline__ int64_t v() const { return s() + JD; }
   __host__ __device__ __forceinline__ int64_t size() const { return v() + J * capsule_stride; }
@@ -102,17 +108,21 @@ struct ClusterForwardLayout {
 template <typename Source, typename scalar_t, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_forward_cluster_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
-                                   const typename Source::acc_type eps, typename Source::acc_type* s_hist,
-                                   scalar_t* v_out, scalar_t* c_out) {
+                                   const typename Source::acc_type eps,
+                                   typename Source::acc_type* s_hist, scalar_t* v_out,
+                                   scalar_t* c_out) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, JD = J * dims.D, R = dims.iters;
-  const int D = static_cast<int>(dims.D), tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int D = static_cast<int>(dims.D), tid = threadIdx.x, lane = tid % kWarpSize,
+            warp = tid / kWarpSize;
   const ClusterForwardLayout layout(dims);
   const int64_t stride = layout.capsule_stride;
   acc_t* smem = dynamic_shared<acc_t>();
-  acc_t *votes_s = smem, *logits_s = smem + layout.logits(), *warp_sums_s = smem + layout.warp_sums();
-  acc_t *block_sums_s = smem + layout.block_sums(), *s_s = smem + layout.s(), *v_s = smem + layout.v();
+  acc_t *votes_s = smem, *logits_s = smem + layout.logits(),
+        *warp_sums_s = smem + layout.warp_sums();
+  acc_t *block_sums_s = smem + layout.block_sums(), *s_s = smem + layout.s(),
+        *v_s = smem + layout.v();
   const unsigned rank = cluster_block_rank();
   const RowRange rows = split_rows(I, kClusterBlocks, rank);
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
@@ -127,14 +137,16 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
       load_capsule(v_s + lanes.j * stride, D, r > 0 && lanes.active, false, v_prev);  // v^{r-1}
 #pragma unroll
       for (int d = 0; d < kD; ++d) s_sum[d] = 0;
-      for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, true,
-                              [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
-                                const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev,
-                                                                  logits_s + i * J + lanes.j, s_sum);
-                                if (valid && r == R - 1)
-                                  c_out[(b * I + rows.begin + i) * J + lanes.j] = static_cast<scalar_t>(c);
-                              });
-      cluster_sum<kClusterBlocks>(lanes, s_sum, D, JD, warp_sums_s, block_sums_s + (r % 2) * JD, bias, s_s);
+      for_each_shared_row<kD>(
+          lanes, warp_rows, votes_s, J, D, stride, true,
+          [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+            const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev,
+                                              logits_s + i * J + lanes.j, s_sum);
+            if (valid && r == R - 1)
+              c_out[(b * I + rows.begin + i) * J + lanes.j] = static_cast<scalar_t>(c);
+          });
+      cluster_sum<kClusterBlocks>(lanes, s_sum, D, JD, warp_sums_s, block_sums_s + (r % 2) * JD,
+                                  bias, s_s);
       if (rank == 0)
         for (int64_t jd = tid; jd < JD; jd += blockDim.x) s_hist[(b * R + r) * JD + jd] = s_s[jd];
       block_squash(s_s, J, dims.D, eps, v_s, warp, kWarpsPerBlock, lane, stride);
@@ -172,12 +184,22 @@ struct ClusterBackwardLayout {
         iters(dims.iters),
         nkeep(nkeep_) {}
   __host__ __device__ __forceinline__ int64_t coupling() const { return rows * J * capsule_stride; }
-  __host__ __device__ __forceinline__ int64_t g_logits() const { return coupling() + nkeep * rows * J; }
-  __host__ __device__ __forceinline__ int64_t warp_sums() const { return g_logits() + (nkeep - 1) * rows * J; }
-  __host__ __device__ __forceinline__ int64_t block_sums() const { return warp_sums() + kWarpsPerBlock * JD; }
+  __host__ __device__ __forceinline__ int64_t g_logits() const {
+    return coupling() + nkeep * rows * J;
+  }
+  __host__ __device__ __forceinline__ int64_t warp_sums() const {
+    return g_logits() + (nkeep - 1) * rows * J;
+  }
+  __host__ __device__ __forceinline__ int64_t block_sums() const {
+    return warp_sums() + kWarpsPerBlock * JD;
+  }
   __host__ __device__ __forceinline__ int64_t v() const { return block_sums() + 2 * JD; }
-  __host__ __device__ __forceinline__ int64_t gs() const { return v() + iters * J * capsule_stride; }
-  __host__ __device__ __forceinline__ int64_t gv() const { return gs() + nkeep * J * capsule_stride; }
+  __host__ __device__ __forceinline__ int64_t gs() const {
+    return v() + iters * J * capsule_stride;
+  }
+  __host__ __device__ __forceinline__ int64_t gv() const {
+    return gs() + nkeep * J * capsule_stride;
+  }
   __host__ __device__ __forceinline__ int64_t size() const { return gv() + JD; }
 };
 
@@ -195,11 +217,13 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     routing_backward_cluster_kernel(const Source src, const typename Source::acc_type* grad_v,
                                     const typename Source::acc_type* s_hist, const RoutingDims dims,
                                     const typename Source::acc_type eps, const int64_t first_r,
-                                    typename Source::acc_type* grad_bias_items, grad_t* grad_votes) {
+                                    typename Source::acc_type* grad_bias_items,
+                                    grad_t* grad_votes) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, JD = J * dims.D, R = dims.iters, nkeep = R - first_r;
-  const int D = static_cast<int>(dims.D), tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int D = static_cast<int>(dims.D), tid = threadIdx.x, lane = tid % kWarpSize,
+            warp = tid / kWarpSize;
   const ClusterBackwardLayout layout(dims, nkeep);
   const int64_t stride = layout.capsule_stride;
   acc_t* smem = dynamic_shared<acc_t>();
@@ -211,7 +235,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t n = layout.rows * J;  // values per kept iteration of c_s and g_s
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
   const CapsuleLanes lanes(J, lane);
-  const bool vectors = vector_capsules(src.row(0, 0), D), grad_vectors = vector_capsules(grad_votes, D);
+  const bool vectors = vector_capsules(src.row(0, 0), D),
+             grad_vectors = vector_capsules(grad_votes, D);
   const auto for_each_local_row = [&](bool with_votes, auto&& f) {
     for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, with_votes, f);
   };
@@ -222,7 +247,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     block_squash(s_hist + b * R * JD, R * J, dims.D, eps, v_s, warp, kWarpsPerBlock, lane, stride);
     for (int64_t jd = tid; jd < JD; jd += blockDim.x) gv_s[jd] = grad_v[b * JD + jd];
     __syncthreads();  // votes, v and gv complete
-    block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv_s, J, dims.D, eps, gs_s + (nkeep - 1) * J * stride, stride);
+    block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv_s, J, dims.D, eps,
+                     gs_s + (nkeep - 1) * J * stride, stride);
     __syncthreads();  // gs^{iters-1} complete
     // Walk the iterations back (step r: G^{r-1} and gv^{r-1} from G^r and gs^r), the first step
     // with the couplings' recompute, on the same votes.
@@ -256,9 +282,11 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
         if (valid) g_s[(k_r - 1) * n + ij] = g;
       });
       if (r == first_r) break;
-      cluster_sum<kBackwardClusterBlocks>(lanes, gv_sum, D, JD, warp_sums_s, block_sums_s + (r % 2) * JD,
+      cluster_sum<kBackwardClusterBlocks>(lanes, gv_sum, D, JD, warp_sums_s,
+                                          block_sums_s + (r % 2) * JD,
                                           static_cast<const acc_t*>(nullptr), gv_s);
-      block_squash_vjp(s_hist + (b * R + r - 1) * JD, gv_s, J, dims.D, eps, gs_s + (k_r - 1) * J * stride, stride);
+      block_squash_vjp(s_hist + (b * R + r - 1) * JD, gv_s, J, dims.D, eps,
+                       gs_s + (k_r - 1) * J * stride, stride);
       __syncthreads();  // gs^{r-1} complete
     }
     // The block's rows' vote gradient (each lane's c and G are its own writes; gs is complete).
@@ -278,7 +306,9 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
 #pragma unroll
         for (int d = 0; d < kD; ++d) grad[d] += g * x[d];
       }
-      if (valid) store_capsule(grad_votes + ((b * I + rows.begin + i) * J + lanes.j) * D, D, grad_vectors, grad);
+      if (valid)
+        store_capsule(grad_votes + ((b * I + rows.begin + i) * J + lanes.j) * D, D, grad_vectors,
+                      grad);
     });
     if (rank == 0)
       for (int64_t jd = tid; jd < JD; jd += blockDim.x) {

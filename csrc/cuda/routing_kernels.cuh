@@ -3,7 +3,8 @@
 //
 // The kernels are templated on a "vote source": a functor with
 //   using acc_type = ...;                                    // accumulation type
-//   static constexpr bool kComputesVotes = ...;              // computed (not read), for source_min_blocks
+//   static constexpr bool kComputesVotes = ...;              // computed (not read), for
+//   source_min_blocks
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jd) const;
 // returning vote u[b, i, j, d] with jd = j * D + d.
 //
@@ -70,7 +71,9 @@ struct MemoryVotes {
     return static_cast<acc_t>(votes[(b * I + i) * JD + jd]);
   }
   // Row (b, i)'s J * D votes (the warp-rows kernels index it in 32-bit arithmetic).
-  __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const { return votes + (b * I + i) * JD; }
+  __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const {
+    return votes + (b * I + i) * JD;
+  }
 };
 
 // votes_bij = weight_ij @ u_bi: u (B, I, Din), weight (I, J, D, Din), both contiguous.
@@ -93,12 +96,14 @@ struct DenseVotes {
 // ---- device helpers ----
 
 // Coupling of one input row: c = softmax over the J logits (with an extra zero logit when
-// leaky, its share dropped), as softmax_lanes in csrc/cpu/vec_math.h. Called by a whole warp; lane l
-// reads logits[j] and writes c[j] for j = l, l + 32, ... only.
+// leaky, its share dropped), as softmax_lanes in csrc/cpu/vec_math.h. Called by a whole warp; lane
+// l reads logits[j] and writes c[j] for j = l, l + 32, ... only.
 template <typename acc_t>
-__device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J, bool leaky, acc_t* c, int lane) {
+__device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J, bool leaky,
+                                                  acc_t* c, int lane) {
   acc_t max_logit = leaky ? acc_t(0) : neg_infinity(acc_t(0));
-  for (int64_t j = lane; j < J; j += kWarpSize) max_logit = logits[j] > max_logit ? logits[j] : max_logit;
+  for (int64_t j = lane; j < J; j += kWarpSize)
+    max_logit = logits[j] > max_logit ? logits[j] : max_logit;
   max_logit = warp_max(max_logit);
   acc_t denom = 0;
   for (int64_t j = lane; j < J; j += kWarpSize) denom += acc_exp(logits[j] - max_logit);
@@ -111,8 +116,9 @@ __device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J
 // v = squash(s) for the J capsules of one (J, D) slab; warp per capsule. v_stride: values from
 // one capsule of v to the next (D, or more for a padded layout in shared memory).
 template <typename acc_t>
-__device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc_t* v, int warp,
-                                             int nwarps, int lane, int64_t v_stride) {
+__device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t D, acc_t eps,
+                                             acc_t* v, int warp, int nwarps, int lane,
+                                             int64_t v_stride) {
   for (int64_t j = warp; j < J; j += nwarps) {
     const acc_t* sj = s + j * D;
     acc_t q = 0;
@@ -134,7 +140,8 @@ __device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t 
 // gets its partial sums partial[b, g] (J, D) zeroed by their column owners, then
 // rows(b, range g, partial[b, g]).
 template <typename acc_t, typename Rows>
-__device__ __forceinline__ void for_each_range(const RoutingDims& dims, int64_t splits, acc_t* partial, Rows&& rows) {
+__device__ __forceinline__ void for_each_range(const RoutingDims& dims, int64_t splits,
+                                               acc_t* partial, Rows&& rows) {
   // (Not through for_each_row_range: one more lambda level made ptxas spill the float64
   // routing_backward_rows_kernel on sm_90.)
   const int64_t JD = dims.J * dims.D;
@@ -146,10 +153,11 @@ __device__ __forceinline__ void for_each_range(const RoutingDims& dims, int64_t 
   }
 }
 
-// Column owners: out = init (or 0 where init is nullptr) + element b's partial sums, ranges in order.
+// Column owners: out = init (or 0 where init is nullptr) + element b's partial sums, ranges in
+// order.
 template <typename init_t, typename acc_t>
-__device__ __forceinline__ void sum_ranges(const acc_t* partial, int64_t splits, int64_t b, int64_t JD,
-                                           const init_t* init, acc_t* out) {
+__device__ __forceinline__ void sum_ranges(const acc_t* partial, int64_t splits, int64_t b,
+                                           int64_t JD, const init_t* init, acc_t* out) {
   for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
     acc_t sum = init != nullptr ? static_cast<acc_t>(init[jd]) : acc_t(0);
     for (int64_t g = 0; g < splits; ++g) sum += partial[(b * splits + g) * JD + jd];
@@ -167,8 +175,10 @@ struct ForwardWorkspace {
 
 // Phase 2 of a tile, column owners: acc_jd += sum_{i0 <= i < i1} weight_ij u_ijd, i in order.
 template <typename Source>
-__device__ __forceinline__ void accumulate_tile_columns(const Source& src, int64_t b, int64_t i0, int64_t i1,
-                                                        const typename Source::acc_type* weight, int64_t J, int64_t D,
+__device__ __forceinline__ void accumulate_tile_columns(const Source& src, int64_t b, int64_t i0,
+                                                        int64_t i1,
+                                                        const typename Source::acc_type* weight,
+                                                        int64_t J, int64_t D,
                                                         typename Source::acc_type* acc) {
   using acc_t = typename Source::acc_type;
   for (int64_t jd = threadIdx.x; jd < J * D; jd += blockDim.x) {
@@ -185,8 +195,8 @@ __device__ __forceinline__ void accumulate_tile_columns(const Source& src, int64
 template <typename Source, typename scalar_t>
 __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRange rows, int64_t r,
                                              const RoutingDims& dims,
-                                             const ForwardWorkspace<typename Source::acc_type>& ws, scalar_t* c_out,
-                                             typename Source::acc_type* s_acc) {
+                                             const ForwardWorkspace<typename Source::acc_type>& ws,
+                                             scalar_t* c_out, typename Source::acc_type* s_acc) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D;
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
@@ -212,7 +222,8 @@ __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRa
       acc_t* ci = coupling + i * J;
       warp_coupling_row(li, J, dims.leaky, ci, lane);
       if (r == dims.iters - 1) {
-        for (int64_t j = lane; j < J; j += kWarpSize) c_out[(b * I + i) * J + j] = static_cast<scalar_t>(ci[j]);
+        for (int64_t j = lane; j < J; j += kWarpSize)
+          c_out[(b * I + i) * J + j] = static_cast<scalar_t>(ci[j]);
       }
     }
     __syncthreads();  // coupling of the tile written by warps, read by column owners
@@ -223,15 +234,19 @@ __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRa
 
 // v^r = squash(s^r) of element b (s complete), and v_out at the last iteration.
 template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r, const RoutingDims& dims, acc_t eps,
-                                                         const acc_t* s, acc_t* v, scalar_t* v_out) {
+__device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r,
+                                                         const RoutingDims& dims, acc_t eps,
+                                                         const acc_t* s, acc_t* v,
+                                                         scalar_t* v_out) {
   const int64_t JD = dims.J * dims.D;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   __syncthreads();  // s complete (also when no row ran)
-  block_squash(s, dims.J, dims.D, eps, v, tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize, dims.D);
+  block_squash(s, dims.J, dims.D, eps, v, tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize,
+               dims.D);
   __syncthreads();  // v^r complete before the next iteration's agreement (or the copy) reads it
   if (r == dims.iters - 1) {
-    for (int64_t jd = tid; jd < JD; jd += nthreads) v_out[b * JD + jd] = static_cast<scalar_t>(v[jd]);
+    for (int64_t jd = tid; jd < JD; jd += nthreads)
+      v_out[b * JD + jd] = static_cast<scalar_t>(v[jd]);
     __syncthreads();
   }
 }
@@ -243,14 +258,16 @@ __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r, c
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
-                           const typename Source::acc_type eps, const ForwardWorkspace<typename Source::acc_type> ws,
+                           const typename Source::acc_type eps,
+                           const ForwardWorkspace<typename Source::acc_type> ws,
                            typename Source::acc_type* s_hist, scalar_t* v_out, scalar_t* c_out) {
   using acc_t = typename Source::acc_type;
   const int64_t JD = dims.J * dims.D, R = dims.iters;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     for (int64_t r = 0; r < R; ++r) {
       acc_t* s = s_hist + (b * R + r) * JD;
-      for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) s[jd] = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
+      for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x)
+        s[jd] = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
       forward_rows(src, b, {0, dims.I}, r, dims, ws, c_out, s);
       finish_forward_iteration(b, r, dims, eps, s, ws.v + b * JD, v_out);
     }
@@ -260,20 +277,22 @@ __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
 // Split forward, iteration r, block per (b, g): partial[b, g] = sum over range g's rows.
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
-    routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
-                                const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
-                                typename Source::acc_type* partial) {
-  for_each_range(dims, splits, partial, [&](int64_t b, RowRange rows, typename Source::acc_type* s_acc) {
-    forward_rows(src, b, rows, r, dims, ws, c_out, s_acc);
-  });
+    routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
+                                const int64_t r,
+                                const ForwardWorkspace<typename Source::acc_type> ws,
+                                scalar_t* c_out, typename Source::acc_type* partial) {
+  for_each_range(dims, splits, partial,
+                 [&](int64_t b, RowRange rows, typename Source::acc_type* s_acc) {
+                   forward_rows(src, b, rows, r, dims, ws, c_out, s_acc);
+                 });
 }
 
 // Split forward, iteration r, block per b: s^r = bias + the partials in range order; v^r.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_forward_reduce_kernel(const acc_t* partial, const int64_t splits, const scalar_t* bias,
-                                  const RoutingDims dims, const int64_t r, const acc_t eps, acc_t* v_ws,
-                                  acc_t* s_hist, scalar_t* v_out) {
+                                  const RoutingDims dims, const int64_t r, const acc_t eps,
+                                  acc_t* v_ws, acc_t* s_hist, scalar_t* v_out) {
   const int64_t JD = dims.J * dims.D;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* s = s_hist + (b * dims.iters + r) * JD;
@@ -313,7 +332,8 @@ struct BackwardState {
     for (int64_t k = 0; k < nkeep; ++k) {
       const int64_t r = first_r + k;
       const int64_t ij = ((b * nkeep + k) * I + i) * J + j;
-      sum += coupling[ij] * gs_hist[(b * nkeep + k) * JD + jd] + g_logits[ij] * v_hist[(b * iters + r) * JD + jd];
+      sum += coupling[ij] * gs_hist[(b * nkeep + k) * JD + jd] +
+             g_logits[ij] * v_hist[(b * iters + r) * JD + jd];
     }
     return sum;
   }
@@ -329,9 +349,11 @@ struct BackwardWorkspace {
 // gs = squash_vjp(s, gv) for the J capsules of one element (warp per capsule); gs_stride as
 // block_squash's v_stride.
 template <typename acc_t>
-__device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv, int64_t J, int64_t D, acc_t eps,
-                                                 acc_t* gs, int64_t gs_stride) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, nwarps = blockDim.x / kWarpSize;
+__device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv, int64_t J,
+                                                 int64_t D, acc_t eps, acc_t* gs,
+                                                 int64_t gs_stride) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize,
+            nwarps = blockDim.x / kWarpSize;
   for (int64_t j = warp; j < J; j += nwarps) {
     acc_t q = 0, sg = 0;
     for (int64_t d = lane; d < D; d += kWarpSize) {
@@ -352,12 +374,12 @@ __device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv
 // gradient above 65504 is finite in float32.
 template <typename acc_t>
 __device__ __forceinline__ void backward_start(int64_t b, const acc_t* grad_v, const acc_t* s_hist,
-                                               const RoutingDims& dims, acc_t eps, const BackwardState<acc_t>& st,
-                                               acc_t* gv) {
+                                               const RoutingDims& dims, acc_t eps,
+                                               const BackwardState<acc_t>& st, acc_t* gv) {
   const int64_t JD = dims.J * dims.D, R = dims.iters;
   const int tid = threadIdx.x, nthreads = blockDim.x;
-  block_squash(s_hist + b * R * JD, R * dims.J, dims.D, eps, st.v_hist + b * R * JD, tid / kWarpSize,
-               nthreads / kWarpSize, tid % kWarpSize, dims.D);
+  block_squash(s_hist + b * R * JD, R * dims.J, dims.D, eps, st.v_hist + b * R * JD,
+               tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize, dims.D);
   for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = grad_v[b * JD + jd];
   __syncthreads();  // gv complete
   block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv, dims.J, dims.D, eps,
@@ -368,13 +390,13 @@ __device__ __forceinline__ void backward_start(int64_t b, const acc_t* grad_v, c
 // c^r for r >= first_r over `rows` of element b, from b^{r+1} = b^r + <u, v^r>, b^0 = 0 (warp
 // per row; v_hist complete); zeroes those rows of G^{iters-1}.
 template <typename Source>
-__device__ __forceinline__ void recompute_coupling_rows(const Source& src, int64_t b, RowRange rows,
-                                                        const RoutingDims& dims,
-                                                        const BackwardState<typename Source::acc_type>& st,
-                                                        typename Source::acc_type* logits_ws) {
+__device__ __forceinline__ void recompute_coupling_rows(
+    const Source& src, int64_t b, RowRange rows, const RoutingDims& dims,
+    const BackwardState<typename Source::acc_type>& st, typename Source::acc_type* logits_ws) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D, R = dims.iters;
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, nwarps = blockDim.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize,
+            nwarps = blockDim.x / kWarpSize;
   const acc_t* v_b = st.v_hist + b * R * JD;
   acc_t* c_b = st.coupling + b * st.nkeep * I * J;
   acc_t* g_last = st.g_logits + (b * st.nkeep + st.nkeep - 1) * I * J;
@@ -393,7 +415,8 @@ __device__ __forceinline__ void recompute_coupling_rows(const Source& src, int64
           li[j] += agreement;
         }
       }
-      if (r >= st.first_r) warp_coupling_row(li, J, dims.leaky, c_b + (r - st.first_r) * I * J + i * J, lane);
+      if (r >= st.first_r)
+        warp_coupling_row(li, J, dims.leaky, c_b + (r - st.first_r) * I * J + i * J, lane);
     }
   }
 }
@@ -402,8 +425,8 @@ __device__ __forceinline__ void recompute_coupling_rows(const Source& src, int64
 // G^{r-1} = dL/db^r = G^r + softmax VJP of gc = <gs^r, u> (warp per row), then
 // gv_acc_jd += sum_i G^{r-1}_ij u_ijd (column owners, over gv_acc as they left it).
 template <typename Source>
-__device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowRange rows, int64_t r,
-                                              const RoutingDims& dims,
+__device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowRange rows,
+                                              int64_t r, const RoutingDims& dims,
                                               const BackwardState<typename Source::acc_type>& st,
                                               typename Source::acc_type* gv_acc) {
   using acc_t = typename Source::acc_type;
@@ -437,7 +460,8 @@ __device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowR
 
 // grad_bias_items[b] = sum_r gs^r (column owners; gs complete).
 template <typename acc_t>
-__device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardState<acc_t>& st, acc_t* grad_bias_items) {
+__device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardState<acc_t>& st,
+                                       acc_t* grad_bias_items) {
   const acc_t* gs_b = st.gs_hist + b * st.nkeep * JD;
   for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
     acc_t sum = 0;
@@ -452,8 +476,8 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
 template <typename Source>
 __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
     routing_backward_kernel(const Source src, const typename Source::acc_type* grad_v,
-                            const typename Source::acc_type* s_hist,
-                            const RoutingDims dims, const typename Source::acc_type eps,
+                            const typename Source::acc_type* s_hist, const RoutingDims dims,
+                            const typename Source::acc_type eps,
                             const BackwardState<typename Source::acc_type> st,
                             const BackwardWorkspace<typename Source::acc_type> ws,
                             typename Source::acc_type* grad_bias_items) {
@@ -481,8 +505,8 @@ __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
 // Split backward: backward_start for each b (block per b).
 template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    routing_backward_start_kernel(const acc_t* grad_v, const acc_t* s_hist, const RoutingDims dims, const acc_t eps,
-                                  const BackwardState<acc_t> st, acc_t* gv_ws) {
+    routing_backward_start_kernel(const acc_t* grad_v, const acc_t* s_hist, const RoutingDims dims,
+                                  const acc_t eps, const BackwardState<acc_t> st, acc_t* gv_ws) {
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
     backward_start(b, grad_v, s_hist, dims, eps, st, gv_ws + b * dims.J * dims.D);
 }
@@ -494,18 +518,20 @@ __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* logits_ws) {
   for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x)
-    recompute_coupling_rows(src, item / splits, split_rows(dims.I, splits, item % splits), dims, st, logits_ws);
+    recompute_coupling_rows(src, item / splits, split_rows(dims.I, splits, item % splits), dims, st,
+                            logits_ws);
 }
 
 // Split backward, step r, block per (b, g): partial[b, g] = range g's share of gv^{r-1}.
 template <typename Source>
 __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
-    routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits, const int64_t r,
-                                 const BackwardState<typename Source::acc_type> st,
+    routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
+                                 const int64_t r, const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* partial) {
-  for_each_range(dims, splits, partial, [&](int64_t b, RowRange rows, typename Source::acc_type* gv_acc) {
-    backward_rows(src, b, rows, r, dims, st, gv_acc);
-  });
+  for_each_range(dims, splits, partial,
+                 [&](int64_t b, RowRange rows, typename Source::acc_type* gv_acc) {
+                   backward_rows(src, b, rows, r, dims, st, gv_acc);
+                 });
 }
 
 // Split backward, step r, block per b: gv^{r-1} = the partials in range order, then
@@ -514,7 +540,8 @@ template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_backward_reduce_kernel(const acc_t* partial, const int64_t splits, const acc_t* s_hist,
                                    const RoutingDims dims, const int64_t r, const acc_t eps,
-                                   const BackwardState<acc_t> st, acc_t* gv_ws, acc_t* grad_bias_items) {
+                                   const BackwardState<acc_t> st, acc_t* gv_ws,
+                                   acc_t* grad_bias_items) {
   const int64_t JD = dims.J * dims.D;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* gv = gv_ws + b * JD;
@@ -533,8 +560,10 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 // Split backward with nothing to walk back (detach, or one iteration): grad_bias_items.
 template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    routing_sum_gs_kernel(const RoutingDims dims, const BackwardState<acc_t> st, acc_t* grad_bias_items) {
-  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) sum_gs(b, dims.J * dims.D, st, grad_bias_items);
+    routing_sum_gs_kernel(const RoutingDims dims, const BackwardState<acc_t> st,
+                          acc_t* grad_bias_items) {
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
+    sum_gs(b, dims.J * dims.D, st, grad_bias_items);
 }
 
 // ---- the vote gradient of the saved state, written or contracted ----
@@ -581,8 +610,8 @@ inline unsigned int vote_grad_rows_blocks(int64_t B, int64_t I) {
 // grad_u[b, i, k] = sum_{j, d} weight[i, j, d, k] g_u[b, i, j, d]; thread per (b, i, k).
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    dense_grad_u_kernel(const BackwardState<acc_t> st, const scalar_t* weight, int64_t B, int64_t Din,
-                        scalar_t* grad_u) {
+    dense_grad_u_kernel(const BackwardState<acc_t> st, const scalar_t* weight, int64_t B,
+                        int64_t Din, scalar_t* grad_u) {
   const int64_t JD = st.J * st.D, n = B * st.I * Din;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -590,7 +619,8 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     const int64_t i = bi % st.I, b = bi / st.I;
     const scalar_t* w = weight + i * JD * Din + k;
     acc_t sum = 0;
-    for (int64_t jd = 0; jd < JD; ++jd) sum += static_cast<acc_t>(w[jd * Din]) * st.vote_grad(b, i, jd);
+    for (int64_t jd = 0; jd < JD; ++jd)
+      sum += static_cast<acc_t>(w[jd * Din]) * st.vote_grad(b, i, jd);
     grad_u[idx] = static_cast<scalar_t>(sum);
   }
 }
@@ -598,15 +628,16 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 // grad_weight[i, j, d, k] = sum_b g_u[b, i, j, d] u[b, i, k]; thread per (i, j, d, k), b in order.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    dense_grad_weight_kernel(const BackwardState<acc_t> st, const scalar_t* u, int64_t B, int64_t Din,
-                             scalar_t* grad_weight) {
+    dense_grad_weight_kernel(const BackwardState<acc_t> st, const scalar_t* u, int64_t B,
+                             int64_t Din, scalar_t* grad_weight) {
   const int64_t JD = st.J * st.D, n = st.I * JD * Din;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t k = idx % Din, ijd = idx / Din;
     const int64_t jd = ijd % JD, i = ijd / JD;
     acc_t sum = 0;
-    for (int64_t b = 0; b < B; ++b) sum += st.vote_grad(b, i, jd) * static_cast<acc_t>(u[(b * st.I + i) * Din + k]);
+    for (int64_t b = 0; b < B; ++b)
+      sum += st.vote_grad(b, i, jd) * static_cast<acc_t>(u[(b * st.I + i) * Din + k]);
     grad_weight[idx] = static_cast<scalar_t>(sum);
   }
 }

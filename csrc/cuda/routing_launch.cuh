@@ -27,7 +27,8 @@ namespace cuda {
 constexpr int64_t kMinSplitTiles = 4;
 
 inline int64_t routing_splits(const RoutingDims& dims, bool warp_rows, int64_t warp_blocks_per_sm) {
-  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_ROUTING_SPLITS")) return *forced;
+  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_ROUTING_SPLITS"))
+    return *forced;
   const int64_t min_rows = kMinSplitTiles * kRoutingTile;
   return warp_rows ? row_ranges_in_one_wave(dims.B, dims.I, min_rows, warp_blocks_per_sm)
                    : row_ranges_to_fill_device(dims.B, dims.I, min_rows);
@@ -37,8 +38,10 @@ inline int64_t routing_splits(const RoutingDims& dims, bool warp_rows, int64_t w
 // fit them (routing_warp_kernels.cuh); v1, and votes computed on the fly, with the block kernels.
 template <typename Source>
 RowSplit routing_row_split(const RoutingDims& dims) {
-  const bool warp_rows = !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims);
-  return {routing_splits(dims, warp_rows, warp_rows_min_blocks<typename Source::acc_type>()), warp_rows};
+  const bool warp_rows =
+      !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims);
+  return {routing_splits(dims, warp_rows, warp_rows_min_blocks<typename Source::acc_type>()),
+          warp_rows};
 }
 
 // Whether the warp rows' forward or backward should run an element per cluster of
@@ -49,11 +52,13 @@ RowSplit routing_row_split(const RoutingDims& dims) {
 // unless forced, at least half as many elements as clusters fit on the GPU at once (with fewer,
 // the warp rows' row ranges keep more of it busy).
 template <typename Kernel>
-bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks, int64_t shared_bytes) {
+bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks,
+                  int64_t shared_bytes) {
   const ClusterMode mode = routing_cluster_mode();
   if (mode == ClusterMode::off) return false;
   const auto cannot = [&](const char* why) {
-    TORCH_CHECK(mode != ClusterMode::force, "capsroute: CAPSROUTE_ROUTING_CLUSTER=force, but ", why);
+    TORCH_CHECK(mode != ClusterMode::force, "capsroute: CAPSROUTE_ROUTING_CLUSTER=force, but ",
+                why);
     return false;
   };
   const void* function = reinterpret_cast<const void*>(kernel);
@@ -77,7 +82,8 @@ inline std::string routing_path_name(const RowSplit& split, bool cluster) {
 }
 
 // A workspace of the given sizes where `needed`, else an undefined tensor; and its data or nullptr.
-inline at::Tensor optional_workspace(bool needed, at::IntArrayRef sizes, const at::TensorOptions& options) {
+inline at::Tensor optional_workspace(bool needed, at::IntArrayRef sizes,
+                                     const at::TensorOptions& options) {
   return needed ? at::empty(sizes, options) : at::Tensor();
 }
 template <typename acc_t>
@@ -88,27 +94,32 @@ acc_t* data_or_null(at::Tensor& t) {
 // Allocates the workspaces and launches the forward on the current stream (B > 0); returns the
 // routing path it ran (routing_path_name).
 template <typename Source, typename scalar_t>
-std::string launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims, double eps,
-                            at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
+std::string launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims,
+                                   double eps, at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
   RowSplit split = routing_row_split<Source>(dims);
   if constexpr (!Source::kComputesVotes) {
     if (split.warp_rows)
-      split.cluster_forward = use_clusters(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, dims,
-                                           kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
+      split.cluster_forward =
+          use_clusters(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, dims,
+                       kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
   }
-  // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on chip.)
-  at::Tensor logits = optional_workspace(!split.cluster_forward, {dims.B, dims.I, dims.J}, acc_options);
+  // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on
+  // chip.)
+  at::Tensor logits =
+      optional_workspace(!split.cluster_forward, {dims.B, dims.I, dims.J}, acc_options);
   at::Tensor coupling = optional_workspace(!split.warp_rows, {dims.B, dims.I, dims.J}, acc_options);
-  at::Tensor v_ws = optional_workspace(!split.cluster_forward, {dims.B, dims.J, dims.D}, acc_options);
+  at::Tensor v_ws =
+      optional_workspace(!split.cluster_forward, {dims.B, dims.J, dims.D}, acc_options);
   const ForwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), data_or_null<acc_t>(coupling),
                                    data_or_null<acc_t>(v_ws)};
   at::Tensor partial = optional_workspace(!split.fused() && !split.cluster_forward,
                                           {dims.B, split.parts(), dims.J, dims.D}, acc_options);
-  run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims, static_cast<acc_t>(eps), split,
-                      ws, data_or_null<acc_t>(partial), s_hist.mutable_data_ptr<acc_t>(),
-                      v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
+  run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims,
+                      static_cast<acc_t>(eps), split, ws, data_or_null<acc_t>(partial),
+                      s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
+                      c.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
   return routing_path_name(split, split.cluster_forward);
@@ -130,11 +141,10 @@ struct BackwardBuffers {
 // runs (v2 on sm_90, votes read from memory), writes the vote gradient to grad_votes (B, I, J, D)
 // itself. grad_v (B, J, D) is in the accumulation dtype.
 template <typename Source, typename grad_t>
-BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source& src,
-                                                                   const typename Source::acc_type* grad_v,
-                                                                   const at::Tensor& s_hist, const RoutingDims& dims,
-                                                                   bool detach, double eps,
-                                                                   at::Tensor& grad_bias_items, grad_t* grad_votes) {
+BackwardBuffers<typename Source::acc_type> launch_routing_backward(
+    const Source& src, const typename Source::acc_type* grad_v, const at::Tensor& s_hist,
+    const RoutingDims& dims, bool detach, double eps, at::Tensor& grad_bias_items,
+    grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, I = dims.I, J = dims.J, D = dims.D, R = dims.iters;
   const int64_t first_r = detach ? R - 1 : 0, nkeep = R - first_r;
@@ -142,11 +152,12 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   RowSplit split = routing_row_split<Source>(dims);
   if constexpr (!Source::kComputesVotes) {
     if (split.warp_rows)
-      split.cluster_backward =
-          use_clusters(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, dims, kBackwardClusterBlocks,
-                       cluster_backward_shared_bytes(dims, nkeep, sizeof(acc_t)));
+      split.cluster_backward = use_clusters(
+          routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, dims,
+          kBackwardClusterBlocks, cluster_backward_shared_bytes(dims, nkeep, sizeof(acc_t)));
   }
-  // (The cluster backward keeps its state on chip; the warp kernels keep a row's logits in registers.)
+  // (The cluster backward keeps its state on chip; the warp kernels keep a row's logits in
+  // registers.)
   const bool state = !split.cluster_backward;
   at::Tensor v_hist = optional_workspace(state, {B, R, J, D}, acc_options);
   at::Tensor gs_hist = optional_workspace(state, {B, nkeep, J, D}, acc_options);
@@ -165,11 +176,12 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(const Source&
   at::Tensor logits = optional_workspace(state && !split.warp_rows, {B, I, J}, acc_options);
   at::Tensor gv = optional_workspace(state, {B, J, D}, acc_options);
   const BackwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), data_or_null<acc_t>(gv)};
-  at::Tensor partial =
-      optional_workspace(state && !split.fused() && R - 1 > first_r, {B, split.parts(), J, D}, acc_options);
-  run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v, s_hist.const_data_ptr<acc_t>(),
-                       dims, static_cast<acc_t>(eps), split, st, ws, data_or_null<acc_t>(partial),
-                       grad_bias_items.mutable_data_ptr<acc_t>(), grad_votes);
+  at::Tensor partial = optional_workspace(state && !split.fused() && R - 1 > first_r,
+                                          {B, split.parts(), J, D}, acc_options);
+  run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v,
+                       s_hist.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), split, st, ws,
+                       data_or_null<acc_t>(partial), grad_bias_items.mutable_data_ptr<acc_t>(),
+                       grad_votes);
   return BackwardBuffers<acc_t>{v_hist,
                                 gs_hist,
                                 coupling,

@@ -35,48 +35,53 @@ struct RowSplit {
 inline int64_t cluster_forward_shared_bytes(const RoutingDims& dims, int64_t acc_bytes) {
   return ClusterForwardLayout(dims).size() * acc_bytes;
 }
-inline int64_t cluster_backward_shared_bytes(const RoutingDims& dims, int64_t nkeep, int64_t acc_bytes) {
+inline int64_t cluster_backward_shared_bytes(const RoutingDims& dims, int64_t nkeep,
+                                             int64_t acc_bytes) {
   return ClusterBackwardLayout(dims, nkeep).size() * acc_bytes;
 }
 
 // The forward of B > 0 elements. partial holds B * split.parts() * J * D values unless fused.
 template <typename Launch, typename Source, typename scalar_t>
-void run_routing_forward(const Launch& launch, const Source& src, const scalar_t* bias, const RoutingDims& dims,
-                         typename Source::acc_type eps, const RowSplit& split,
-                         const ForwardWorkspace<typename Source::acc_type>& ws, typename Source::acc_type* partial,
-                         typename Source::acc_type* s_hist, scalar_t* v, scalar_t* c) {
+void run_routing_forward(const Launch& launch, const Source& src, const scalar_t* bias,
+                         const RoutingDims& dims, typename Source::acc_type eps,
+                         const RowSplit& split,
+                         const ForwardWorkspace<typename Source::acc_type>& ws,
+                         typename Source::acc_type* partial, typename Source::acc_type* s_hist,
+                         scalar_t* v, scalar_t* c) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, parts = split.parts();
   if (split.fused()) {
-    launch(routing_forward_kernel<Source, scalar_t>, blocks_for_items(B), src, bias, dims, eps, ws, s_hist, v, c);
+    launch(routing_forward_kernel<Source, scalar_t>, blocks_for_items(B), src, bias, dims, eps, ws,
+           s_hist, v, c);
     return;
   }
   // Per iteration r: launch_rows(r) leaves each part's sums in partial, then s^r and v^r.
   const auto iterate = [&](const auto& launch_rows) {
     for (int64_t r = 0; r < dims.iters; ++r) {
       launch_rows(r);
-      launch(routing_forward_reduce_kernel<scalar_t, acc_t>, blocks_for_items(B), static_cast<const acc_t*>(partial),
-             parts, bias, dims, r, eps, ws.v, s_hist, v);
+      launch(routing_forward_reduce_kernel<scalar_t, acc_t>, blocks_for_items(B),
+             static_cast<const acc_t*>(partial), parts, bias, dims, r, eps, ws.v, s_hist, v);
     }
   };
   // (Votes computed on the fly never take the warp or cluster kernels, which are not even
   // instantiated for them.)
   if constexpr (!Source::kComputesVotes) {
     if (split.cluster_forward) {
-      launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, blocks_for_items(B),
-                     kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)), src, bias, dims, eps, s_hist, v,
-                     c);
+      launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>,
+                     blocks_for_items(B), kClusterBlocks,
+                     cluster_forward_shared_bytes(dims, sizeof(acc_t)), src, bias, dims, eps,
+                     s_hist, v, c);
       return;
     }
     if (split.warp_rows)
       return iterate([&](int64_t r) {
-        launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowMaxD>, blocks_for_warps(B * parts), src,
-               dims, parts, r, ws, c, partial);
+        launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowMaxD>,
+               blocks_for_warps(B * parts), src, dims, parts, r, ws, c, partial);
       });
   }
   iterate([&](int64_t r) {
-    launch(routing_forward_rows_kernel<Source, scalar_t>, blocks_for_items(B * parts), src, dims, parts, r, ws, c,
-           partial);
+    launch(routing_forward_rows_kernel<Source, scalar_t>, blocks_for_items(B * parts), src, dims,
+           parts, r, ws, c, partial);
   });
 }
 
@@ -86,37 +91,44 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
 // grad_v and s_hist in the accumulation dtype; partial as for the forward unless fused, when a
 // step is walked back.
 template <typename Launch, typename Source, typename grad_t>
-void run_routing_backward(const Launch& launch, const Source& src, const typename Source::acc_type* grad_v,
+void run_routing_backward(const Launch& launch, const Source& src,
+                          const typename Source::acc_type* grad_v,
                           const typename Source::acc_type* s_hist, const RoutingDims& dims,
                           typename Source::acc_type eps, const RowSplit& split,
                           const BackwardState<typename Source::acc_type>& st,
-                          const BackwardWorkspace<typename Source::acc_type>& ws, typename Source::acc_type* partial,
-                          typename Source::acc_type* grad_bias, grad_t* grad_votes) {
+                          const BackwardWorkspace<typename Source::acc_type>& ws,
+                          typename Source::acc_type* partial, typename Source::acc_type* grad_bias,
+                          grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, R = dims.iters, parts = split.parts();
   if constexpr (!Source::kComputesVotes) {
     if (split.cluster_backward) {
-      launch.cluster(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, blocks_for_items(B),
-                     kBackwardClusterBlocks, cluster_backward_shared_bytes(dims, st.nkeep, sizeof(acc_t)), src, grad_v,
+      launch.cluster(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>,
+                     blocks_for_items(B), kBackwardClusterBlocks,
+                     cluster_backward_shared_bytes(dims, st.nkeep, sizeof(acc_t)), src, grad_v,
                      s_hist, dims, eps, st.first_r, grad_bias, grad_votes);
       return;
     }
   }
   if (split.fused()) {
-    launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st, ws, grad_bias);
+    launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st,
+           ws, grad_bias);
     return;
   }
   // launch_coupling_rows() recomputes the kept couplings (and with coupling_walks_back takes the
   // first step back too); per step r walked back, launch_step_rows(r) leaves each part's share of
   // gv^{r-1} in partial, then gs^{r-1}.
-  const auto walk_back = [&](bool coupling_walks_back, const auto& launch_coupling_rows, const auto& launch_step_rows) {
-    launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps, st, ws.gv);
+  const auto walk_back = [&](bool coupling_walks_back, const auto& launch_coupling_rows,
+                             const auto& launch_step_rows) {
+    launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps, st,
+           ws.gv);
     launch_coupling_rows();
-    if (R - 1 == st.first_r) launch(routing_sum_gs_kernel<acc_t>, blocks_for_items(B), dims, st, grad_bias);
+    if (R - 1 == st.first_r)
+      launch(routing_sum_gs_kernel<acc_t>, blocks_for_items(B), dims, st, grad_bias);
     for (int64_t r = R - 1; r > st.first_r; --r) {
       if (r < R - 1 || !coupling_walks_back) launch_step_rows(r);
-      launch(routing_backward_reduce_kernel<acc_t>, blocks_for_items(B), static_cast<const acc_t*>(partial), parts,
-             s_hist, dims, r, eps, st, ws.gv, grad_bias);
+      launch(routing_backward_reduce_kernel<acc_t>, blocks_for_items(B),
+             static_cast<const acc_t*>(partial), parts, s_hist, dims, r, eps, st, ws.gv, grad_bias);
     }
   };
   if constexpr (!Source::kComputesVotes) {
@@ -124,21 +136,23 @@ void run_routing_backward(const Launch& launch, const Source& src, const typenam
       return walk_back(
           true,
           [&] {
-            launch(routing_coupling_warp_rows_kernel<Source, kWarpRowMaxD>, blocks_for_warps(B * parts), src, dims,
-                   parts, st, partial);
+            launch(routing_coupling_warp_rows_kernel<Source, kWarpRowMaxD>,
+                   blocks_for_warps(B * parts), src, dims, parts, st, partial);
           },
           [&](int64_t r) {
-            launch(routing_backward_warp_rows_kernel<Source, kWarpRowMaxD>, blocks_for_warps(B * parts), src, dims,
-                   parts, r, st, partial);
+            launch(routing_backward_warp_rows_kernel<Source, kWarpRowMaxD>,
+                   blocks_for_warps(B * parts), src, dims, parts, r, st, partial);
           });
   }
   walk_back(
       false,
       [&] {
-        launch(routing_coupling_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts, st, ws.logits);
+        launch(routing_coupling_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts,
+               st, ws.logits);
       },
       [&](int64_t r) {
-        launch(routing_backward_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts, r, st, partial);
+        launch(routing_backward_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts,
+               r, st, partial);
       });
 }
 

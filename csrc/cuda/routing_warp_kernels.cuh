@@ -47,7 +47,9 @@ __host__ __device__ __forceinline__ int row_lanes(int64_t J) {
 }
 
 // Whether the warp-rows kernels take these capsules.
-inline bool warp_rows_fit(const RoutingDims& dims) { return dims.J <= kWarpSize && dims.D <= kWarpRowMaxD; }
+inline bool warp_rows_fit(const RoutingDims& dims) {
+  return dims.J <= kWarpSize && dims.D <= kWarpRowMaxD;
+}
 
 // The place of one lane (see the top of the file).
 struct CapsuleLanes {
@@ -57,7 +59,11 @@ struct CapsuleLanes {
   int j;        // the lane's capsule
   bool active;  // j < J
   __device__ __forceinline__ CapsuleLanes(int64_t J, int lane)
-      : seg(row_lanes(J)), rows(kWarpSize / seg), slot(lane / seg), j(lane % seg), active(lane % seg < J) {}
+      : seg(row_lanes(J)),
+        rows(kWarpSize / seg),
+        slot(lane / seg),
+        j(lane % seg),
+        active(lane % seg < J) {}
 };
 
 // Sum / max over the seg lanes of each row; every lane of the row gets the result. All 32 lanes
@@ -92,7 +98,8 @@ __device__ __forceinline__ bool vector_capsules(const T* p, int64_t D) {
 // The D <= kD values at p into x (0 beyond D, and everywhere when !valid); as 16-byte vectors
 // when `vectors` (vector_capsules of the rows read).
 template <int kD, typename T, typename acc_t>
-__device__ __forceinline__ void load_capsule(const T* p, int D, bool valid, bool vectors, acc_t (&x)[kD]) {
+__device__ __forceinline__ void load_capsule(const T* p, int D, bool valid, bool vectors,
+                                             acc_t (&x)[kD]) {
   constexpr int kPer = Vector16<T>::kSize;
   if (valid && vectors && kD % kPer == 0) {
 #pragma unroll
@@ -100,7 +107,8 @@ __device__ __forceinline__ void load_capsule(const T* p, int D, bool valid, bool
       const Vector16<T> chunk =
           v * kPer < D ? reinterpret_cast<const Vector16<T>*>(p)[v] : Vector16<T>{};
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) x[v * kPer + e] = v * kPer < D ? static_cast<acc_t>(chunk.x[e]) : acc_t(0);
+      for (int e = 0; e < kPer; ++e)
+        x[v * kPer + e] = v * kPer < D ? static_cast<acc_t>(chunk.x[e]) : acc_t(0);
     }
   } else {
 #pragma unroll
@@ -140,7 +148,8 @@ __device__ __forceinline__ acc_t capsule_dot(const acc_t (&x)[kD], const acc_t (
 // leaky, its share dropped), as warp_coupling_row; 0 where !valid (every lane of a row past the
 // part's end is, and gets 0 rather than 0 / 0).
 template <typename acc_t>
-__device__ __forceinline__ acc_t row_softmax(const CapsuleLanes& lanes, bool valid, bool leaky, acc_t x) {
+__device__ __forceinline__ acc_t row_softmax(const CapsuleLanes& lanes, bool valid, bool leaky,
+                                             acc_t x) {
   acc_t max_logit = row_max(valid ? x : neg_infinity(acc_t(0)), lanes.seg);
   if (leaky) max_logit = max_logit > acc_t(0) ? max_logit : acc_t(0);
   const acc_t e = valid ? acc_exp(x - max_logit) : acc_t(0);
@@ -164,8 +173,8 @@ __device__ __forceinline__ void for_each_warp_part(int64_t B, int64_t I, int64_t
 // memory latency at 16 warps per SM): f(i, valid, u) with i the lane's row and u its votes (0
 // where !valid: a capsule beyond J or a row past the part's end).
 template <int kD, typename Source, typename F>
-__device__ __forceinline__ void for_each_row(const Source& src, const CapsuleLanes& lanes, int64_t b, RowRange rows,
-                                             int D, bool vectors, F&& f) {
+__device__ __forceinline__ void for_each_row(const Source& src, const CapsuleLanes& lanes,
+                                             int64_t b, RowRange rows, int D, bool vectors, F&& f) {
   using acc_t = typename Source::acc_type;
   const auto load = [&](int64_t i, acc_t(&x)[kD]) {
     const bool valid = lanes.active && i < rows.end;
@@ -194,8 +203,8 @@ __device__ __forceinline__ void sum_row_slots(const CapsuleLanes& lanes, acc_t (
 
 // A sum over the rows of every row slot, x, into part `item`'s (J, D) slab of partial.
 template <int kD, typename acc_t>
-__device__ __forceinline__ void store_part(const CapsuleLanes& lanes, acc_t (&x)[kD], int64_t item, int D,
-                                           int64_t JD, acc_t* partial) {
+__device__ __forceinline__ void store_part(const CapsuleLanes& lanes, acc_t (&x)[kD], int64_t item,
+                                           int D, int64_t JD, acc_t* partial) {
   sum_row_slots(lanes, x);
   if (lanes.slot != 0 || !lanes.active) return;
   acc_t* capsule = partial + item * JD + lanes.j * D;
@@ -208,8 +217,9 @@ __device__ __forceinline__ void store_part(const CapsuleLanes& lanes, acc_t (&x)
 // (b^0 = 0), kept between iterations in the lane's logit (written at r = 1 .. iters-2, read at
 // r = 2 .. iters-1: b^1 = <u, v^0>); returns c^r = softmax(b^r) after s_sum += c^r u.
 template <int kD, typename acc_t>
-__device__ __forceinline__ acc_t route_row_forward(const CapsuleLanes& lanes, bool valid, const RoutingDims& dims,
-                                                   int64_t r, const acc_t (&u)[kD], const acc_t (&v_prev)[kD],
+__device__ __forceinline__ acc_t route_row_forward(const CapsuleLanes& lanes, bool valid,
+                                                   const RoutingDims& dims, int64_t r,
+                                                   const acc_t (&u)[kD], const acc_t (&v_prev)[kD],
                                                    acc_t* logit, acc_t (&s_sum)[kD]) {
   acc_t x = valid && r > 1 ? *logit : acc_t(0);
   if (r > 0) x += capsule_dot(u, v_prev);
@@ -224,9 +234,10 @@ __device__ __forceinline__ acc_t route_row_forward(const CapsuleLanes& lanes, bo
 // ws.logits, c_out at the last iteration), the part's s sums in partial.
 template <typename Source, typename scalar_t, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
-    routing_forward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts, const int64_t r,
-                                     const ForwardWorkspace<typename Source::acc_type> ws, scalar_t* c_out,
-                                     typename Source::acc_type* partial) {
+    routing_forward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts,
+                                     const int64_t r,
+                                     const ForwardWorkspace<typename Source::acc_type> ws,
+                                     scalar_t* c_out, typename Source::acc_type* partial) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J;
   const int D = static_cast<int>(dims.D);
@@ -238,11 +249,13 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     load_capsule(ws.v + (b * J + lanes.j) * D, D, r > 0 && lanes.active, false, v_prev);
 #pragma unroll
     for (int d = 0; d < kD; ++d) s_sum[d] = 0;
-    for_each_row<kD>(src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
-      const int64_t ij = (b * I + i) * J + lanes.j;
-      const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev, ws.logits + ij, s_sum);
-      if (valid && r == dims.iters - 1) c_out[ij] = static_cast<scalar_t>(c);
-    });
+    for_each_row<kD>(
+        src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+          const int64_t ij = (b * I + i) * J + lanes.j;
+          const acc_t c =
+              route_row_forward(lanes, valid, dims, r, u, v_prev, ws.logits + ij, s_sum);
+          if (valid && r == dims.iters - 1) c_out[ij] = static_cast<scalar_t>(c);
+        });
     store_part(lanes, s_sum, item, D, J * D, partial);
   });
 }
@@ -251,8 +264,9 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
 // gs = gs^r_j: returns G^{r-1}_ij = G^r_ij + the softmax VJP of gc = <gs^r, u> after
 // gv_sum += G^{r-1}_ij u.
 template <int kD, typename acc_t>
-__device__ __forceinline__ acc_t walk_back_row(const CapsuleLanes& lanes, bool valid, const acc_t (&u)[kD],
-                                               const acc_t (&gs)[kD], acc_t c, acc_t g_next, acc_t (&gv_sum)[kD]) {
+__device__ __forceinline__ acc_t walk_back_row(const CapsuleLanes& lanes, bool valid,
+                                               const acc_t (&u)[kD], const acc_t (&gs)[kD], acc_t c,
+                                               acc_t g_next, acc_t (&gv_sum)[kD]) {
   const acc_t gc = capsule_dot(gs, u);
   const acc_t weighted = row_sum(c * gc, lanes.seg);
   const acc_t g = valid ? g_next + c * (gc - weighted) : acc_t(0);
@@ -276,32 +290,35 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int D = static_cast<int>(dims.D);
   const bool walks_back = R - 1 > st.first_r;
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D), state_vectors = vector_capsules(st.v_hist, D);
+  const bool vectors = vector_capsules(src.row(0, 0), D),
+             state_vectors = vector_capsules(st.v_hist, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     const acc_t* v_j = st.v_hist + (b * R * J + lanes.j) * D;  // v^r_j at v_j + r * J * D
     acc_t gs[kD], gv_sum[kD];
-    load_capsule(st.gs_hist + ((b * st.nkeep + last) * J + lanes.j) * D, D, walks_back && lanes.active, false, gs);
+    load_capsule(st.gs_hist + ((b * st.nkeep + last) * J + lanes.j) * D, D,
+                 walks_back && lanes.active, false, gs);
 #pragma unroll
     for (int d = 0; d < kD; ++d) gv_sum[d] = 0;
-    for_each_row<kD>(src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
-      const auto ij = [&](int64_t k) { return ((b * st.nkeep + k) * I + i) * J + lanes.j; };
-      if (valid) st.g_logits[ij(last)] = 0;
-      acc_t logit = 0, c = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        if (r > 0) {
-          acc_t v_prev[kD];
-          load_capsule(v_j + (r - 1) * J * D, D, valid, state_vectors, v_prev);
-          logit += capsule_dot(u, v_prev);
-        }
-        if (r < st.first_r) continue;
-        c = row_softmax(lanes, valid, dims.leaky, logit);
-        if (valid) st.coupling[ij(r - st.first_r)] = c;
-      }
-      if (walks_back) {
-        const acc_t g = walk_back_row(lanes, valid, u, gs, c, acc_t(0), gv_sum);
-        if (valid) st.g_logits[ij(last - 1)] = g;
-      }
-    });
+    for_each_row<kD>(
+        src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+          const auto ij = [&](int64_t k) { return ((b * st.nkeep + k) * I + i) * J + lanes.j; };
+          if (valid) st.g_logits[ij(last)] = 0;
+          acc_t logit = 0, c = 0;
+          for (int64_t r = 0; r < R; ++r) {
+            if (r > 0) {
+              acc_t v_prev[kD];
+              load_capsule(v_j + (r - 1) * J * D, D, valid, state_vectors, v_prev);
+              logit += capsule_dot(u, v_prev);
+            }
+            if (r < st.first_r) continue;
+            c = row_softmax(lanes, valid, dims.leaky, logit);
+            if (valid) st.coupling[ij(r - st.first_r)] = c;
+          }
+          if (walks_back) {
+            const acc_t g = walk_back_row(lanes, valid, u, gs, c, acc_t(0), gv_sum);
+            if (valid) st.g_logits[ij(last - 1)] = g;
+          }
+        });
     if (walks_back) store_part(lanes, gv_sum, item, D, J * D, partial);
   });
 }
@@ -311,7 +328,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
 // iters-1 is routing_coupling_warp_rows_kernel's.)
 template <typename Source, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
-    routing_backward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts, const int64_t r,
+    routing_backward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts,
+                                      const int64_t r,
                                       const BackwardState<typename Source::acc_type> st,
                                       typename Source::acc_type* partial) {
   using acc_t = typename Source::acc_type;
@@ -327,12 +345,13 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
     load_capsule(st.gs_hist + ((b * st.nkeep + k_r) * J + lanes.j) * D, D, lanes.active, false, gs);
 #pragma unroll
     for (int d = 0; d < kD; ++d) gv_sum[d] = 0;
-    for_each_row<kD>(src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
-      const int64_t ij = i * J + lanes.j;
-      const acc_t g = walk_back_row(lanes, valid, u, gs, valid ? c_b[ij] : acc_t(0), valid ? g_next_b[ij] : acc_t(0),
-                                    gv_sum);
-      if (valid) g_here_b[ij] = g;
-    });
+    for_each_row<kD>(
+        src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+          const int64_t ij = i * J + lanes.j;
+          const acc_t g = walk_back_row(lanes, valid, u, gs, valid ? c_b[ij] : acc_t(0),
+                                        valid ? g_next_b[ij] : acc_t(0), gv_sum);
+          if (valid) g_here_b[ij] = g;
+        });
     store_part(lanes, gv_sum, item, D, J * D, partial);
   });
 }

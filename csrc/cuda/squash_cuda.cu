@@ -18,7 +18,8 @@ namespace {
 template <bool kBackward>
 at::Tensor squash_rows_cuda(const at::Tensor& s_in, const at::Tensor* grad_in, double eps) {
   check_float_dtype(s_in, "s");
-  TORCH_CHECK(s_in.dim() >= 1, "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
+  TORCH_CHECK(s_in.dim() >= 1,
+              "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
   check_eps(eps);
   check_cuda(s_in, "s");
   if (kBackward) check_same_device(*grad_in, s_in, "grad_v", "s");
@@ -33,18 +34,20 @@ at::Tensor squash_rows_cuda(const at::Tensor& s_in, const at::Tensor* grad_in, d
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "squash_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     StreamLaunch{c10::cuda::getCurrentCUDAStream()}(
-        squash_rows_kernel<kBackward, scalar_t, acc_t>, blocks_for_warps(rows), s.const_data_ptr<scalar_t>(),
-        kBackward ? grad.const_data_ptr<scalar_t>() : nullptr, out.mutable_data_ptr<scalar_t>(), rows, D,
-        static_cast<acc_t>(eps));
+        squash_rows_kernel<kBackward, scalar_t, acc_t>, blocks_for_warps(rows),
+        s.const_data_ptr<scalar_t>(), kBackward ? grad.const_data_ptr<scalar_t>() : nullptr,
+        out.mutable_data_ptr<scalar_t>(), rows, D, static_cast<acc_t>(eps));
   });
   return out;
 }
 
-at::Tensor squash_cuda(const at::Tensor& s, double eps) { return squash_rows_cuda<false>(s, nullptr, eps); }
+at::Tensor squash_cuda(const at::Tensor& s, double eps) {
+  return squash_rows_cuda<false>(s, nullptr, eps);
+}
 
 at::Tensor squash_backward_cuda(const at::Tensor& grad_v, const at::Tensor& s, double eps) {
-  TORCH_CHECK(grad_v.sizes() == s.sizes(), "capsroute: grad_v must have the shape of s ", s.sizes(), ", got ",
-              grad_v.sizes());
+  TORCH_CHECK(grad_v.sizes() == s.sizes(), "capsroute: grad_v must have the shape of s ", s.sizes(),
+              ", got ", grad_v.sizes());
   return squash_rows_cuda<true>(s, &grad_v, eps);
 }
 

@@ -41,7 +41,8 @@ inline int64_t row_ranges_to_fill_device(int64_t B, int64_t I, int64_t min_rows)
 
 // The same for kernels of which only blocks_per_sm fit an SM: as many ranges as keep the B x
 // ranges blocks within one wave of resident blocks (rounding up would leave a short second wave).
-inline int64_t row_ranges_in_one_wave(int64_t B, int64_t I, int64_t min_rows, int64_t blocks_per_sm) {
+inline int64_t row_ranges_in_one_wave(int64_t B, int64_t I, int64_t min_rows,
+                                      int64_t blocks_per_sm) {
   const int64_t resident = blocks_per_sm * device_sms();
   const int64_t max_ranges = std::max<int64_t>(1, I / min_rows);
   return std::clamp<int64_t>(resident / std::max<int64_t>(B, 1), 1, max_ranges);
@@ -68,16 +69,18 @@ inline ClusterKernelSetup cluster_kernel_setup(const void* kernel) {
   const auto found = setups.find({device, kernel});
   if (found != setups.end()) return found->second;
   int max_shared = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const ClusterKernelSetup setup{attributes.ptxVersion, max_shared - static_cast<int64_t>(attributes.sharedSizeBytes)};
+  const ClusterKernelSetup setup{attributes.ptxVersion,
+                                 max_shared - static_cast<int64_t>(attributes.sharedSizeBytes)};
   if (setup.ptx_version >= 90) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(setup.max_dynamic_shared_bytes)));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
   }
   setups.emplace(std::make_pair(device, kernel), setup);
   return setup;
@@ -88,7 +91,8 @@ inline ClusterKernelSetup cluster_kernel_setup(const void* kernel) {
 struct ClusterLaunch {
   cudaLaunchAttribute cluster_dims = {};
   cudaLaunchConfig_t config = {};
-  ClusterLaunch(unsigned int clusters, int cluster_blocks, int64_t shared_bytes, cudaStream_t stream) {
+  ClusterLaunch(unsigned int clusters, int cluster_blocks, int64_t shared_bytes,
+                cudaStream_t stream) {
     cluster_dims.id = cudaLaunchAttributeClusterDimension;
     cluster_dims.val.clusterDim.x = cluster_blocks;
     cluster_dims.val.clusterDim.y = 1;
@@ -109,7 +113,8 @@ inline int resident_clusters(const void* kernel, int cluster_blocks, int64_t sha
   cluster_kernel_setup(kernel);  // the attributes it sets decide the occupancy
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int, int64_t>, int> counts;
-  const auto key = std::make_tuple(int{c10::cuda::current_device()}, kernel, cluster_blocks, shared_bytes);
+  const auto key =
+      std::make_tuple(int{c10::cuda::current_device()}, kernel, cluster_blocks, shared_bytes);
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = counts.find(key);
   if (found != counts.end()) return found->second;
@@ -137,14 +142,13 @@ struct StreamLaunch {
   // `kernel` on `clusters` clusters of cluster_blocks blocks (sm_90), each block with
   // shared_bytes of dynamic shared memory (see ClusterLaunch).
   template <typename... Params, typename... Args>
-  void cluster(void (*kernel)(Params...), unsigned int clusters, int cluster_blocks, int64_t shared_bytes,
-               const Args&... args) const {
+  void cluster(void (*kernel)(Params...), unsigned int clusters, int cluster_blocks,
+               int64_t shared_bytes, const Args&... args) const {
     cluster_kernel_setup(reinterpret_cast<const void*>(kernel));  // once per device
     const ClusterLaunch launch(clusters, cluster_blocks, shared_bytes, stream);
     C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, args...));
   }
 };
-
 
 }  // namespace cuda
 }  // namespace capsroute

@@ -2,15 +2,16 @@
 // backend's element code (csrc/cpu/em_element.h) with the same storage and accumulation types:
 // statistics, outputs and every gradient, over votes read from memory, for J, H, I and iteration
 // counts around the edge cases (J = 1, I = 0 or 1, one iteration), batches larger than the grid,
-// run by the launch sequences the ops use (csrc/cuda/em_sequence.cuh), and the robustness cases of docs/ops.md, em_routing (zero activations, identical votes,
-// votes of 1e3; a NaN vote must give NaN, not hang). Workspaces start as NaN. Where the two
-// disagree past the tolerance, both are compared with the CPU code in long double: the kernels
-// must be as close to it as the CPU code is (ill-conditioned cases are reported as such).
-// em_routing_pose too: votes P_i @ W_ij inside the kernels, the backward in batch chunks, and the
-// contractions into grad_pose and grad_weight. float16/bfloat16 storage with float accumulation
-// (c10::Half / c10::BFloat16 themselves) on a few shapes, as the extension instantiates them.
-// Prints one line per failure; exits 1 if there is any.
-//   em_test [quick | tsan]   (tsan: every kernel once on one small shape, for a ThreadSanitizer build)
+// run by the launch sequences the ops use (csrc/cuda/em_sequence.cuh), and the robustness cases of
+// docs/ops.md, em_routing (zero activations, identical votes, votes of 1e3; a NaN vote must give
+// NaN, not hang). Workspaces start as NaN. Where the two disagree past the tolerance, both are
+// compared with the CPU code in long double: the kernels must be as close to it as the CPU code is
+// (ill-conditioned cases are reported as such). em_routing_pose too: votes P_i @ W_ij inside the
+// kernels, the backward in batch chunks, and the contractions into grad_pose and grad_weight.
+// float16/bfloat16 storage with float accumulation (c10::Half / c10::BFloat16 themselves) on a few
+// shapes, as the extension instantiates them. Prints one line per failure; exits 1 if there is any.
+//   em_test [quick | tsan]   (tsan: every kernel once on one small shape, for a ThreadSanitizer
+//   build)
 #include "emu.h"
 
 #include <algorithm>
@@ -52,12 +53,16 @@ std::vector<double> randu(int64_t n) {
   for (auto& x : v) x = ud(rng);
   return v;
 }
-template <typename T, typename U> std::vector<T> cast(const std::vector<U>& v) {
+template <typename T, typename U>
+std::vector<T> cast(const std::vector<U>& v) {
   std::vector<T> o(v.size());
   for (size_t k = 0; k < v.size(); ++k) o[k] = static_cast<T>(v[k]);
   return o;
 }
-template <typename T> std::vector<T> nans(int64_t n) { return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN()); }
+template <typename T>
+std::vector<T> nans(int64_t n) {
+  return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN());
+}
 
 static int failures = 0, checks = 0, ill = 0;
 static double worst = 0;
@@ -75,8 +80,8 @@ double rel_err(const std::vector<T>& got, const std::vector<U>& want) {
   return maxdiff == 0 ? 0 : maxdiff / std::max(maxabs, 1e-300);
 }
 template <typename T, typename U, typename W>
-void judge(const std::string& what, const std::vector<T>& got, const std::vector<U>& want, const std::vector<W>& truth,
-           double tol) {
+void judge(const std::string& what, const std::vector<T>& got, const std::vector<U>& want,
+           const std::vector<W>& truth, double tol) {
   ++checks;
   const double agree = rel_err(got, want);
   worst = std::max(worst, agree);
@@ -90,11 +95,12 @@ void judge(const std::string& what, const std::vector<T>& got, const std::vector
   const double slack = 1000 * double(std::numeric_limits<decltype(want[0] * 1)>::epsilon());
   if (err_emu <= 8 * err_cpu + slack) {
     ++ill;
-    std::printf("  ill-conditioned %s: emu vs cpu %.2e; vs long double: emu %.2e, cpu %.2e\n", what.c_str(), agree,
-                err_emu, err_cpu);
+    std::printf("  ill-conditioned %s: emu vs cpu %.2e; vs long double: emu %.2e, cpu %.2e\n",
+                what.c_str(), agree, err_emu, err_cpu);
     return;
   }
-  std::printf("  FAIL %s: emu vs cpu %.3e; vs long double: emu %.2e, cpu %.2e\n", what.c_str(), agree, err_emu, err_cpu);
+  std::printf("  FAIL %s: emu vs cpu %.3e; vs long double: emu %.2e, cpu %.2e\n", what.c_str(),
+              agree, err_emu, err_cpu);
   ++failures;
 }
 
@@ -114,58 +120,71 @@ struct Results {
 };
 
 template <typename S, typename A>
-Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
-                      const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps) {
+Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a,
+                      const std::vector<S>& bu, const std::vector<S>& ba, const std::vector<A>& gp,
+                      const std::vector<A>& ga, double eps) {
   const EmDims d{cs.B, cs.I, cs.J, cs.H, cs.iters, cs.final_lambda};
   const int64_t I = cs.I, J = cs.J, JH = cs.J * cs.H, row = d.stats_row(), sn = cs.iters * J * row;
   Results<S, A> o;
-  o.stats.resize(cs.B * sn); o.pose.resize(cs.B * JH); o.a_out.resize(cs.B * J);
-  o.g_V.assign(cs.B * I * JH, A(0)); o.g_a.assign(cs.B * I, A(0));
+  o.stats.resize(cs.B * sn);
+  o.pose.resize(cs.B * JH);
+  o.a_out.resize(cs.B * J);
+  o.g_V.assign(cs.B * I * JH, A(0));
+  o.g_a.assign(cs.B * I, A(0));
   std::vector<A> gb(cs.B * 2 * J, A(0));
   cpu::EmElement<S, A, 0> em(d, eps);  // 0: H not fixed at compile time
   for (int64_t n = 0; n < cs.B; ++n)
-    em.forward(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(), o.stats.data() + n * sn,
-               o.pose.data() + n * JH, o.a_out.data() + n * J);
+    em.forward(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(),
+               o.stats.data() + n * sn, o.pose.data() + n * JH, o.a_out.data() + n * J);
   cpu::EmBackward<S, A, 0> back(d, eps);
   for (int64_t n = 0; n < cs.B; ++n)
-    back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn, gp.data() + n * JH,
-             ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I, gb.data() + n * 2 * J,
-             gb.data() + n * 2 * J + J);
+    back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn,
+             gp.data() + n * JH, ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I,
+             gb.data() + n * 2 * J, gb.data() + n * 2 * J + J);
   o.g_beta.assign(2 * J, A(0));
-  for (int64_t n = 0; n < cs.B; ++n) for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
+  for (int64_t n = 0; n < cs.B; ++n)
+    for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
   return o;
 }
 
 // splits: kEmFused (the fused kernels) or the row ranges per element of the row-range kernels.
 template <typename S, typename A>
-Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a, const std::vector<S>& bu,
-                      const std::vector<S>& ba, const std::vector<A>& gp, const std::vector<A>& ga, double eps,
-                      int64_t splits) {
-  const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters, ranges = std::max<int64_t>(splits, 1);
+Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a,
+                      const std::vector<S>& bu, const std::vector<S>& ba, const std::vector<A>& gp,
+                      const std::vector<A>& ga, double eps, int64_t splits) {
+  const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters,
+                ranges = std::max<int64_t>(splits, 1);
   const EmDims dims{B, I, J, H, R, cs.final_lambda};
   const MemoryVotes<S, A> src{V.data(), I, JH};
   const EmuLaunch launch{cs.grid, kBlockThreads};
   Results<S, A> o;
-  o.stats = nans<A>(B * R * dims.stats_block()); o.pose = nans<S>(B * JH); o.a_out = nans<S>(B * J);
+  o.stats = nans<A>(B * R * dims.stats_block());
+  o.pose = nans<S>(B * JH);
+  o.a_out = nans<S>(B * J);
   {
-    auto Rw = nans<A>(B * I * J), mass = nans<A>(B * J), norm = nans<A>(B * J), partial = nans<A>(B * ranges * (J + JH));
+    auto Rw = nans<A>(B * I * J), mass = nans<A>(B * J), norm = nans<A>(B * J),
+         partial = nans<A>(B * ranges * (J + JH));
     const EmForwardWorkspace<A> ws{Rw.data(), mass.data(), norm.data(), partial.data()};
-    run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, static_cast<A>(eps), splits, ws, o.stats.data(),
-                   o.pose.data(), o.a_out.data());
+    run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, static_cast<A>(eps), splits,
+                   ws, o.stats.data(), o.pose.data(), o.a_out.data());
   }
   auto R_hist = nans<A>(B * R * I * J), g_R = nans<A>(B * I * J), norm = nans<A>(B * R * J);
-  auto g_mu = nans<A>(B * JH), g_var = nans<A>(B * JH), g_logit = nans<A>(B * J), mass = nans<A>(B * J),
-       g_mass = nans<A>(B * J);
-  auto partial_cols = nans<A>(B * ranges * (2 * JH + J)), partial_mass = nans<A>(B * ranges * R * J);
-  o.g_V = nans<A>(B * I * JH); o.g_a = nans<A>(B * I);
+  auto g_mu = nans<A>(B * JH), g_var = nans<A>(B * JH), g_logit = nans<A>(B * J),
+       mass = nans<A>(B * J), g_mass = nans<A>(B * J);
+  auto partial_cols = nans<A>(B * ranges * (2 * JH + J)),
+       partial_mass = nans<A>(B * ranges * R * J);
+  o.g_V = nans<A>(B * I * JH);
+  o.g_a = nans<A>(B * I);
   auto gb = nans<A>(B * 2 * J);
-  const EmBackwardWorkspace<A> ws{R_hist.data(), g_R.data(), norm.data(), g_mu.data(), g_var.data(),
-                                  g_logit.data(), mass.data(), g_mass.data(), partial_cols.data(), partial_mass.data()};
+  const EmBackwardWorkspace<A> ws{
+      R_hist.data(),  g_R.data(),  norm.data(),   g_mu.data(),         g_var.data(),
+      g_logit.data(), mass.data(), g_mass.data(), partial_cols.data(), partial_mass.data()};
   const EmGrads<A> out{o.g_V.data(), o.g_a.data(), gb.data()};
-  run_em_backward(launch, src, a.data(), bu.data(), static_cast<const A*>(o.stats.data()), gp.data(), ga.data(), dims,
-                  static_cast<A>(eps), splits, ws, out);
+  run_em_backward(launch, src, a.data(), bu.data(), static_cast<const A*>(o.stats.data()),
+                  gp.data(), ga.data(), dims, static_cast<A>(eps), splits, ws, out);
   o.g_beta.assign(2 * J, A(0));
-  for (int64_t n = 0; n < B; ++n) for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
+  for (int64_t n = 0; n < B; ++n)
+    for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
   return o;
 }
 
@@ -173,26 +192,34 @@ template <typename S, typename A>
 void test_case(const Case& cs, const char* tname, double tol) {
   const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H;
   const double eps = 1e-6;
-  std::vector<double> V = randn(B * I * JH), a = randu(B * I), bu = randn(J, 0.5), ba = randn(J, 0.5);
+  std::vector<double> V = randn(B * I * JH), a = randu(B * I), bu = randn(J, 0.5),
+                      ba = randn(J, 0.5);
   const std::string sp = cs.special;
-  if (sp == "a_zero_some") for (int64_t k = 0; k < B * I; k += 3) a[k] = 0;
+  if (sp == "a_zero_some")
+    for (int64_t k = 0; k < B * I; k += 3) a[k] = 0;
   if (sp == "a_zero_all") std::fill(a.begin(), a.end(), 0.0);
   if (sp == "identical")
-    for (int64_t n = 0; n < B; ++n) for (int64_t i = 1; i < I; ++i) for (int64_t k = 0; k < JH; ++k)
-      V[(n * I + i) * JH + k] = V[n * I * JH + k];
-  if (sp == "large") for (auto& x : V) x *= 1e3;
+    for (int64_t n = 0; n < B; ++n)
+      for (int64_t i = 1; i < I; ++i)
+        for (int64_t k = 0; k < JH; ++k) V[(n * I + i) * JH + k] = V[n * I * JH + k];
+  if (sp == "large")
+    for (auto& x : V) x *= 1e3;
   if (sp == "nan") V[0] = std::numeric_limits<double>::quiet_NaN();
   auto Vs = cast<S>(V), as = cast<S>(a), bus = cast<S>(bu), bas = cast<S>(ba);
   auto gp = cast<A>(randn(B * JH)), ga = cast<A>(randn(B * J));
   const auto want = cpu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps);
   // The truth for judging disagreements: the CPU code on the same inputs in long double.
-  const auto truth = cpu_run<S, long double>(cs, Vs, as, bus, bas, cast<long double>(gp), cast<long double>(ga), eps);
+  const auto truth = cpu_run<S, long double>(cs, Vs, as, bus, bas, cast<long double>(gp),
+                                             cast<long double>(ga), eps);
   // Outputs stored in S are rounded to S: allow one ulp of S.
   const double out_tol = std::max(tol, double(std::numeric_limits<S>::epsilon()));
-  // The fused kernels, and the row-range kernels with 1 to 4 ranges (more ranges than rows where I is small).
+  // The fused kernels, and the row-range kernels with 1 to 4 ranges (more ranges than rows where I
+  // is small).
   for (const int64_t splits : {kEmFused, (cs.B + cs.I) % 4 + 1}) {
     const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits);
-    const std::string p = std::string(tname) + (splits == kEmFused ? " fused " : " splits=" + std::to_string(splits) + " ");
+    const std::string p =
+        std::string(tname) +
+        (splits == kEmFused ? " fused " : " splits=" + std::to_string(splits) + " ");
     judge(p + "stats", got.stats, want.stats, truth.stats, tol);
     judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
     judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
@@ -206,32 +233,37 @@ void test_case(const Case& cs, const char* tname, double tol) {
       for (auto x : got.g_V) bad |= !std::isfinite(double(x));
       for (auto x : got.g_a) bad |= !std::isfinite(double(x));
       for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
-      if (bad) { std::printf("  FAIL %s: non-finite output\n", p.c_str()); ++failures; }
+      if (bad) {
+        std::printf("  FAIL %s: non-finite output\n", p.c_str());
+        ++failures;
+      }
     }
   }
 }
-
 
 // em_routing_pose: votes V_ij = P_i W_ij (4x4) computed inside the kernels (PoseVotes), the
 // backward over the batch in chunks of `chunk` elements (run_pose_backward, as the op runs it), and
 // the vote gradient contracted into grad_pose and grad_weight. S is the accumulation type too,
 // so the CPU code can be given the same votes the kernels compute.
 template <typename S>
-void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, int64_t splits, unsigned grid,
-                    double tol) {
+void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, int64_t splits,
+                    unsigned grid, double tol) {
   constexpr int64_t H = kPoseSize;
   const int64_t JH = J * H;
   const double eps = 1e-6;
   const Case cs{B, I, J, H, iters, 1.0, grid, ""};
-  const auto pose = cast<S>(randn(B * I * H)), weight = cast<S>(randn(I * J * H, 0.5)), a = cast<S>(randu(B * I));
+  const auto pose = cast<S>(randn(B * I * H)), weight = cast<S>(randn(I * J * H, 0.5)),
+             a = cast<S>(randu(B * I));
   const auto bu = cast<S>(randn(J, 0.5)), ba = cast<S>(randn(J, 0.5));
   const auto gp = cast<S>(randn(B * JH)), ga = cast<S>(randn(B * J));
   std::vector<S> V(B * I * JH);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < I; ++i)
-      for (int64_t jh = 0; jh < JH; ++jh) V[(b * I + i) * JH + jh] = PoseVotes<S, S>{pose.data(), weight.data(), I, J}(b, i, jh);
+      for (int64_t jh = 0; jh < JH; ++jh)
+        V[(b * I + i) * JH + jh] = PoseVotes<S, S>{pose.data(), weight.data(), I, J}(b, i, jh);
   const auto want = cpu_run<S, S>(cs, V, a, bu, ba, gp, ga, eps);
-  const auto truth = cpu_run<S, long double>(cs, V, a, bu, ba, cast<long double>(gp), cast<long double>(ga), eps);
+  const auto truth =
+      cpu_run<S, long double>(cs, V, a, bu, ba, cast<long double>(gp), cast<long double>(ga), eps);
   // grad_pose and grad_weight from the CPU's vote gradient (and from the long double one).
   auto contract = [&](const auto& g_V) {
     using T = std::decay_t<decltype(g_V[0])>;
@@ -254,30 +286,38 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
 
   const EmDims dims{B, I, J, H, iters, 1.0};
   const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
-  auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH), a_out = nans<S>(B * J);
+  auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH),
+       a_out = nans<S>(B * J);
   const int64_t ranges = std::max<int64_t>(splits, 1);
-  auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J), partial = nans<S>(B * ranges * (J + JH));
+  auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J),
+       partial = nans<S>(B * ranges * (J + JH));
   const EmuLaunch launch{grid, kBlockThreads};
   run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, S(eps), splits,
-                 EmForwardWorkspace<S>{R.data(), mass.data(), norm.data(), partial.data()}, stats.data(), pose_out.data(),
-                 a_out.data());
+                 EmForwardWorkspace<S>{R.data(), mass.data(), norm.data(), partial.data()},
+                 stats.data(), pose_out.data(), a_out.data());
 
-  auto R_hist = nans<S>(chunk * iters * I * J), g_R = nans<S>(chunk * I * J), norm_hist = nans<S>(chunk * iters * J);
-  auto g_mu = nans<S>(chunk * JH), g_var = nans<S>(chunk * JH), g_logit = nans<S>(chunk * J), chunk_mass = nans<S>(chunk * J),
-       g_mass = nans<S>(chunk * J), g_V = nans<S>(chunk * I * JH);
-  auto partial_cols = nans<S>(chunk * ranges * (2 * JH + J)), partial_mass = nans<S>(chunk * ranges * iters * J);
-  const EmBackwardWorkspace<S> ws{R_hist.data(), g_R.data(), norm_hist.data(), g_mu.data(),
-                                  g_var.data(), g_logit.data(), chunk_mass.data(), g_mass.data(),
-                                  partial_cols.data(), partial_mass.data()};
-  auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H), g_weight = nans<S>(I * J * H);
-  run_pose_backward(launch, pose.data(), weight.data(), a.data(), bu.data(), static_cast<const S*>(stats.data()),
-                    gp.data(), ga.data(), dims, S(eps), splits, chunk, ws, g_V.data(), g_pose.data(), g_a.data(),
-                    g_weight.data(), g_beta.data());
+  auto R_hist = nans<S>(chunk * iters * I * J), g_R = nans<S>(chunk * I * J),
+       norm_hist = nans<S>(chunk * iters * J);
+  auto g_mu = nans<S>(chunk * JH), g_var = nans<S>(chunk * JH), g_logit = nans<S>(chunk * J),
+       chunk_mass = nans<S>(chunk * J), g_mass = nans<S>(chunk * J), g_V = nans<S>(chunk * I * JH);
+  auto partial_cols = nans<S>(chunk * ranges * (2 * JH + J)),
+       partial_mass = nans<S>(chunk * ranges * iters * J);
+  const EmBackwardWorkspace<S> ws{R_hist.data(),      g_R.data(),    norm_hist.data(),
+                                  g_mu.data(),        g_var.data(),  g_logit.data(),
+                                  chunk_mass.data(),  g_mass.data(), partial_cols.data(),
+                                  partial_mass.data()};
+  auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H),
+       g_weight = nans<S>(I * J * H);
+  run_pose_backward(launch, pose.data(), weight.data(), a.data(), bu.data(),
+                    static_cast<const S*>(stats.data()), gp.data(), ga.data(), dims, S(eps), splits,
+                    chunk, ws, g_V.data(), g_pose.data(), g_a.data(), g_weight.data(),
+                    g_beta.data());
   std::vector<S> g_beta_sum(2 * J, S(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];
-  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") + " pose B=" + std::to_string(B) + " I=" +
-                        std::to_string(I) + " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) +
+  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") +
+                        " pose B=" + std::to_string(B) + " I=" + std::to_string(I) +
+                        " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) +
                         " splits=" + std::to_string(splits) + " ";
   judge(p + "stats", stats, want.stats, truth.stats, tol);
   judge(p + "pose", pose_out, want.pose, truth.pose, tol);
@@ -303,7 +343,8 @@ int main(int argc, char** argv) {
       for (int64_t I : {1, 37})
         for (int64_t iters : {1, 2, 3}) {
           const bool small = k % 2 == 0;
-          cases.push_back({small ? 1 : 5, I, J, H, iters, k % 3 == 0 ? 0.01 : 1.0, small ? 2u : (k % 4 == 1 ? 2u : 3u), ""});
+          cases.push_back({small ? 1 : 5, I, J, H, iters, k % 3 == 0 ? 0.01 : 1.0,
+                           small ? 2u : (k % 4 == 1 ? 2u : 3u), ""});
           ++k;
         }
   // Extra shapes: many rows per warp, J*H beyond one block of column owners, no inputs, robustness.
@@ -317,24 +358,30 @@ int main(int argc, char** argv) {
   cases.push_back({2, 9, 4, 3, 4, 1.0, 1, "nan"});
   cases.push_back({7, 13, 5, 16, 5, 0.01, 3, ""});
   if (mode == "quick") {
-    cases = {{5, 37, 33, 16, 3, 1.0, 2, ""}, {3, 37, 3, 16, 2, 1.0, 2, ""}, {1, 20, 64, 5, 3, 1.0, 2, ""}};
+    cases = {{5, 37, 33, 16, 3, 1.0, 2, ""},
+             {3, 37, 3, 16, 2, 1.0, 2, ""},
+             {1, 20, 64, 5, 3, 1.0, 2, ""}};
   }
-  // tsan: every kernel once on a small shape, for a ThreadSanitizer build (a thread per CUDA thread).
+  // tsan: every kernel once on a small shape, for a ThreadSanitizer build (a thread per CUDA
+  // thread).
   const bool tsan = mode == "tsan";
   if (tsan) cases = {{3, 13, 5, 16, 3, 1.0, 2, ""}};
   for (const Case& cs : cases) {
-    std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld lambda=%g grid=%u %s\n", long(cs.B), long(cs.I), long(cs.J),
-                long(cs.H), long(cs.iters), cs.final_lambda, cs.grid, cs.special);
+    std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld lambda=%g grid=%u %s\n", long(cs.B),
+                long(cs.I), long(cs.J), long(cs.H), long(cs.iters), cs.final_lambda, cs.grid,
+                cs.special);
     test_case<double, double>(cs, "double", 1e-12);
     if (!tsan) test_case<float, float>(cs, "float", 2e-5);
   }
   // float16 / bfloat16 storage, float accumulation: both sides read the same rounded inputs and
-  // accumulate in float, so float's tolerance holds, and one ulp of the storage type on its outputs.
-  std::vector<Case> low_precision = {{5, 37, 33, 16, 3, 1.0, 2, ""}, {3, 24, 5, 16, 3, 1.0, 2, "a_zero_some"}};
+  // accumulate in float, so float's tolerance holds, and one ulp of the storage type on its
+  // outputs.
+  std::vector<Case> low_precision = {{5, 37, 33, 16, 3, 1.0, 2, ""},
+                                     {3, 24, 5, 16, 3, 1.0, 2, "a_zero_some"}};
   if (tsan) low_precision.clear();
   for (const Case& cs : low_precision) {
-    std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld %s, low precision\n", long(cs.B), long(cs.I), long(cs.J),
-                long(cs.H), long(cs.iters), cs.special);
+    std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld %s, low precision\n", long(cs.B),
+                long(cs.I), long(cs.J), long(cs.H), long(cs.iters), cs.special);
     test_case<c10::Half, float>(cs, "float16", 2e-5);
     if (mode == "full") test_case<c10::BFloat16, float>(cs, "bfloat16", 2e-5);
   }
@@ -346,7 +393,8 @@ int main(int argc, char** argv) {
     }
   }
   if (mode == "full") test_pose_case<double>(2, 1, 1, 1, 1, kEmFused, 1, 1e-12);
-  std::printf("%d checks, worst emu-vs-cpu rel err %.3e, %d explained by conditioning\n", checks, worst, ill);
+  std::printf("%d checks, worst emu-vs-cpu rel err %.3e, %d explained by conditioning\n", checks,
+              worst, ill);
   std::printf(failures ? "%d failures\n" : "all passed\n", failures);
   return failures ? 1 : 0;
 }

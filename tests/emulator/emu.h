@@ -1,10 +1,11 @@
 // Runs CUDA kernels on the host, for tests on machines without a GPU: one std::thread per CUDA
 // thread, all blocks of a launch at once, std::barrier for __syncthreads() and a barrier per
 // warp for the shuffles; dynamic shared memory per block, and thread block clusters (a barrier
-// of the cluster's threads, and each block's shared memory reachable by the others). Enough of CUDA for the device code of csrc/cuda (routing_kernels.cuh,
-// routing_warp_kernels.cuh, em_kernels.cuh): __syncthreads, __syncwarp and __shfl_xor_sync with a
-// full mask, and the bit casts of device_utils.cuh.
-// Races between threads are real races here, so ThreadSanitizer sees missing barriers.
+// of the cluster's threads, and each block's shared memory reachable by the others). Enough of CUDA
+// for the device code of csrc/cuda (routing_kernels.cuh, routing_warp_kernels.cuh, em_kernels.cuh):
+// __syncthreads, __syncwarp and __shfl_xor_sync with a full mask, and the bit casts of
+// device_utils.cuh. Races between threads are real races here, so ThreadSanitizer sees missing
+// barriers.
 #pragma once
 
 #include <barrier>
@@ -42,7 +43,8 @@ struct EmuBlock {
   EmuBlock(unsigned threads, size_t shared_bytes)
       : block_barrier(threads),
         exchange(threads),
-        shared((shared_bytes + sizeof(double) - 1) / sizeof(double), std::numeric_limits<double>::quiet_NaN()) {
+        shared((shared_bytes + sizeof(double) - 1) / sizeof(double),
+               std::numeric_limits<double>::quiet_NaN()) {
     for (unsigned w = 0; w < threads / 32; ++w) warp_barriers.emplace_back(new std::barrier<>(32));
   }
 };
@@ -65,8 +67,10 @@ inline unsigned cluster_block_rank() { return emu_block->cluster_rank; }
 inline void cluster_sync() { emu_block->cluster->barrier.arrive_and_wait(); }
 template <typename T>
 T* cluster_shared(T* local, unsigned rank) {
-  const auto offset = reinterpret_cast<unsigned char*>(local) - reinterpret_cast<unsigned char*>(emu_block->shared.data());
-  return reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(emu_block->cluster->blocks[rank]->shared.data()) + offset);
+  const auto offset = reinterpret_cast<unsigned char*>(local) -
+                      reinterpret_cast<unsigned char*>(emu_block->shared.data());
+  return reinterpret_cast<T*>(
+      reinterpret_cast<unsigned char*>(emu_block->cluster->blocks[rank]->shared.data()) + offset);
 }
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
@@ -107,10 +111,11 @@ inline double __longlong_as_double(long long i) {
 // kernel<<<grid, block, shared_bytes>>>(args...) in clusters of cluster_blocks blocks: every
 // thread of every block at once; returns when all end.
 template <typename Kernel, typename... Args>
-void emu_launch_clusters(unsigned grid, unsigned block, unsigned cluster_blocks, size_t shared_bytes, Kernel kernel,
-                         Args... args) {
+void emu_launch_clusters(unsigned grid, unsigned block, unsigned cluster_blocks,
+                         size_t shared_bytes, Kernel kernel, Args... args) {
   if (grid == 0 || block % 32 != 0 || grid % cluster_blocks != 0) {
-    std::fprintf(stderr, "emulator: bad launch <<<%u, %u>>> in clusters of %u\n", grid, block, cluster_blocks);
+    std::fprintf(stderr, "emulator: bad launch <<<%u, %u>>> in clusters of %u\n", grid, block,
+                 cluster_blocks);
     std::abort();
   }
   std::vector<std::unique_ptr<EmuBlock>> blocks;
@@ -153,8 +158,9 @@ struct EmuLaunch {
   }
   // At most max_blocks clusters.
   template <typename Kernel, typename... Args>
-  void cluster(Kernel kernel, unsigned clusters, int cluster_blocks, int64_t shared_bytes, const Args&... args) const {
-    emu_launch_clusters((clusters < max_blocks ? clusters : max_blocks) * cluster_blocks, threads, cluster_blocks,
-                        shared_bytes, kernel, args...);
+  void cluster(Kernel kernel, unsigned clusters, int cluster_blocks, int64_t shared_bytes,
+               const Args&... args) const {
+    emu_launch_clusters((clusters < max_blocks ? clusters : max_blocks) * cluster_blocks, threads,
+                        cluster_blocks, shared_bytes, kernel, args...);
   }
 };
