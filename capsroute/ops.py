@@ -14,7 +14,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
-from . import _autocast, reference
+from . import _autocast, _fake, reference  # noqa: F401  (_fake registers the fake implementations)
+from ._fake import acc_dtype
 
 _ops = torch.ops.capsroute
 
@@ -301,137 +302,6 @@ def conv_em_routing(
     return pose_out, a_out
 
 
-# ---- fake (meta) implementations: shapes and dtypes only, for torch.compile ----
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int):
-    return (
-        like.new_empty(B, J, D),
-        like.new_empty(B, I, J),
-        like.new_empty(B, iters, J, D, dtype=_acc_dtype(like.dtype)),
-    )
-
-
-@torch.library.register_fake("capsroute::squash")
-def _(s, eps):
-    return torch.empty_like(s)
-
-
-@torch.library.register_fake("capsroute::_squash_backward")
-def _(grad_v, s, eps):
-    return torch.empty_like(s)
-
-
-@torch.library.register_fake("capsroute::dynamic_routing")
-def _(votes, bias, iters, leaky, detach, eps):
-    B, I, J, D = votes.shape
-    return _routing_outputs(votes, B, I, J, D, iters)
-
-
-@torch.library.register_fake("capsroute::_dynamic_routing_backward")
-def _(grad_v, votes, s_hist, leaky, detach, eps):
-    return (
-        torch.empty_like(votes, memory_format=torch.contiguous_format),
-        votes.new_empty(votes.shape[2], votes.shape[3]),
-    )
-
-
-@torch.library.register_fake("capsroute::dense_capsules")
-def _(u, weight, bias, iters, leaky, detach, eps):
-    I, J, D, _ = weight.shape
-    return _routing_outputs(u, u.shape[0], I, J, D, iters)
-
-
-@torch.library.register_fake("capsroute::_dense_capsules_backward")
-def _(grad_v, u, weight, s_hist, leaky, detach, eps):
-    return (
-        torch.empty_like(u, memory_format=torch.contiguous_format),
-        torch.empty_like(weight),
-        u.new_empty(weight.shape[1], weight.shape[2]),
-    )
-
-
-@torch.library.register_fake("capsroute::em_routing")
-def _(votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
-    B, I, J, H = votes.shape
-    return (
-        votes.new_empty(B, J, H),
-        votes.new_empty(B, J),
-        votes.new_empty(B, iters, J, 2 * H + 1, dtype=_acc_dtype(votes.dtype)),
-    )
-
-
-@torch.library.register_fake("capsroute::_em_routing_backward")
-def _(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, final_lambda, eps):
-    return (
-        torch.empty_like(votes, memory_format=torch.contiguous_format),
-        torch.empty_like(a_in),
-        torch.empty_like(beta_u),
-        torch.empty_like(beta_a),
-    )
-
-
-@torch.library.register_fake("capsroute::em_routing_pose")
-def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
-    B, J = pose.shape[0], weight.shape[1]
-    return (
-        pose.new_empty(B, J, 16),
-        pose.new_empty(B, J),
-        pose.new_empty(B, iters, J, 33, dtype=_acc_dtype(pose.dtype)),
-    )
-
-
-@torch.library.register_fake("capsroute::_em_routing_pose_backward")
-def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
-    return (
-        torch.empty_like(pose, memory_format=torch.contiguous_format),
-        torch.empty_like(weight),
-        torch.empty_like(a_in),
-        torch.empty_like(beta_u),
-        torch.empty_like(beta_a),
-    )
-
-
-@torch.library.register_fake("capsroute::conv_em_routing")
-def _(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps):
-    B, H, W = pose.shape[:3]
-    K, C_out = weight.shape[0], weight.shape[3]
-    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
-    return (
-        pose.new_empty(B, Ho, Wo, C_out, 16),
-        pose.new_empty(B, Ho, Wo, C_out),
-        pose.new_empty(B, Ho, Wo, iters, C_out, 33, dtype=_acc_dtype(pose.dtype)),
-    )
-
-
-@torch.library.register_fake("capsroute::_conv_em_routing_backward")
-def _(
-    grad_pose_out,
-    grad_a_out,
-    pose,
-    a_in,
-    weight,
-    beta_u,
-    beta_a,
-    stats,
-    stride,
-    padding,
-    final_lambda,
-    eps,
-):
-    return (
-        torch.empty_like(pose),
-        torch.empty_like(a_in),
-        torch.empty_like(weight),
-        torch.empty_like(beta_u),
-        torch.empty_like(beta_a),
-    )
-
-
 # ---- autograd ----
 # Each operator's inputs are its tensors, then its options. setup_context saves the tensors and
 # the forward's saved state; the backward runs the fused backward operator, or, when the engine
@@ -447,7 +317,7 @@ def _reference_vjp(ctx, tensors: list, grads: tuple) -> list:
     result = [None] * len(tensors)
     if like is None:
         return result
-    acc = _acc_dtype(like.dtype)
+    acc = acc_dtype(like.dtype)
     with torch.enable_grad(), torch.autocast(like.device.type, enabled=False):
         outputs = ctx.reference(*(None if t is None else t.to(acc) for t in tensors))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)

@@ -1,6 +1,6 @@
 """The shape of the capsroute package, read from its source (nothing is imported): the modules import
 each other without a cycle, the trainer and the figures stay clear of the benchmark, and no module
-outgrows a reader (500 lines)."""
+outgrows a reader (600 lines of at most 100 columns)."""
 
 import ast
 from pathlib import Path
@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "capsroute"
-MAX_LINES = 500
+# ruff format holds lines to 100 columns (scripts/lint.sh): 600 of them hold about what 500
+# lines of up to 132 columns held before the formatter.
+MAX_LINES = 600
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,134 @@
+"""The fake (meta) implementations of the capsroute operators: shapes and dtypes only, for
+torch.compile and torch.library.opcheck (registered on import, by capsroute.ops)."""
+
+import torch
+from torch import Tensor
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute in: float64 for float64 storage, float32 for the others."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int):
+    return (
+        like.new_empty(B, J, D),
+        like.new_empty(B, I, J),
+        like.new_empty(B, iters, J, D, dtype=acc_dtype(like.dtype)),
+    )
+
+
+@torch.library.register_fake("capsroute::squash")
+def _(s, eps):
+    return torch.empty_like(s)
+
+
+@torch.library.register_fake("capsroute::_squash_backward")
+def _(grad_v, s, eps):
+    return torch.empty_like(s)
+
+
+@torch.library.register_fake("capsroute::dynamic_routing")
+def _(votes, bias, iters, leaky, detach, eps):
+    B, I, J, D = votes.shape
+    return _routing_outputs(votes, B, I, J, D, iters)
+
+
+@torch.library.register_fake("capsroute::_dynamic_routing_backward")
+def _(grad_v, votes, s_hist, leaky, detach, eps):
+    return (
+        torch.empty_like(votes, memory_format=torch.contiguous_format),
+        votes.new_empty(votes.shape[2], votes.shape[3]),
+    )
+
+
+@torch.library.register_fake("capsroute::dense_capsules")
+def _(u, weight, bias, iters, leaky, detach, eps):
+    I, J, D, _ = weight.shape
+    return _routing_outputs(u, u.shape[0], I, J, D, iters)
+
+
+@torch.library.register_fake("capsroute::_dense_capsules_backward")
+def _(grad_v, u, weight, s_hist, leaky, detach, eps):
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        u.new_empty(weight.shape[1], weight.shape[2]),
+    )
+
+
+@torch.library.register_fake("capsroute::em_routing")
+def _(votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
+    B, I, J, H = votes.shape
+    return (
+        votes.new_empty(B, J, H),
+        votes.new_empty(B, J),
+        votes.new_empty(B, iters, J, 2 * H + 1, dtype=acc_dtype(votes.dtype)),
+    )
+
+
+@torch.library.register_fake("capsroute::_em_routing_backward")
+def _(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, final_lambda, eps):
+    return (
+        torch.empty_like(votes, memory_format=torch.contiguous_format),
+        torch.empty_like(a_in),
+        torch.empty_like(beta_u),
+        torch.empty_like(beta_a),
+    )
+
+
+@torch.library.register_fake("capsroute::em_routing_pose")
+def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
+    B, J = pose.shape[0], weight.shape[1]
+    return (
+        pose.new_empty(B, J, 16),
+        pose.new_empty(B, J),
+        pose.new_empty(B, iters, J, 33, dtype=acc_dtype(pose.dtype)),
+    )
+
+
+@torch.library.register_fake("capsroute::_em_routing_pose_backward")
+def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
+    return (
+        torch.empty_like(pose, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        torch.empty_like(a_in),
+        torch.empty_like(beta_u),
+        torch.empty_like(beta_a),
+    )
+
+
+@torch.library.register_fake("capsroute::conv_em_routing")
+def _(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps):
+    B, H, W = pose.shape[:3]
+    K, C_out = weight.shape[0], weight.shape[3]
+    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+    return (
+        pose.new_empty(B, Ho, Wo, C_out, 16),
+        pose.new_empty(B, Ho, Wo, C_out),
+        pose.new_empty(B, Ho, Wo, iters, C_out, 33, dtype=acc_dtype(pose.dtype)),
+    )
+
+
+@torch.library.register_fake("capsroute::_conv_em_routing_backward")
+def _(
+    grad_pose_out,
+    grad_a_out,
+    pose,
+    a_in,
+    weight,
+    beta_u,
+    beta_a,
+    stats,
+    stride,
+    padding,
+    final_lambda,
+    eps,
+):
+    return (
+        torch.empty_like(pose),
+        torch.empty_like(a_in),
+        torch.empty_like(weight),
+        torch.empty_like(beta_u),
+        torch.empty_like(beta_a),
+    )
