@@ -134,13 +134,14 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
   std::vector<A> gb(cs.B * 2 * J, A(0));
   cpu::EmElement<S, A, 0> em(d, eps);  // 0: H not fixed at compile time
   for (int64_t n = 0; n < cs.B; ++n)
-    em.forward(V.data() + n * I * JH, a.data() + n * I, bu.data(), ba.data(),
-               o.stats.data() + n * sn, o.pose.data() + n * JH, o.a_out.data() + n * J);
+    em.forward(cpu::VoteRows<S>{V.data() + n * I * JH, JH, cs.H}, a.data() + n * I, bu.data(),
+               ba.data(), o.stats.data() + n * sn, o.pose.data() + n * JH, o.a_out.data() + n * J);
   cpu::EmBackward<S, A, 0> back(d, eps);
   for (int64_t n = 0; n < cs.B; ++n)
-    back.run(V.data() + n * I * JH, a.data() + n * I, bu.data(), o.stats.data() + n * sn,
-             gp.data() + n * JH, ga.data() + n * J, o.g_V.data() + n * I * JH, o.g_a.data() + n * I,
-             gb.data() + n * 2 * J, gb.data() + n * 2 * J + J);
+    back.run(cpu::VoteRows<S>{V.data() + n * I * JH, JH, cs.H}, a.data() + n * I, bu.data(),
+             o.stats.data() + n * sn, gp.data() + n * JH, ga.data() + n * J,
+             o.g_V.data() + n * I * JH, o.g_a.data() + n * I, gb.data() + n * 2 * J,
+             gb.data() + n * 2 * J + J);
   o.g_beta.assign(2 * J, A(0));
   for (int64_t n = 0; n < cs.B; ++n)
     for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];

@@ -119,7 +119,7 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes,
   cpu::RoutingBackward<0, double> backward(d, eps, cs.detach);
   std::vector<double> state(cpu::BackwardState<double>::numel(d));
   for (int64_t b = 0; b < cs.B; ++b) {
-    const cpu::VoteRows<double> u{votes.data() + b * cs.I * JD, JD};
+    const cpu::VoteRows<double> u{votes.data() + b * cs.I * JD, JD, cs.D};
     cpu::route_forward<0>(u, cs.bias ? bias.data() : nullptr, d, eps, scratch,
                           e.s_hist.data() + b * cs.iters * JD, e.v.data() + b * JD,
                           e.c.data() + b * cs.I * cs.J);
