@@ -155,12 +155,13 @@ OPS = [
         "em",
     ),
     # Every shape with stride 2 and padding 1: overlapping windows, padding and a stride at once.
+    # (K = 2 there leaves corner windows one real child wide: too ill-conditioned for float32.)
     OpCheck(
         "conv_em_routing",
         _conv_em_inputs,
         lambda m, *tensors: m.conv_em_routing(*tensors, stride=2, padding=1),
         2,
-        {"2,5,5,3,4 K=3": (2, 5, 5, 3, 4, 3), "1,6,6,2,3 K=2": (1, 6, 6, 2, 3, 2)},
+        {"2,5,5,3,4 K=3": (2, 5, 5, 3, 4, 3), "1,7,6,2,3 K=3": (1, 7, 6, 2, 3, 3)},
         {"conv1 12x12 8->16 B=2": (2, 12, 12, 8, 16, 3)},
         ("conv1 12x12 8->16", (16, 12, 12, 8, 16, 3), (64, 12, 12, 8, 16, 3)),
         "conv-em",
