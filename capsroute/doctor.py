@@ -31,9 +31,8 @@ from ._runinfo import device_name, dtype_name, resolve_device, write_json_atomic
 from .bench.timing import synchronize, time_samples
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# Relative tolerance against the float64 reference per storage dtype, as the test suite's
-# (tests/helpers.py TOLERANCE); EM routing divides by variances and gets a factor more
-# (tests/op_db.py).
+# Relative tolerance against the float64 reference per storage dtype, the test suite's too
+# (tests/helpers.py, tests/op_db.py); EM routing divides by variances and gets a factor more.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 EM_TOLERANCE_FACTOR = {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}
 

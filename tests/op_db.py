@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 import capsroute
-from capsroute import reference
+from capsroute import doctor, reference
 from helpers import TOLERANCE, randn
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -254,7 +254,7 @@ def conv_em_inputs(shape, device="cpu", dtype=torch.float64, generator=None):
 
 def _em_tolerance(dtype):
     """EM routing divides by variances: float32 and low-precision storage lose a little more."""
-    return TOLERANCE[dtype] * {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}.get(dtype, 1)
+    return TOLERANCE[dtype] * doctor.EM_TOLERANCE_FACTOR.get(dtype, 1)
 
 
 def _shapes(full_precision, low_precision):
