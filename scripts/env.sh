@@ -20,7 +20,7 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-python -c "import torch" 2>/dev/null || pip install -q "torch==${CAPSROUTE_TORCH_VERSION:-2.14.1}"
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${CAPSROUTE_TORCH_VERSION:-2.14.1}"
 missing=$(python - <<'PY'
 import importlib.util
 wanted = {"numpy": "numpy", "pybind11": "pybind11", "ninja": "ninja", "setuptools": "setuptools", "wheel": "wheel",
@@ -33,7 +33,7 @@ PY
 )
 # The GPU machines have no network: what can't be installed there is reported, not fatal (the
 # build needs none of the test and plotting packages; a test that needs one then fails).
-if [ -n "$missing" ]; then pip install -q $missing || echo "warning: could not install: $missing" >&2; fi
+if [ -n "$missing" ]; then python -m pip install -q $missing || echo "warning: could not install: $missing" >&2; fi
 
 if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
@@ -47,9 +47,15 @@ if [ "$(cat build/.capsroute-stamp 2>/dev/null)" != "$stamp" ] || ! python -c "i
   echo "building capsroute._C (MAX_JOBS=$MAX_JOBS) ..." >&2
   # The compiler's output (ptxas' per-kernel report included) goes to build/build.log.
   mkdir -p build
-  pip install -v --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
+  python -m pip install -v --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
     || { tail -n 40 build/build.log >&2; grep -m 20 -E "error|FAILED" build/build.log >&2
          echo "build failed: the first errors above, the whole log in build/build.log" >&2; exit 1; }
+  # A refused input must reach Python as a RuntimeError. A compiler that links a static libstdc++
+  # into the extension (a wrapper g++ some images put first) builds one that crashes there instead.
+  python -c "import torch, capsroute
+try: capsroute.squash(torch.ones(1), eps=float('nan'))
+except RuntimeError: pass" || { echo "the build crashes on a C++ exception: build with the system" \
+    "compiler (CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED='/usr/bin/g++ -shared')" >&2; exit 1; }
   echo "$stamp" > build/.capsroute-stamp
 fi
 python -c "import capsroute, json; print('capsroute', json.dumps(capsroute.build_info()))"
