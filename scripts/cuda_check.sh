@@ -112,6 +112,10 @@ export CAPSROUTE_FORCE_CUDA=1
 # the next may land on a machine kind with another CPU.
 export CAPSROUTE_CPU_ARCH=${CAPSROUTE_CPU_ARCH:-x86-64-v3}
 export PYTHONUNBUFFERED=1  # logs complete up to the moment a call is cut off
+export PIP_RETRIES=0 PIP_TIMEOUT=3  # no network there: a missing package fails at once
+# The GPU image puts a wrapper g++ (/opt/gcc) first, whose extension carries a static libstdc++ and
+# crashes on the first C++ exception (a refused input): build with the system compiler.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"; fi
 build_cache=build-cache/capsroute-build.tar.gz
 [ ! -f "$build_cache" ] || tar -xzf "$build_cache"  # env.sh rebuilds if its stamp no longer matches
 # A failed build's whole log comes back (the output's tail seldom holds the compiler's error).
