@@ -30,6 +30,12 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     return value
 
 
+def _cast_outputs(out, device_type: str, dtype: torch.dtype):
+    if isinstance(out, tuple):
+        return tuple(_cast(o, device_type, dtype) for o in out)
+    return _cast(out, device_type, dtype)
+
+
 def register(lib: torch.library.Library):
     """Registers the rules on the capsroute:: operators (the backward operators run outside autocast)."""
     for name in IN_FLOAT32:
@@ -72,8 +78,8 @@ def like_op(name: str):
             dtype = torch.float32 if float32 else torch.get_autocast_dtype(device_type)
             args = [_cast(a, device_type, dtype) for a in args]
             kwargs = {k: _cast(v, device_type, dtype) for k, v in kwargs.items()}
-            if not float32:
-                return fn(*args, **kwargs)
+            if not float32:  # torch's per-op choices inside (CUDA's softmax and sums in float32)
+                return _cast_outputs(fn(*args, **kwargs), device_type, dtype)
             with torch.autocast(device_type, enabled=False):
                 return fn(*args, **kwargs)
 

@@ -15,7 +15,8 @@ from ._autocast import like_op
 
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     q = (s * s).sum(dim, keepdim=True)
-    return q / (1 + q) * s / torch.sqrt(q + eps)
+    # CUDA autocast sums in float32; the op returns the input's dtype (docs/ops.md, Autocast).
+    return (q / (1 + q) * s / torch.sqrt(q + eps)).to(s.dtype)
 
 
 def _coupling(logits: Tensor, leaky: bool) -> Tensor:
