@@ -43,8 +43,14 @@ def test_gradgradcheck(spec, device):
     for sample in small_samples(spec, device):
         # fast_mode: finite differences of random projections (the full Jacobians of the
         # gradients take a minute per op); test_double_backward_matches_reference checks all entries.
+        # A graph-making backward differentiates the reference, whose index_add (conv_em_routing)
+        # accumulates in atomic order on CUDA: the same gradients up to float64 rounding.
+        nondet_tol = 1e-12 if device == "cuda" else 0.0
         assert torch.autograd.gradgradcheck(
-            differentiable(spec, spec.fn, sample), sample.inputs(), fast_mode=True
+            differentiable(spec, spec.fn, sample),
+            sample.inputs(),
+            fast_mode=True,
+            nondet_tol=nondet_tol,
         )
 
 
