@@ -37,11 +37,11 @@ def build_info():
 
 def cuda_kernel_set() -> str:
     """The CUDA kernel set the ops run, from the environment variable CAPSROUTE_CUDA_KERNELS,
-    read at every call: "v1" (the default: block kernels, a block per element or per range of
-    its rows) or "v2" (dense_capsules' votes as batched GEMMs per chunk of the batch, the routing
-    rows a warp each, on sm_90 an element per thread-block cluster, EM in row ranges). Both sets
-    stay until a GPU has measured them; docs/kernels.md says which path runs when. Raises
-    RuntimeError on any other value."""
+    read at every call: "v2" (the default: dense_capsules' votes as batched GEMMs per chunk of the
+    batch, the routing rows a warp each, on sm_90 an element per thread-block cluster, EM in row
+    ranges) or "v1" (block kernels, a block per element or per range of its rows; slower on every
+    shape an H100 measured, kept until it is deleted). docs/kernels.md says which path runs when.
+    Raises RuntimeError on any other value."""
     return _C.cuda_kernel_set()
 
 

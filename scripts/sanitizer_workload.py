@@ -75,8 +75,9 @@ def check_routing_ops(
         check(f"{name} {label}", cuda_out, cpu_out, tol)
 
 
-# Dynamic routing, with the rows of each element in one block and (CAPSROUTE_ROUTING_SPLITS) in
-# ranges of one block each, more ranges than rows included.
+# The v1 kernel set: dynamic routing, with the rows of each element in one block and
+# (CAPSROUTE_ROUTING_SPLITS) in ranges of one block each, more ranges than rows included.
+os.environ["CAPSROUTE_CUDA_KERNELS"] = "v1"
 for dtype, shape, leaky, detach, splits in itertools.product(
     [torch.float32, torch.float64, torch.float16, torch.bfloat16],
     ROUTING_SHAPES,

@@ -71,10 +71,10 @@ def test_kernel_set_v2_rejects_a_bad_chunk(device, monkeypatch):
 
 
 def test_cuda_kernel_set_comes_from_the_environment(monkeypatch):
-    """CAPSROUTE_CUDA_KERNELS picks the CUDA kernel set (v1 by default); any other value is an error
+    """CAPSROUTE_CUDA_KERNELS picks the CUDA kernel set (v2 by default); any other value is an error
     the benchmark reports before it runs (it records the set in its JSON)."""
     monkeypatch.delenv("CAPSROUTE_CUDA_KERNELS", raising=False)
-    assert capsroute.cuda_kernel_set() == "v1"
+    assert capsroute.cuda_kernel_set() == "v2"
     for name in ("v1", "v2"):
         monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", name)
         assert capsroute.cuda_kernel_set() == name

@@ -23,10 +23,11 @@ inline std::optional<int64_t> forced_count(const char* name) {
   return n;
 }
 
-// CAPSROUTE_CUDA_KERNELS picks the kernel set until a GPU has measured both (bench/NOTES.md, GPU):
-//   v1 (default): the first kernels; dense_capsules recomputes every vote from the weight in
-//       every pass and never stores one.
-//   v2: the roofline redesign (bench/NOTES.md, GPU sections 3 to 6), so far: dense_capsules'
+// CAPSROUTE_CUDA_KERNELS picks the kernel set (docs/kernels.md, "CUDA, measured": v2 was as fast or
+// faster on every shape the H100 ran; v1 stays only until its deletion):
+//   v1: the first kernels; dense_capsules recomputes every vote from the weight in every pass and
+//       never stores one.
+//   v2 (default): the roofline redesign, so far: dense_capsules'
 //       votes of a chunk of the batch as one batched GEMM into an L2-sized workspace, the routing
 //       kernels over those stored votes and the backward's contractions as batched GEMMs; the
 //       routing rows of votes read from memory a warp per part of each element, a capsule per
@@ -40,10 +41,10 @@ enum class KernelSet { v1, v2 };
 
 inline KernelSet cuda_kernel_set() {
   const char* name = std::getenv("CAPSROUTE_CUDA_KERNELS");
-  if (name == nullptr || std::strcmp(name, "v1") == 0) return KernelSet::v1;
-  TORCH_CHECK(std::strcmp(name, "v2") == 0,
+  if (name == nullptr || std::strcmp(name, "v2") == 0) return KernelSet::v2;
+  TORCH_CHECK(std::strcmp(name, "v1") == 0,
               "capsroute: CAPSROUTE_CUDA_KERNELS must be v1 or v2, got '", name, "'");
-  return KernelSet::v2;
+  return KernelSet::v1;
 }
 
 // CAPSROUTE_ROUTING_CLUSTER=0 keeps v2's routing forward and backward (dynamic_routing,

@@ -1,6 +1,6 @@
 // The v2 kernel set's dynamic routing on sm_90, an element per cluster of blocks, each block
 // holding its part of the element's rows' votes in shared memory, so that the votes cross HBM once
-// per direction (bench/NOTES.md, GPU sections 7 and 8):
+// per direction (docs/kernels.md, "CUDA, v2"):
 //   - the forward on clusters of kClusterBlocks, every iteration on the votes in shared memory;
 //   - the backward on clusters of kBackwardClusterBlocks, the couplings and their gradients in
 //     shared memory too, the vote gradient written from there.

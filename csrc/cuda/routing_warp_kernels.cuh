@@ -1,6 +1,6 @@
 // The v2 kernel set's dynamic routing rows (CAPSROUTE_CUDA_KERNELS=v2, votes read from memory,
 // warp_rows_fit): a warp per part of an element's rows, each row's votes read once per pass into
-// registers and routed there (bench/NOTES.md, GPU section 6).
+// registers and routed there (docs/kernels.md, "CUDA, v2").
 //
 // Lanes. A row's capsules sit on seg consecutive lanes, seg = the power of two >= J (J <= 32), so
 // a warp routes 32 / seg rows at once: lane l takes row slot l / seg and capsule j = l % seg, and
@@ -32,7 +32,7 @@ namespace cuda {
 // than 32 capsules per row, keep the block kernels.
 constexpr int kWarpRowMaxD = 16;
 
-// Resident blocks per SM asked of ptxas (bench/NOTES.md, GPU section 6); float64 needs more
+// Resident blocks per SM asked of ptxas (docs/kernels.md, "CUDA, v2"); float64 needs more
 // than 128 registers.
 template <typename acc_t>
 constexpr int warp_rows_min_blocks() {
