@@ -34,9 +34,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(
         cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
           at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
             cpu::ForwardScratch<acc_t> scratch(dims);
+            std::vector<scalar_t> slab;
             for (int64_t n = begin; n < end; ++n) {
               cpu::route_forward<decltype(capsule_dim)::value>(
-                  cpu::element_votes(u, strides, n), b, dims, static_cast<acc_t>(eps), scratch,
+                  cpu::staged_element_votes(u, strides, n, dims.I, dims.J, dims.D, slab), b, dims,
+                  static_cast<acc_t>(eps), scratch,
                   s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
                   v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
                   c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
@@ -63,8 +65,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_votes =
-      at::empty(votes.sizes(), votes.options());  // contiguous, whatever votes' layout
+  at::Tensor grad_votes = empty_capsule_gradient(votes, 1);
+  const CapsuleStrides grad_strides = capsule_strides(grad_votes, 3);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
 
@@ -80,14 +82,16 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
             std::vector<acc_t> state_storage(cpu::BackwardState<acc_t>::numel(dims)),
                 g_u(dims.jd());
             const cpu::BackwardState<acc_t> state(state_storage.data(), dims);
+            std::vector<scalar_t> slab;
             for (int64_t n = begin; n < end; ++n) {
-              backward.run(cpu::element_votes(u, strides, n), g_v + n * dims.jd(),
+              backward.run(cpu::staged_element_votes(u, strides, n, dims.I, dims.J, dims.D, slab),
+                           g_v + n * dims.jd(),
                            s_hist.const_data_ptr<acc_t>() + n * dims.iters * dims.jd(),
                            grad_bias_items.mutable_data_ptr<acc_t>() + n * dims.jd(), state);
-              scalar_t* g_un = grad_votes.mutable_data_ptr<scalar_t>() + n * dims.I * dims.jd();
               for (int64_t i = 0; i < dims.I; ++i) {
                 backward.vote_grad_row(state, i, g_u.data());
-                std::copy(g_u.begin(), g_u.end(), g_un + i * dims.jd());
+                store_capsule_row(g_u.data(), dims.J, dims.D, grad_strides, n, i,
+                                  grad_votes.mutable_data_ptr<scalar_t>());
               }
             }
           });

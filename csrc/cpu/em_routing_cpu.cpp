@@ -48,9 +48,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(
         cpu::dispatch_size<kPoseSize>(dims.H, [&](auto pose_dim) {
           at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
             EmElement<scalar_t, acc_t, decltype(pose_dim)::value> em(dims, eps);
+            std::vector<scalar_t> slab;
             for (int64_t n = begin; n < end; ++n) {
-              em.forward(cpu::element_votes(V, strides, n), a + n * dims.I, bu, ba,
-                         stats.mutable_data_ptr<acc_t>() + n * stats_numel,
+              em.forward(cpu::staged_element_votes(V, strides, n, dims.I, dims.J, dims.H, slab),
+                         a + n * dims.I, bu, ba, stats.mutable_data_ptr<acc_t>() + n * stats_numel,
                          pose.mutable_data_ptr<scalar_t>() + n * JH,
                          a_out.mutable_data_ptr<scalar_t>() + n * dims.J);
             }
@@ -78,8 +79,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const at::Tensor grad_pose = grad_pose_in.to(acc).contiguous(),
                    grad_a_out = grad_a_out_in.to(acc).contiguous();
   const at::Tensor stats = stats_in.to(acc).contiguous();
-  at::Tensor grad_votes =
-      at::empty(votes.sizes(), votes.options());  // contiguous, whatever votes' layout
+  at::Tensor grad_votes = empty_capsule_gradient(votes, 1);
+  const CapsuleStrides grad_strides = capsule_strides(grad_votes, 3);
   at::Tensor grad_a_in = at::empty_like(a_in);
   // Per-item beta gradients, summed afterwards in a fixed order (deterministic).
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, votes.options().dtype(acc));
@@ -94,18 +95,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
           at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
             EmBackward<scalar_t, acc_t, decltype(pose_dim)::value> backward(dims, eps);
             std::vector<acc_t> g_V(I * JH), g_a(I);
+            std::vector<scalar_t> slab;
             for (int64_t n = begin; n < end; ++n) {
               std::fill(g_V.begin(), g_V.end(), acc_t(0));
               std::fill(g_a.begin(), g_a.end(), acc_t(0));
               acc_t* g_beta_u = grad_beta_items.mutable_data_ptr<acc_t>() + n * 2 * J;
-              backward.run(cpu::element_votes(V, strides, n), a_all + n * I, bu,
-                           stats.const_data_ptr<acc_t>() + n * iters * J * row,
+              backward.run(cpu::staged_element_votes(V, strides, n, I, J, H, slab), a_all + n * I,
+                           bu, stats.const_data_ptr<acc_t>() + n * iters * J * row,
                            grad_pose.const_data_ptr<acc_t>() + n * JH,
                            grad_a_out.const_data_ptr<acc_t>() + n * J, g_V.data(), g_a.data(),
                            g_beta_u, g_beta_u + J);
               std::copy(g_a.begin(), g_a.end(), grad_a_in.mutable_data_ptr<scalar_t>() + n * I);
-              std::copy(g_V.begin(), g_V.end(),
-                        grad_votes.mutable_data_ptr<scalar_t>() + n * I * JH);
+              for (int64_t i = 0; i < I; ++i)
+                store_capsule_row(g_V.data() + i * JH, J, H, grad_strides, n, i,
+                                  grad_votes.mutable_data_ptr<scalar_t>());
             }
           });
         });

@@ -103,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   const at::Tensor grad_pose_out = grad_pose_out_in.to(acc).contiguous(),
                    grad_a_out = grad_a_out_in.to(acc).contiguous();
   const at::Tensor stats = stats_in.to(acc).contiguous();
-  at::Tensor grad_pose =
-      at::empty(pose.sizes(), pose.options());  // contiguous, whatever pose's layout
+  at::Tensor grad_pose = empty_capsule_gradient(pose, 2);
+  const CapsuleStrides grad_strides = capsule_strides(grad_pose, 2);
   at::Tensor grad_a_in = at::empty_like(a_in);
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, pose.options().dtype(acc));
   const int64_t chunks = std::max<int64_t>(1, std::min(B, kWeightChunks));
@@ -150,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
                         gW[k * 4 + c] += static_cast<acc_t>(Pi[r * 4 + k]) * gV[r * 4 + c];
                       }
                 }
-                scalar_t* out = grad_pose.mutable_data_ptr<scalar_t>() + (n * I + i) * kPoseSize;
+                scalar_t* out = grad_pose.mutable_data_ptr<scalar_t>() + grad_strides.offset(n, i);
                 for (int k = 0; k < kPoseSize; ++k) out[k] = static_cast<scalar_t>(g_P[k]);
               }
             }

@@ -13,6 +13,7 @@
 #include <functional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../common/dims.h"
 
@@ -263,6 +264,21 @@ struct VoteRows {
 template <typename vote_t>
 VoteRows<vote_t> element_votes(const vote_t* data, const CapsuleStrides& strides, int64_t n) {
   return {data + strides.offset(n, 0), strides.row, strides.capsule};
+}
+
+// The same votes, gathered into `slab` (I x J x D, adjacent) where their rows are not adjacent:
+// the routing passes over an element's rows many times, and rows a multiple of 4 KB apart (the
+// einsum layout) share a few L2 sets and evict each other; one gather keeps the passes in L2.
+template <typename vote_t>
+VoteRows<vote_t> staged_element_votes(const vote_t* data, const CapsuleStrides& strides, int64_t n,
+                                      int64_t I, int64_t J, int64_t D, std::vector<vote_t>& slab) {
+  const VoteRows<vote_t> votes = element_votes(data, strides, n);
+  if (strides.row == J * D && strides.capsule == D) return votes;
+  slab.resize(I * J * D);
+  for (int64_t i = 0; i < I; ++i)
+    for (int64_t j = 0; j < J; ++j)
+      std::copy(votes.capsule(i, j), votes.capsule(i, j) + D, slab.data() + (i * J + j) * D);
+  return {slab.data(), J * D, D};
 }
 
 // Lane k: the sum of the lanes of row_sum(k) (a Vec<acc_t>) for the n rows of a tile (lanes past
