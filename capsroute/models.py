@@ -5,7 +5,7 @@ Both take `backend="fused" | "reference"` (see capsroute.nn) and return a named 
 """
 
 import ast
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -126,6 +126,8 @@ class MatrixCapsNet(nn.Module):
         iters: EM iterations in every capsule layer.
         final_lambda, normalize_cost, min_var, weight_std, pose_norm: the routing options of
             ConvCapsules and ClassCapsules, for every EM layer.
+        conv_routing: the convolutional capsule layers' routing, "window" or "cross-window"
+            (ConvCapsules' routing).
         conv_norm: batch norm after the first convolution.
         backend: "fused" or "reference" (see capsroute.nn).
 
@@ -149,6 +151,7 @@ class MatrixCapsNet(nn.Module):
         min_var: float = 1e-6,
         weight_std: float = 0.5,
         pose_norm: bool = False,
+        conv_routing: Literal["window", "cross-window"] = "window",
         conv_norm: bool = False,
         backend: str = "fused",
     ):
@@ -156,7 +159,7 @@ class MatrixCapsNet(nn.Module):
         self.conv = nn.Conv2d(in_channels, A, 5, stride=2)
         self.conv_norm = nn.BatchNorm2d(A) if conv_norm else nn.Identity()
         self.primary = PrimaryMatrixCapsules(A, B)
-        routing = dict(
+        em_options = dict(
             iters=iters,
             final_lambda=final_lambda,
             normalize_cost=normalize_cost,
@@ -165,9 +168,9 @@ class MatrixCapsNet(nn.Module):
             pose_norm=pose_norm,
             backend=backend,
         )
-        self.conv_caps1 = ConvCapsules(B, C, 3, stride=2, **routing)
-        self.conv_caps2 = ConvCapsules(C, D, 3, stride=1, **routing)
-        self.classes = ClassCapsules(D, classes, **routing)
+        self.conv_caps1 = ConvCapsules(B, C, 3, stride=2, routing=conv_routing, **em_options)
+        self.conv_caps2 = ConvCapsules(C, D, 3, stride=1, routing=conv_routing, **em_options)
+        self.classes = ClassCapsules(D, classes, **em_options)
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> MatrixCapsNetOutput:
         pose, activation = self.primary(F.relu(self.conv_norm(self.conv(images))))

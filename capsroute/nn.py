@@ -15,6 +15,8 @@ from . import ops, reference
 from ._autocast import like_op
 
 BACKENDS = {"fused": ops, "reference": reference}
+# Where ConvCapsules normalises a child's assignments (its docstring).
+CONV_ROUTINGS = ("window", "cross-window")
 
 
 def _routing_ops(backend: str):
@@ -229,14 +231,20 @@ class _EmCapsules(_CapsuleLayer):
 
 
 class ConvCapsules(_EmCapsules):
-    """Convolutional matrix capsules (Hinton et al. 2018): every k x k window of input capsules
-    (k * k * in_types of them) is routed on its own by EM routing to `out_types` capsules at that
-    output position (capsroute.em_routing_pose).
+    """Convolutional matrix capsules (Hinton et al. 2018): the k x k window of input capsules
+    (k * k * in_types of them) at each output position is routed by EM routing to `out_types`
+    capsules there.
 
-        V_ij = M_i W_ij (4x4 products);  pose_j, a_j = em_routing(V, a_in, beta_u, beta_a)
+        V_ij = M_i W_ij (4x4 products);  pose_j, a_j = EM routing of V, a_in, beta_u, beta_a
 
     The transformation matrices W depend on the position inside the window and the types, not on
     the window; the fused backend computes the votes inside the kernel and never stores them.
+    `routing` says where a child's assignments are normalised:
+    - "window": each window on its own (capsroute.em_routing_pose over the unfolded windows): a
+      child in several overlapping windows spends its whole vote in each.
+    - "cross-window": the paper's (capsroute.conv_em_routing): one distribution over every parent
+      of every window that contains the child, the poses never unfolded. With stride = k (no
+      overlap) both give the same result.
 
     Args:
         in_types, out_types: capsule types in and out.
@@ -244,8 +252,9 @@ class ConvCapsules(_EmCapsules):
         iters: EM iterations (>= 1).
         final_lambda: the inverse temperature's scale: iteration t uses
             final_lambda * (1 - 0.95^(t + 1)).
+        routing: "window" or "cross-window".
         backend: "fused" or "reference".
-        **routing: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules).
+        **options: normalize_cost, min_var, weight_std, pose_norm (see _EmCapsules).
 
     Parameters: weight (k * k * in_types, out_types, 4, 4), N(0, weight_std^2); beta_u and
     beta_a (out_types,), zeros.
@@ -264,18 +273,34 @@ class ConvCapsules(_EmCapsules):
         iters: int = 3,
         *,
         final_lambda: float = 0.01,
+        routing: str = "window",
         backend: str = "fused",
-        **routing,
+        **options,
     ):
+        if routing not in CONV_ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(CONV_ROUTINGS)}, got {routing!r}")
         super().__init__(
-            kernel_size * kernel_size * in_types, out_types, iters, final_lambda, backend, **routing
+            kernel_size * kernel_size * in_types, out_types, iters, final_lambda, backend, **options
         )
-        self.kernel_size, self.stride = kernel_size, stride
+        self.kernel_size, self.stride, self.routing = kernel_size, stride, routing
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
         N, H, W, types, _ = pose.shape
         k, s = self.kernel_size, self.stride
         pose = self._normalized(pose)
+        if self.routing == "cross-window":
+            # weight rows are (row, column, type) inside the window, as the unfold below orders them
+            out_pose, out_a = self.ops.conv_em_routing(
+                pose,
+                activation,
+                self.weight.view(k, k, types, -1, 4, 4),
+                self.beta_u,
+                self.beta_a,
+                self.iters,
+                stride=s,
+                **self._routing_options(self.weight.shape[0]),
+            )
+            return out_pose.reshape(*out_a.shape, 16), out_a
         # (N, H', W', types, 16, k, k) -> one routing problem per output position: (N H' W', k k types, 16)
         windows = pose.unfold(1, k, s).unfold(2, k, s)
         Ho, Wo = windows.shape[1], windows.shape[2]
@@ -298,7 +323,10 @@ class ConvCapsules(_EmCapsules):
         return out_pose.view(N, Ho, Wo, -1, 16), out_a.view(N, Ho, Wo, -1)
 
     def extra_repr(self) -> str:
-        return f"k={self.kernel_size}, stride={self.stride}, {super().extra_repr()}"
+        return (
+            f"k={self.kernel_size}, stride={self.stride}, routing={self.routing!r}, "
+            f"{super().extra_repr()}"
+        )
 
 
 class ClassCapsules(_EmCapsules):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import typing
 import warnings
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def model_options(model: str) -> dict[str, inspect.Parameter]:
     """The keyword-only parameters of a model (--model-config's keys): its sizes and routing
     settings; the classes, channels and image size come from the dataset, the backend from
     --backend."""
-    parameters = inspect.signature(MODELS[model]).parameters.values()
+    parameters = inspect.signature(MODELS[model], eval_str=True).parameters.values()
     return {p.name: p for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "backend"}
 
 
@@ -246,6 +247,9 @@ def _value_error(parameter: inspect.Parameter, value) -> str | None:
             return None
         count = "whole numbers" if length is None else f"{length} whole numbers"
         return f"must be a tuple of {count} >= 1, like {default}"
+    if isinstance(default, str):  # a Literal of the values it takes
+        allowed = typing.get_args(parameter.annotation)
+        return None if value in allowed else f"must be one of {', '.join(allowed)}"
     return None
 
 

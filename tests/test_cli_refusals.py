@@ -125,6 +125,10 @@ BEFORE_DATA = [
         "pose_norm must be True or False",
     ),
     (
+        ["--model", "matrixcapsnet", "--model-config", "conv_routing=paper"],
+        "matrixcapsnet's conv_routing must be one of window, cross-window",
+    ),
+    (
         ["--dataset", "multimnist", "--model", "matrixcapsnet"],
         "--dataset multimnist trains capsnet or cnn",
     ),

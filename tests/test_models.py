@@ -68,16 +68,70 @@ def test_primary_capsules_layer(device):
     assert_backends_agree(results)
 
 
+@pytest.mark.parametrize("routing", ["window", "cross-window"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_conv_capsules_layer_backends_agree(device):
+def test_conv_capsules_layer_backends_agree(device, routing):
     pose = torch.randn(2, 5, 6, 3, 16, dtype=torch.float64, device=device)
     activation = torch.rand(2, 5, 6, 3, dtype=torch.float64, device=device)
     results = both_backends(
-        lambda: ConvCapsules(3, 4, kernel_size=3, stride=2).to(device), pose, activation
+        lambda: ConvCapsules(3, 4, kernel_size=3, stride=2, routing=routing, pose_norm=True).to(
+            device
+        ),
+        pose,
+        activation,
     )
     out_pose, out_a = results["fused"][0]
     assert out_pose.shape == (2, 2, 2, 4, 16) and out_a.shape == (2, 2, 2, 4)
     assert_backends_agree(results)
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_conv_capsules_routings_agree_without_overlap(backend):
+    """With stride = kernel size every child lies in one window: normalising its assignments across
+    the windows that contain it is normalising them in its window, so both routings agree (this
+    also pins the weight's (row, column, type) order to the op's)."""
+    torch.manual_seed(0)
+    window = ConvCapsules(3, 4, kernel_size=3, stride=3, iters=2, final_lambda=0.5, backend=backend)
+    cross = ConvCapsules(
+        3, 4, kernel_size=3, stride=3, iters=2, final_lambda=0.5, routing="cross-window"
+    )
+    cross.load_state_dict(window.state_dict())
+    cross.backend = backend
+    pose = torch.randn(2, 6, 9, 3, 16, dtype=torch.float64)
+    activation = torch.rand(2, 6, 9, 3, dtype=torch.float64)
+    for a, b in zip(window.double()(pose, activation), cross.double()(pose, activation)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_capsules_cross_window_shares_a_child_between_windows():
+    """With overlapping windows the two routings differ: a child's assignments are normalised
+    across every window that contains it, not in each window on its own."""
+    torch.manual_seed(0)
+    window = ConvCapsules(2, 3, kernel_size=3, stride=1, iters=2, final_lambda=0.5).double()
+    cross = ConvCapsules(
+        2, 3, kernel_size=3, stride=1, iters=2, final_lambda=0.5, routing="cross-window"
+    ).double()
+    cross.load_state_dict(window.state_dict())
+    pose = torch.randn(1, 5, 5, 2, 16, dtype=torch.float64)
+    activation = torch.rand(1, 5, 5, 2, dtype=torch.float64)
+    expected = capsroute.conv_em_routing(
+        pose,
+        activation,
+        window.weight.view(3, 3, 2, 3, 4, 4),
+        window.beta_u,
+        window.beta_a,
+        2,
+        final_lambda=0.5,
+    )
+    got = cross(pose, activation)
+    torch.testing.assert_close(got[0], expected[0].reshape(1, 3, 3, 3, 16), rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+    assert not torch.allclose(window(pose, activation)[1], got[1], rtol=1e-6, atol=1e-6)
+
+
+def test_conv_capsules_refuses_an_unknown_routing():
+    with pytest.raises(ValueError, match="routing must be one of window, cross-window, got 'x'"):
+        ConvCapsules(2, 3, routing="x")
 
 
 def test_conv_capsules_routes_each_window():
@@ -187,11 +241,12 @@ def test_models_under_autocast(dtype):
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-def test_em_layers_route_in_float32_under_autocast():
+@pytest.mark.parametrize("conv_routing", ["window", "cross-window"])
+def test_em_layers_route_in_float32_under_autocast(conv_routing):
     """Under autocast the convolutions run in bfloat16 but EM routing stays in float32, in both
     backends, so they agree to float32 rounding of the same bfloat16 convolution outputs."""
     torch.manual_seed(0)
-    model = MatrixCapsNet(A=8, B=4, C=4, D=4)
+    model = MatrixCapsNet(A=8, B=4, C=4, D=4, conv_routing=conv_routing)
     images = torch.rand(2, 1, 28, 28)
     outs = {}
     for backend in ("fused", "reference"):
