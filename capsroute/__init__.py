@@ -35,23 +35,13 @@ def build_info():
     return info
 
 
-def cuda_kernel_set() -> str:
-    """The CUDA kernel set the ops run, from the environment variable CAPSROUTE_CUDA_KERNELS,
-    read at every call: "v2" (the default: dense_capsules' votes as batched GEMMs per chunk of the
-    batch, the routing rows a warp each, on sm_90 an element per thread-block cluster, EM in row
-    ranges) or "v1" (block kernels, a block per element or per range of its rows; slower on every
-    shape an H100 measured, kept until it is deleted). docs/kernels.md says which path runs when.
-    Raises RuntimeError on any other value."""
-    return _C.cuda_kernel_set()
-
-
 def last_kernel_path(op: str, direction: str = "forward") -> str:
     """The kernel path that the last call of `op` ran in `direction` ("forward" or "backward") in
     this process, as the dispatch decided at run time, fallbacks included: "cpu" on the CPU; on CUDA
-    "cuda" (squash), "v1-fused", "v1-split", "v2-warp-rows", "v2-cluster", "v2-block"
-    (dynamic_routing), "dense-v1+<routing path>", "dense-v2-gemm+<routing paths of its chunks,
-    comma-separated>" (dense_capsules), "em-block", "em-row-ranges" (the EM ops). "" if the op has
-    not run in that direction since clear_kernel_paths()."""
+    "cuda" (squash), "v2-warp-rows", "v2-cluster", "v2-block" (dynamic_routing),
+    "dense-v2-gemm+<routing paths of its chunks, comma-separated>" (dense_capsules), "em-row-ranges"
+    (the EM ops), "cuda-host-copy" (conv_em_routing); docs/kernels.md says which runs when. "" if
+    the op has not run in that direction since clear_kernel_paths()."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
     if direction not in ("forward", "backward"):
@@ -68,7 +58,6 @@ __all__ = [
     "build_info",
     "clear_kernel_paths",
     "conv_em_routing",
-    "cuda_kernel_set",
     "dense_capsules",
     "dynamic_routing",
     "dynamic_routing_coupling",

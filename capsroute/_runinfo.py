@@ -68,11 +68,6 @@ def short_commit(commit: str) -> str:
     return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
 
 
-def kernel_set(report: dict) -> str | None:
-    """The CUDA kernel set a GPU run used (None for CPU runs and records from before it was recorded)."""
-    return report.get("cuda_kernels") if report["device"] != "cpu" else None
-
-
 def device_name(device: torch.device) -> str:
     """The GPU's name, or "cpu" (the CPU's model is cpu_model())."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -1,7 +1,7 @@
 """`capsroute doctor`: checks that this install computes what it should on a device.
 
-Every op, on every kernel path the device has (each CUDA kernel set and path forced in turn through
-its environment switch), in every storage dtype, against the float64 plain-PyTorch reference
+Every op, on every kernel path the device has (each CUDA path forced in turn through its
+environment switch), in every storage dtype, against the float64 plain-PyTorch reference
 (capsroute.reference) on small odd shapes and the canonical ones: the outputs and every gradient.
 Prints which kernel path each check ran (capsroute.last_kernel_path) and times each op against
 eager PyTorch at one canonical shape. Exits 1 on a mismatch, a failed call, or a forced path that
@@ -38,7 +38,6 @@ EM_TOLERANCE_FACTOR = {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}
 
 # The environment switches of the CUDA kernels (csrc/cuda/kernel_options.h and the launch files).
 SWITCHES = (
-    "CAPSROUTE_CUDA_KERNELS",
     "CAPSROUTE_ROUTING_SPLITS",
     "CAPSROUTE_ROUTING_CLUSTER",
     "CAPSROUTE_EM_SPLITS",
@@ -178,40 +177,29 @@ class KernelPath:
     expect: Callable = lambda shape: None
 
 
-def _routing_paths(prefix: str, v2_prefix: str, with_clusters: bool) -> list[KernelPath]:
-    """dynamic_routing's (prefix "") or dense_capsules' ("dense-v1+", "dense-v2-gemm+") paths."""
+def _routing_paths(prefix: str, with_clusters: bool) -> list[KernelPath]:
+    """dynamic_routing's (prefix "") or dense_capsules' ("dense-v2-gemm+") paths."""
 
-    def v2_path(cluster):
+    def path(cluster):
         def expect(shape):
             J, D = shape[2], shape[3]
             if J > WARP_ROW_MAX_J or D > WARP_ROW_MAX_D:
-                return v2_prefix + "v2-block"  # the warp rows do not fit these capsules
-            return v2_prefix + ("v2-cluster" if cluster else "v2-warp-rows")
+                return prefix + "v2-block"  # the warp rows do not fit these capsules
+            return prefix + ("v2-cluster" if cluster else "v2-warp-rows")
 
         return expect
 
-    v1, v2 = {"CAPSROUTE_CUDA_KERNELS": "v1"}, {"CAPSROUTE_CUDA_KERNELS": "v2"}
-    paths = [
-        KernelPath(
-            "v1 fused", {**v1, "CAPSROUTE_ROUTING_SPLITS": "1"}, lambda shape: prefix + "v1-fused"
-        ),
-        KernelPath(
-            "v1 split=3", {**v1, "CAPSROUTE_ROUTING_SPLITS": "3"}, lambda shape: prefix + "v1-split"
-        ),
-        KernelPath("v2 no clusters", {**v2, "CAPSROUTE_ROUTING_CLUSTER": "0"}, v2_path(False)),
-    ]
+    paths = [KernelPath("no clusters", {"CAPSROUTE_ROUTING_CLUSTER": "0"}, path(False))]
     if with_clusters:
         paths.append(
-            KernelPath(
-                "v2 clusters forced", {**v2, "CAPSROUTE_ROUTING_CLUSTER": "force"}, v2_path(True)
-            )
+            KernelPath("clusters forced", {"CAPSROUTE_ROUTING_CLUSTER": "force"}, path(True))
         )
-    paths.append(KernelPath("v2 auto", v2))
+    paths.append(KernelPath("auto", {}))
     return paths
 
 
 def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
-    """The paths of an op on a device: one on the CPU; on CUDA every kernel set and path."""
+    """The paths of an op on a device: one on the CPU; on CUDA every path."""
     if device.type == "cpu":
         return [KernelPath("-", {}, lambda shape: "cpu")]
     # The cluster kernels run on sm_90 and later only (elsewhere they refuse to be forced).
@@ -221,22 +209,15 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
     if check.family == "conv-em":  # no CUDA kernel yet: the CPU kernel on host copies
         return [KernelPath("-", {}, lambda shape: "cuda-host-copy")]
     if check.family == "routing":
-        return _routing_paths("", "", clusters)
+        return _routing_paths("", clusters)
     if check.family == "dense":
-        paths = _routing_paths("dense-v1+", "dense-v2-gemm+", clusters)
-        # Chunks of 2 elements: the v2 vote workspace reused across chunks.
-        paths[-1] = KernelPath(
-            "v2 auto chunk=2", {**paths[-1].switches, "CAPSROUTE_DENSE_CHUNK": "2"}
-        )
+        paths = _routing_paths("dense-v2-gemm+", clusters)
+        # Chunks of 2 elements: the vote workspace reused across chunks.
+        paths[-1] = KernelPath("auto chunk=2", {"CAPSROUTE_DENSE_CHUNK": "2"})
         return paths
     return [
-        KernelPath("v1", {"CAPSROUTE_CUDA_KERNELS": "v1"}, lambda shape: "em-block"),
-        KernelPath(
-            "v2 splits=3",
-            {"CAPSROUTE_CUDA_KERNELS": "v2", "CAPSROUTE_EM_SPLITS": "3"},
-            lambda shape: "em-row-ranges",
-        ),
-        KernelPath("v2 auto", {"CAPSROUTE_CUDA_KERNELS": "v2"}),
+        KernelPath("splits=3", {"CAPSROUTE_EM_SPLITS": "3"}, lambda shape: "em-row-ranges"),
+        KernelPath("auto", {}),
     ]
 
 

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "common/kernel_path.h"
-#include "cuda/kernel_options.h"
 
 #ifndef CAPSROUTE_TORCH_VERSION
 #define CAPSROUTE_TORCH_VERSION "unknown"
@@ -34,9 +33,6 @@ PYBIND11_MODULE(_C, m) {
     info["cpu_arch"] = CAPSROUTE_CPU_ARCH;  // -march of the C++ sources (setup.py)
     return info;
   });
-  // The CUDA kernel set the ops run now (CAPSROUTE_CUDA_KERNELS); raises on a bad value.
-  m.def("cuda_kernel_set",
-        [] { return capsroute::cuda::kernel_set_name(capsroute::cuda::cuda_kernel_set()); });
   // The kernel path of an op's last call in a direction ("" if none since the last clear).
   m.def("last_kernel_path", [](const std::string& op, const std::string& direction) {
     return capsroute::KernelPathRecord::instance().get(op, direction);

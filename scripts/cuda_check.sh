@@ -9,14 +9,13 @@
 # The plan of a GPU session, in value order (one line a call; the budgets below; the build only in
 # the first call, later calls carry build-cache and unpack it):
 #   call-1  build doctor bench-minimal        the install works on the GPU, on every path; the
-#                                             minimal timings that decide between the kernel sets
+#                                             minimal timings of each path
 #   call-2  tests memcheck                    the CUDA test suite; memcheck over the workload
-#   call-3  sweep bench-baselines tests-v1    the float64 sweep at GPU sizes; eager and compiled
-#                                             once per minimal shape; the v1 set's tests
+#   call-3  sweep bench-baselines             the float64 sweep at GPU sizes; eager and compiled
+#                                             once per minimal shape
 #   call-4  racecheck initcheck               two more sanitizers
-#   call-5  synccheck sweep-v1 tests-scale    the last sanitizer; the sweep on v1; clusters forced;
-#                                             I = 16384
-#   call-6  bench bench-em                    the full benchmark (baselines once, v1 capsroute alone)
+#   call-5  synccheck tests-scale             the last sanitizer; I = 16384
+#   call-6  bench bench-em                    the full benchmark (other paths capsroute alone)
 #   call-7  bench-models train-capsnet        model steps; training resumes in later calls
 # Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
 # the first builds instead (240 s). `DRY_RUN=1 bash scripts/cuda_check.sh` checks that each call's
@@ -24,16 +23,15 @@
 #
 # Stages (budget in seconds; a stage may run longer where the call has time to spare, that is what
 # is left of the call less the budgets of the stages after it):
-#   doctor (120)          capsroute doctor --device cuda: every op, kernel set, path and dtype
-#                         against the reference, the path each ran, timings against eager
-#   bench-minimal (150)   capsroute alone: dynamic_routing B = 32, 512 on v1, v2 without and with
-#                         clusters; dense_capsules B = 32, 512 on v1 and v2; em_routing class and
-#                         conv shapes (B = 64, 2304) on v1 and v2; each report has the copy bandwidth
-#   bench-baselines (180) eager and torch.compile once per minimal shape (no kernel set involved)
-#   tests (240), tests-v1 (150)       the CUDA tests (-m cuda), on v2 (the default), then on v1 (routing, EM)
+#   doctor (120)          capsroute doctor --device cuda: every op, path and dtype against the
+#                         reference, the path each ran, timings against eager
+#   bench-minimal (150)   capsroute alone: dynamic_routing B = 32, 512 without and with clusters;
+#                         dense_capsules B = 32, 512; em_routing class and conv shapes (B = 64,
+#                         2304); each report has the copy bandwidth
+#   bench-baselines (180) eager and torch.compile once per minimal shape
+#   tests (240)           the CUDA tests (-m cuda)
 #   tests-scale (150)     I = 16384 at B = 1 or 2
-#   sweep (180), sweep-v1 (120)       scripts/gpu_sweep.py; v1: MNIST and EM cases, then MNIST
-#                         B = 512 with the clusters forced, float32 and float64
+#   sweep (180)           scripts/gpu_sweep.py
 #   memcheck (270), racecheck (270), initcheck (240), synccheck (240)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
 #   bench (270), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
@@ -63,12 +61,12 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 # carried in build-cache (unpack, environment, the GPU check); build: the same with the build
 # (2 min 15 s on 2 cores, measured; the GPU machines have 16).
 declare -A budget=([setup]=45 [build]=240 [doctor]=120 [bench-minimal]=150 [bench-baselines]=180
-  [tests]=240 [tests-v1]=150 [tests-scale]=150 [sweep]=180 [sweep-v1]=120 [memcheck]=270 [racecheck]=270
+  [tests]=240 [tests-scale]=150 [sweep]=180 [memcheck]=270 [racecheck]=270
   [initcheck]=240 [synccheck]=240 [bench]=270 [bench-em]=240 [bench-large]=240 [bench-scale]=180
   [bench-models]=300)
 # The calls of a GPU session, in value order (the header's plan).
-calls=("build doctor bench-minimal" "tests memcheck" "sweep bench-baselines tests-v1" "racecheck initcheck"
-       "synccheck sweep-v1 tests-scale" "bench bench-em" "bench-models train-capsnet")
+calls=("build doctor bench-minimal" "tests memcheck" "sweep bench-baselines" "racecheck initcheck"
+       "synccheck tests-scale" "bench bench-em" "bench-models train-capsnet")
 # The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
 stages=()
 for arg in "${@:-call-1}"; do
@@ -203,58 +201,45 @@ for k in "${!stages[@]}"; do
     echo "== $stage: at most $seconds s" >&2
   fi
   case $stage in
-    doctor)  # every op, kernel set, path and dtype against the reference; the path each ran
+    doctor)  # every op, path and dtype against the reference; the path each ran
       within python -m capsroute.doctor --device cuda --no-progress --json "$out/doctor.json" 2>&1 \
         | tee "$out/doctor.log" || status=1 ;;
-    bench-minimal)  # capsroute alone (the baselines: bench-baselines), each kernel set and path
+    bench-minimal)  # capsroute alone (the baselines: bench-baselines), each path
       mnist=(--impl capsroute --shape mnist --batch 32 512 --repeats 30)
       em=(--impl capsroute --op em --shape em-class em-conv --batch 64 2304 --repeats 30)
-      CAPSROUTE_CUDA_KERNELS=v1 gpu_bench minimal-v1 --op dynamic dense "${mnist[@]}" || status=1
-      CAPSROUTE_CUDA_KERNELS=v1 gpu_bench minimal-v1 "${em[@]}" || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench minimal-v2-no-clusters --op dynamic "${mnist[@]}" \
+      CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench minimal-v2-no-clusters --op dynamic "${mnist[@]}" \
         || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=force gpu_bench minimal-v2-clusters --op dynamic "${mnist[@]}" \
+      CAPSROUTE_ROUTING_CLUSTER=force gpu_bench minimal-v2-clusters --op dynamic "${mnist[@]}" \
         || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 gpu_bench minimal-v2 --op dense "${mnist[@]}" || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 gpu_bench minimal-v2 "${em[@]}" || status=1 ;;
-    bench-baselines)  # eager and compiled once per minimal shape: no kernel set involved
+      gpu_bench minimal-v2 --op dense "${mnist[@]}" || status=1
+      gpu_bench minimal-v2 "${em[@]}" || status=1 ;;
+    bench-baselines)  # eager and compiled once per minimal shape
       gpu_bench baselines --impl eager compiled --op dynamic dense --shape mnist --batch 32 512 || status=1
       gpu_bench baselines --impl eager compiled --op em --shape em-class --batch 64 || status=1
       gpu_bench baselines --impl eager compiled --op em --shape em-conv --batch 2304 || status=1 ;;
     tests)
       within python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1 ;;
-    tests-v1)  # the routing and EM tests again on the v1 kernel set (until it is deleted)
-      CAPSROUTE_CUDA_KERNELS=v1 within python -m pytest tests -q -m cuda -k "dense or dynamic or em_routing" \
-        --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests-kernels-v1.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
       within python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
     sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
       within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
-    sweep-v1)  # the v1 kernel set through the MNIST and EM cases, then MNIST B = 512 on v2's clusters
-      CAPSROUTE_CUDA_KERNELS=v1 within python scripts/gpu_sweep.py --device cuda --match MNIST em_routing \
-        --out "$out/kernels-v1" 2>&1 | tee "$out/gpu-sweep-kernels-v1.log" || status=1
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=force within python scripts/gpu_sweep.py --device cuda \
-        --match "MNIST B=512" --out "$out/kernels-v2-clusters" 2>&1 | tee "$out/gpu-sweep-kernels-v2-clusters.log" \
-        || status=1 ;;
     memcheck|racecheck|initcheck|synccheck)
       # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,
       # so an overrun or an uninitialised read inside a block would pass memcheck and initcheck.
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 within compute-sanitizer --tool "$stage" --error-exitcode 9 \
         python scripts/sanitizer_workload.py 2>&1 | tee "$out/sanitizer-$stage.log" | tail -5 || status=1 ;;
-    bench)  # every impl on v2 (the default); the v1 set capsroute alone (the baselines do not depend on it)
+    bench)  # every impl; other paths capsroute alone (the baselines do not depend on them)
       gpu_bench . --op dynamic dense --shape mnist --batch 32 128 512 2048 --plot || status=1
-      CAPSROUTE_CUDA_KERNELS=v1 gpu_bench kernels-v1 --impl capsroute --op dynamic dense --shape mnist \
-        --batch 32 128 512 2048 || status=1
-      # v2's dynamic_routing on the warp rows both ways instead of an element per cluster (docs/kernels.md, CUDA, measured)
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench kernels-v2-no-cluster --impl capsroute --op dynamic \
+      # dynamic_routing on the warp rows both ways instead of an element per cluster
+      # (docs/kernels.md, CUDA, measured)
+      CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench kernels-v2-no-cluster --impl capsroute --op dynamic \
         --shape mnist --batch 32 512 2048 || status=1
-      # v2 with chunks of 182 elements (128 MiB of votes, past the 50 MB L2: fewer launches, HBM traffic)
-      # against the default 45 (32 MiB, L2-resident).
-      CAPSROUTE_CUDA_KERNELS=v2 CAPSROUTE_DENSE_CHUNK=182 gpu_bench kernels-v2-chunk182 --impl capsroute --op dense \
+      # dense_capsules with chunks of 182 elements (128 MiB of votes, past the 50 MB L2: fewer
+      # launches, HBM traffic) against the default 45 (32 MiB, L2-resident).
+      CAPSROUTE_DENSE_CHUNK=182 gpu_bench kernels-v2-chunk182 --impl capsroute --op dense \
         --shape mnist --batch 512 2048 || status=1 ;;
-    bench-em)  # every impl on v2's row ranges (the default); v1's one block per element capsroute alone
-      gpu_bench . --op em em-pose --plot || status=1
-      CAPSROUTE_CUDA_KERNELS=v1 gpu_bench kernels-v1 --impl capsroute --op em em-pose || status=1 ;;
+    bench-em)  # every impl
+      gpu_bench . --op em em-pose --plot || status=1 ;;
     bench-large)
       gpu_bench . --op dynamic dense --shape large --batch 32 128 --plot || status=1 ;;
     bench-scale)

@@ -39,7 +39,7 @@ if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 
 # pip rebuilds every object on each editable install: build only when something changed (the
-# settings setup.py reads count; run-time switches such as CAPSROUTE_CUDA_KERNELS do not).
+# settings setup.py reads count; run-time switches such as CAPSROUTE_ROUTING_CLUSTER do not).
 stamp=$( { cat setup.py pyproject.toml capsroute/_cpu_arch.py; find csrc -type f | sort | xargs cat;
            env | grep -E '^(CAPSROUTE_(FORCE_CPU|FORCE_CUDA|CPU_ARCH)|TORCH_CUDA_ARCH_LIST|CUDA_HOME)=' | sort;
            python -c "import torch; print(torch.__version__)"; } | sha256sum | cut -c1-16)

@@ -6,11 +6,9 @@ float64 reference; then bitwise determinism (two float32 runs, outputs and gradi
     python scripts/gpu_sweep.py [--device cuda] [--quick] [--match TEXT ...] [--out DIR]
 
 --quick shrinks every case (for a CPU check that the script itself works); --match runs only the
-cases whose name contains one of the TEXTs (scripts/cuda_check.sh sweeps the MNIST routing and the
-EM cases again with CAPSROUTE_CUDA_KERNELS=v2, which the record names). Writes gpu-sweep.json
-(one record per case and dtype: relative errors, pass/fail, determinism, and the kernel path
-that ran forward/backward, capsroute.last_kernel_path) to --out, prints a line per
-case, and exits 1 if any case fails.
+cases whose name contains one of the TEXTs. Writes gpu-sweep.json (one record per case and dtype:
+relative errors, pass/fail, determinism, and the kernel path that ran forward/backward,
+capsroute.last_kernel_path) to --out, prints a line per case, and exits 1 if any case fails.
 """
 
 from __future__ import annotations
@@ -209,7 +207,6 @@ def main(argv=None) -> int:
         "device": device_name,
         "torch": torch.__version__,
         "build": capsroute.build_info(),
-        "cuda_kernels": capsroute.cuda_kernel_set(),
         "quick": args.quick,
         "match": args.match,
         "results": records,

@@ -75,9 +75,8 @@ def check_routing_ops(
         check(f"{name} {label}", cuda_out, cpu_out, tol)
 
 
-# The v1 kernel set: dynamic routing, with the rows of each element in one block and
-# (CAPSROUTE_ROUTING_SPLITS) in ranges of one block each, more ranges than rows included.
-os.environ["CAPSROUTE_CUDA_KERNELS"] = "v1"
+# The kernels the dispatch picks, every storage dtype, with the rows of each element in one range
+# and (CAPSROUTE_ROUTING_SPLITS) in 3, more ranges than rows included.
 for dtype, shape, leaky, detach, splits in itertools.product(
     [torch.float32, torch.float64, torch.float16, torch.bfloat16],
     ROUTING_SHAPES,
@@ -89,7 +88,7 @@ for dtype, shape, leaky, detach, splits in itertools.product(
     check_routing_ops(dtype, shape, leaky, detach, f"splits={splits}")
 os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 
-# The v2 kernel set: dynamic_routing's rows a warp per part of an element where the capsules fit
+# Each path forced: dynamic_routing's rows a warp per part of an element where the capsules fit
 # (J = 7, D = 16 and 1 x 1 here; J = 33, D = 5 and D = 32 take the block kernels), in one range per
 # element with (sm_90) the forward an element per cluster of 8 blocks and the backward an element
 # per cluster of 16 (CAPSROUTE_ROUTING_CLUSTER=force, whatever the batch), and
@@ -98,7 +97,6 @@ os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 # dense_capsules' votes of a chunk of the batch as one batched GEMM: the whole batch in one chunk
 # and (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one included; float32 and
 # float16 storage (dense_capsules' votes in float32 either way, bfloat16 as float16).
-os.environ["CAPSROUTE_CUDA_KERNELS"] = "v2"
 CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)
 for dtype, shape, detach, splits, chunk in itertools.product(
     [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], ["1", "3"], [None, "2"]
@@ -112,42 +110,38 @@ for dtype, shape, detach, splits, chunk in itertools.product(
     ops = (
         ("dynamic_routing", "dense_capsules") if chunk is None else ("dense_capsules",)
     )  # the chunk is dense's alone
-    check_routing_ops(
-        dtype, shape, True, detach, f"kernels=v2 splits={splits} chunk={chunk}", ops=ops
-    )
+    check_routing_ops(dtype, shape, True, detach, f"splits={splits} chunk={chunk}", ops=ops)
 for name in (
-    "CAPSROUTE_CUDA_KERNELS",
     "CAPSROUTE_DENSE_CHUNK",
     "CAPSROUTE_ROUTING_SPLITS",
     "CAPSROUTE_ROUTING_CLUSTER",
 ):
     os.environ.pop(name, None)
 
-# The EM kernels: the fused ones (v1) on every storage dtype, and v2's row ranges
-# (CAPSROUTE_EM_SPLITS=3: more ranges than rows at I = 1) on float32 and float16.
-EM_KERNELS = [
-    (kernels, dtype)
-    for kernels, dtypes in [
-        ("v1", [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
-        ("v2", [torch.float32, torch.float16]),
+# The EM kernels' row ranges: as many as the dispatch picks, on every storage dtype, and 3
+# (CAPSROUTE_EM_SPLITS; more ranges than rows at I = 1) on float32 and float16.
+EM_SPLITS = [
+    (splits, dtype)
+    for splits, dtypes in [
+        (None, [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+        ("3", [torch.float32, torch.float16]),
     ]
     for dtype in dtypes
 ]
 
 
-def use_em_kernels(kernels):
-    os.environ["CAPSROUTE_CUDA_KERNELS"] = kernels
-    if kernels == "v2":
-        os.environ["CAPSROUTE_EM_SPLITS"] = "3"
-    else:
+def use_em_splits(splits):
+    if splits is None:
         os.environ.pop("CAPSROUTE_EM_SPLITS", None)
+    else:
+        os.environ["CAPSROUTE_EM_SPLITS"] = splits
 
 
 # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
-for (kernels, dtype), (B, I, J, H), iters in itertools.product(
-    EM_KERNELS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
+for (splits, dtype), (B, I, J, H), iters in itertools.product(
+    EM_SPLITS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
 ):
-    use_em_kernels(kernels)
+    use_em_splits(splits)
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
         dtype
     ]
@@ -169,7 +163,7 @@ for (kernels, dtype), (B, I, J, H), iters in itertools.product(
     cuda_out = em(*[t.to("cuda", dtype) for t in inputs])
     note_paths("em_routing")
     check(
-        f"em_routing {kernels} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
+        f"em_routing splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
         cuda_out,
         em(*[t.to(dtype).double() for t in inputs]),
         tol,
@@ -177,10 +171,10 @@ for (kernels, dtype), (B, I, J, H), iters in itertools.product(
 
 # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
 # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
-for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
-    EM_KERNELS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
+for (splits, dtype), (B, I, J), iters, chunk in itertools.product(
+    EM_SPLITS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
 ):
-    use_em_kernels(kernels)
+    use_em_splits(splits)
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
         dtype
     ]
@@ -207,25 +201,20 @@ for (kernels, dtype), (B, I, J), iters, chunk in itertools.product(
     cuda_out = em_pose(*[t.to("cuda", dtype) for t in inputs])
     note_paths("em_routing_pose")
     check(
-        f"em_routing_pose {kernels} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
+        f"em_routing_pose splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
         cuda_out,
         em_pose(*[t.to(dtype).double() for t in inputs]),
         tol,
     )
-for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_CUDA_KERNELS", "CAPSROUTE_EM_SPLITS"):
+for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
     os.environ.pop(name, None)
 torch.cuda.synchronize()
 expected_paths = {
     "cuda",
-    "v1-fused",
-    "v1-split",
     "v2-warp-rows",
     "v2-block",
-    "dense-v1+v1-fused",
-    "dense-v1+v1-split",
     "dense-v2-gemm+v2-warp-rows",
     "dense-v2-gemm+v2-block",
-    "em-block",
     "em-row-ranges",
 }
 if CLUSTERS:

@@ -2,12 +2,12 @@
 csrc/cuda/routing_kernels.cuh and em_kernels.cuh on the host (a std::thread per CUDA thread,
 barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h) against the CPU
 backend's element code: every launch path of dynamic routing (a block per element, rows split
-over blocks, the v2 kernel set's warp per part of an element's rows, and its forward and backward
-an element per cluster of blocks with the votes in shared memory), float16/bfloat16 storage included (through c10::Half/BFloat16 from torch's headers),
-and the EM forward and backward (em_routing_pose's in batch chunks), all run by the very launch
-sequences the ops use (csrc/cuda/routing_sequence.cuh and em_sequence.cuh, given a host launcher
-instead of the CUDA stream one); and a ThreadSanitizer build of the same programs for data races
-(missing barriers). CI has no GPU, so this is what checks the kernels' arithmetic, indexing and
+over blocks, a warp per part of an element's rows, and the forward and backward an element per
+cluster of blocks with the votes in shared memory), float16/bfloat16 storage included (through
+c10::Half/BFloat16 from torch's headers), and the EM forward and backward (em_routing_pose's in
+batch chunks), all run by the very launch sequences the ops use (csrc/cuda/routing_sequence.cuh
+and em_sequence.cuh, given a host launcher instead of the CUDA stream one); and a ThreadSanitizer
+build of the same programs for data races (missing barriers). CI has no GPU, so this is what checks the kernels' arithmetic, indexing and
 barriers there; the cuda-marked tests check them on a GPU."""
 
 import functools

@@ -27,19 +27,15 @@ SHAPES = {
 }
 # Ops whose CUDA path computes on host copies: they refuse a CUDA graph capture.
 HOST_COPY = ("conv_em_routing",)
-# The kernel sets and paths the ops can take (csrc/cuda/kernel_options.h).
-KERNEL_SWITCHES = [
-    {"CAPSROUTE_CUDA_KERNELS": "v1"},
-    {"CAPSROUTE_CUDA_KERNELS": "v2", "CAPSROUTE_ROUTING_CLUSTER": "0"},
-    {"CAPSROUTE_CUDA_KERNELS": "v2"},
-]
-# The same kernels on the same values; dense_capsules' v2 GEMMs are cuBLAS's, whose algorithm may
+# The paths the ops can take (csrc/cuda/kernel_options.h): the warp rows, and the dispatch's choice.
+KERNEL_SWITCHES = [{"CAPSROUTE_ROUTING_CLUSTER": "0"}, {}]
+# The same kernels on the same values; dense_capsules' GEMMs are cuBLAS's, whose algorithm may
 # depend on the stream's workspace, so a last-bit difference there is not a failure.
 SAME = dict(rtol=1e-6, atol=1e-7)
 
 
 def switch_id(switches: dict) -> str:
-    return ",".join(f"{k.removeprefix('CAPSROUTE_')}={v}" for k, v in switches.items())
+    return ",".join(f"{k.removeprefix('CAPSROUTE_')}={v}" for k, v in switches.items()) or "auto"
 
 
 @pytest.mark.parametrize("switches", KERNEL_SWITCHES, ids=switch_id)
@@ -137,7 +133,6 @@ def test_forced_clusters_that_cannot_be_scheduled_refuse_or_run_and_say_so(monke
     grad_v = randn(4, 10, 16, device="cuda")
     v_ref = reference.dynamic_routing(votes, bias=bias)
     expected = [v_ref, *torch.autograd.grad(v_ref, (votes, bias), grad_v)]
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
 
     def run_directions():
         """{direction: the path it ran, or its refusal}; the results checked where both ran."""

@@ -33,8 +33,8 @@ def test_every_option_combination(device, iters, leaky, detach, with_bias):
 @pytest.mark.parametrize("splits", ["3", "300"])
 @pytest.mark.parametrize("detach", [False, True])
 def test_row_ranges_match_reference(device, monkeypatch, splits, detach):
-    """The row-range path of the CUDA routing kernels (see test_dynamic_routing) with votes
-    computed from the weight: the reference's results for any number of ranges."""
+    """The row-range path of the CUDA routing kernels (see test_dynamic_routing) over the votes
+    made from the weight: the reference's results for any number of ranges."""
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
     u, weight, bias = dense_inputs((2, 133, 10, 16, 8), device=device)
     for name, a, e in compare(u, weight, bias, 3, True, detach):
@@ -45,12 +45,11 @@ def test_row_ranges_match_reference(device, monkeypatch, splits, detach):
 @pytest.mark.parametrize("chunk", [None, "1", "2"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("detach", [False, True])
-def test_kernel_set_v2_matches_reference(device, monkeypatch, chunk, dtype, detach):
-    """CAPSROUTE_CUDA_KERNELS=v2: the votes of a chunk of the batch as one batched GEMM, the routing
-    kernels over them, the backward's contractions as batched GEMMs; the whole batch in one chunk,
-    and (CAPSROUTE_DENSE_CHUNK) chunks of 1 and 2 elements, the last one short. With 3 split row
-    ranges the chunks also take the row-range path."""
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+def test_gemm_chunks_match_reference(device, monkeypatch, chunk, dtype, detach):
+    """On CUDA the votes of a chunk of the batch as one batched GEMM, the routing kernels over
+    them, the backward's contractions as batched GEMMs; the whole batch in one chunk, and
+    (CAPSROUTE_DENSE_CHUNK) chunks of 1 and 2 elements, the last one short. With 3 split row ranges
+    the chunks also take the row-range path."""
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "3")
     if chunk is None:
         monkeypatch.delenv("CAPSROUTE_DENSE_CHUNK", raising=False)
@@ -62,25 +61,11 @@ def test_kernel_set_v2_matches_reference(device, monkeypatch, chunk, dtype, deta
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_kernel_set_v2_rejects_a_bad_chunk(device, monkeypatch):
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+def test_rejects_a_bad_chunk(device, monkeypatch):
     monkeypatch.setenv("CAPSROUTE_DENSE_CHUNK", "0")
     u, weight, bias = dense_inputs((2, 5, 3, 4, 2), device=device)
     with pytest.raises(RuntimeError, match="CAPSROUTE_DENSE_CHUNK must be an integer >= 1"):
         capsroute.dense_capsules(u, weight, bias=bias)
-
-
-def test_cuda_kernel_set_comes_from_the_environment(monkeypatch):
-    """CAPSROUTE_CUDA_KERNELS picks the CUDA kernel set (v2 by default); any other value is an error
-    the benchmark reports before it runs (it records the set in its JSON)."""
-    monkeypatch.delenv("CAPSROUTE_CUDA_KERNELS", raising=False)
-    assert capsroute.cuda_kernel_set() == "v2"
-    for name in ("v1", "v2"):
-        monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", name)
-        assert capsroute.cuda_kernel_set() == name
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v3")
-    with pytest.raises(RuntimeError, match="CAPSROUTE_CUDA_KERNELS must be v1 or v2, got 'v3'"):
-        capsroute.cuda_kernel_set()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -59,7 +59,7 @@ def test_a_mismatch_fails_the_doctor(monkeypatch, capsys):
 
 
 def test_a_path_that_did_not_run_fails_the_doctor(monkeypatch, capsys):
-    monkeypatch.setattr(capsroute, "last_kernel_path", lambda op, direction="forward": "v1-fused")
+    monkeypatch.setattr(capsroute, "last_kernel_path", lambda op, direction="forward": "v2-block")
     assert doctor.main(["--device", "cpu", "--quick", "--no-progress"]) == 1
     rows = result_rows(capsys.readouterr().out)
     assert rows and all(row[-1] == "FAIL: forced cpu, but another path ran" for row in rows), rows
@@ -73,15 +73,10 @@ def test_doctor_on_cuda_runs_every_path(capsys):
     ran = {path for row in rows for path in row[4].split("/")}
     expected = {
         "cuda",
-        "v1-fused",
-        "v1-split",
         "v2-warp-rows",
         "v2-block",
-        "dense-v1+v1-fused",
-        "dense-v1+v1-split",
         "dense-v2-gemm+v2-warp-rows",
         "dense-v2-gemm+v2-block",
-        "em-block",
         "em-row-ranges",
     }
     if torch.cuda.get_device_capability() >= (9, 0):

@@ -68,19 +68,20 @@ SPLIT_OPTIONS = [
 
 
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("kernels", ["v1", "v2"])
+@pytest.mark.parametrize("D", [16, 20], ids=["warp-rows", "block"])
 @pytest.mark.parametrize("splits", ["2", "5", "300"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
 def test_row_ranges_match_reference(
-    device, monkeypatch, kernels, splits, iters, leaky, detach, with_bias
+    device, monkeypatch, D, splits, iters, leaky, detach, with_bias
 ):
     """When the batch is too small to fill the GPU, each element's rows are routed in ranges, one
-    block each (v2: each range cut again among the block's warps), whose partial sums are added in
-    order (CAPSROUTE_ROUTING_SPLITS forces how many): the results are the reference's for any number
-    of ranges, more ranges than rows included."""
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
+    block each (each range cut again among the block's warps where the warp rows fit, D = 16; the
+    block kernels at D = 20), whose partial sums are added in order (CAPSROUTE_ROUTING_SPLITS forces
+    how many): the results are the reference's for any number of ranges, more ranges than rows
+    included."""
+    monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", "0")  # the ranges' kernels, not the clusters
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
-    B, I, J, D = 3, 133, 10, 16
+    B, I, J = 3, 133, 10
     votes = randn(B, I, J, D, device=device, scale=0.3, requires_grad=True)
     bias = randn(J, D, device=device, scale=0.3, requires_grad=True) if with_bias else None
     for name, a, e in compare(votes, bias, iters, leaky, detach):
@@ -99,17 +100,16 @@ def use_clusters(monkeypatch, cluster):
 @pytest.mark.parametrize("cluster", ["force", "0"])
 @pytest.mark.parametrize("iters,leaky,detach,with_bias", SPLIT_OPTIONS)
 @pytest.mark.parametrize("I", [133, 8, 5])
-def test_kernel_set_v2_matches_reference(
+def test_warp_rows_and_clusters_match_reference(
     device, monkeypatch, cluster, iters, leaky, detach, with_bias, I
 ):
-    """CAPSROUTE_CUDA_KERNELS=v2 routes with a warp per part of an element's rows where the capsules
-    fit a lane each (J <= 32, D <= 16: J = 10 and 16 two rows a warp, D = 12 read as 3 vectors;
-    J = 20 and 32 a row a warp, D = 5 read by scalars), with the block kernels beyond (D = 20); on sm_90
-    with CAPSROUTE_ROUTING_CLUSTER=force its forward runs an element per cluster of 8 blocks and its
+    """The routing runs with a warp per part of an element's rows where the capsules fit a lane
+    each (J <= 32, D <= 16: J = 10 and 16 two rows a warp, D = 12 read as 3 vectors; J = 20 and 32
+    a row a warp, D = 5 read by scalars), with the block kernels beyond (D = 20); on sm_90 with
+    CAPSROUTE_ROUTING_CLUSTER=force its forward runs an element per cluster of 8 blocks and its
     backward, vote gradient included, an element per cluster of 16 (I = 8 and 5: blocks without
     rows); with =0 the warp rows' vote gradient is written a tile of 8 rows per block: I a multiple
     of the tile, one short tile, and a last tile short (133 = 16 x 8 + 5)."""
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
     use_clusters(monkeypatch, cluster)
     for J, D in ((10, 16), (16, 12), (20, 16), (32, 5), (8, 20)):
         votes = randn(3, I, J, D, device=device, scale=0.3, requires_grad=True)
@@ -119,12 +119,13 @@ def test_kernel_set_v2_matches_reference(
 
 
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("kernels,cluster", [("v1", "1"), ("v2", "force"), ("v2", "0")])
-def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels, cluster):
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
+@pytest.mark.parametrize(
+    "D,cluster", [(20, "1"), (16, "force"), (16, "0")], ids=["block", "clusters", "warp-rows"]
+)
+def test_row_ranges_deterministic_and_checked(device, monkeypatch, D, cluster):
     use_clusters(monkeypatch, cluster)
-    votes = randn(2, 300, 10, 16, dtype=torch.float32, device=device, requires_grad=True)
-    grad = randn(2, 10, 16, dtype=torch.float32, device=device)
+    votes = randn(2, 300, 10, D, dtype=torch.float32, device=device, requires_grad=True)
+    grad = randn(2, 10, D, dtype=torch.float32, device=device)
     for splits in ("1", "4"):
         monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", splits)
         runs = []
@@ -138,7 +139,7 @@ def test_row_ranges_deterministic_and_checked(device, monkeypatch, kernels, clus
         capsroute.dynamic_routing(votes)
     monkeypatch.setenv("CAPSROUTE_ROUTING_SPLITS", "1")
     monkeypatch.setenv("CAPSROUTE_ROUTING_CLUSTER", "yes")
-    if kernels == "v2":
+    if D <= 16:  # read only where the warp rows run, which could take the clusters
         with pytest.raises(
             RuntimeError, match="CAPSROUTE_ROUTING_CLUSTER must be 0, 1 or force, got 'yes'"
         ):

@@ -27,11 +27,10 @@ def test_every_iteration_count(device, iters, final_lambda):
 @pytest.mark.parametrize("device", [CUDA])
 @pytest.mark.parametrize("splits", [None, "1", "3", "40"])
 @pytest.mark.parametrize("iters", [1, 3])
-def test_kernel_set_v2_row_ranges_match_reference(device, monkeypatch, splits, iters):
-    """CAPSROUTE_CUDA_KERNELS=v2 cuts each element's rows into ranges, one block each, whose sums
-    are added in order (CAPSROUTE_EM_SPLITS forces how many, None: as many as the GPU wants):
-    the reference's results for one range, several, and more ranges than rows; J * H > 256."""
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+def test_row_ranges_match_reference(device, monkeypatch, splits, iters):
+    """CUDA cuts each element's rows into ranges, one block each, whose sums are added in order
+    (CAPSROUTE_EM_SPLITS forces how many, None: as many as the GPU wants): the reference's results
+    for one range, several, and more ranges than rows; J * H > 256."""
     if splits is None:
         monkeypatch.delenv("CAPSROUTE_EM_SPLITS", raising=False)
     else:
@@ -42,8 +41,7 @@ def test_kernel_set_v2_row_ranges_match_reference(device, monkeypatch, splits, i
 
 
 @pytest.mark.parametrize("device", [CUDA])
-def test_kernel_set_v2_deterministic_and_checked(device, monkeypatch):
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+def test_row_ranges_deterministic_and_checked(device, monkeypatch):
     monkeypatch.setenv("CAPSROUTE_EM_SPLITS", "4")
     inputs = em_inputs((2, 300, 10, 16), device=device, dtype=torch.float32)
     runs = []

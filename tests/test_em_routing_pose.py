@@ -59,13 +59,12 @@ def test_robust(device, case):
         assert torch.isfinite(ours).all(), f"{case}: {name} has NaN or Inf"
 
 
-@pytest.mark.parametrize("kernels", ["v1", "v2"])
-def test_deterministic_for_any_batch_chunking(device, monkeypatch, kernels):
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_deterministic_for_any_batch_chunking(device, monkeypatch, splits):
     """The CUDA backward runs the batch in chunks (CAPSROUTE_EM_POSE_BACKWARD_CHUNK overrides their
-    size): the gradients are bitwise the same run after run and for any chunk size, with either
-    kernel set (v2: 3 row ranges per element in every chunk)."""
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", kernels)
-    monkeypatch.setenv("CAPSROUTE_EM_SPLITS", "3")
+    size): the gradients are bitwise the same run after run and for any chunk size, with 1 or 3
+    row ranges per element in every chunk."""
+    monkeypatch.setenv("CAPSROUTE_EM_SPLITS", splits)
     inputs = em_pose_inputs((9, 21, 6), device=device, dtype=torch.float32)
     pose, a_out = capsroute.em_routing_pose(*inputs)
     loss = pose.square().sum() + a_out.sum()
@@ -83,10 +82,9 @@ def test_deterministic_for_any_batch_chunking(device, monkeypatch, kernels):
 
 @pytest.mark.parametrize("device", [CUDA])
 @pytest.mark.parametrize("splits", ["1", "3"])
-def test_kernel_set_v2_row_ranges_match_reference(device, monkeypatch, splits):
-    """CAPSROUTE_CUDA_KERNELS=v2: the row-range EM kernels with the votes computed inside them,
-    the backward in chunks of 2 elements (the last one short)."""
-    monkeypatch.setenv("CAPSROUTE_CUDA_KERNELS", "v2")
+def test_row_ranges_match_reference(device, monkeypatch, splits):
+    """The row-range EM kernels with the votes computed inside them, the backward in chunks of 2
+    elements (the last one short)."""
     monkeypatch.setenv("CAPSROUTE_EM_SPLITS", splits)
     monkeypatch.setenv("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "2")
     for name, a, e in compare(em_pose_inputs((3, 11, 5), device=device)):

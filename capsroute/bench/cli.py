@@ -8,8 +8,6 @@ from pathlib import Path
 
 import torch
 
-import capsroute
-
 from .._runinfo import device_name, git_commit, resolve_device, write_json_atomic
 from .cases import (
     DTYPES,
@@ -129,10 +127,6 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    try:  # a bad CAPSROUTE_CUDA_KERNELS is a usage error before the run, not a traceback in it
-        capsroute.cuda_kernel_set()
-    except RuntimeError as error:
-        raise SystemExit(str(error)) from None
     dtype = DTYPES[args.dtype]
     impls = [i for i in args.impl if not (args.no_compile and i == "compiled")]
     shapes = args.shape  # None: each op's default shapes

@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, NullLocator
 
-from .._runinfo import kernel_set, short_commit
+from .._runinfo import short_commit
 
 COLORS = {"capsroute": "tab:blue", "eager": "tab:orange", "compiled": "tab:green"}
 LINESTYLES = ["-", "--", ":", "-."]
@@ -67,7 +67,6 @@ def plot_report(
     about = (
         f"{report['device']}, {report['dtype']}, torch {report['torch']}, "
         f"commit {short_commit(report['commit'])}"
-        + (f", CUDA kernels {kernel_set(report)}" if kernel_set(report) else "")
         + ("" if report.get("complete", True) else " (incomplete run)")
     )
 

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from .._runinfo import git_toplevel, kernel_set, short_commit
+from .._runinfo import git_toplevel, short_commit
 from .cases import MODEL_OPS
 
 
@@ -117,7 +117,6 @@ def format_table(report: dict) -> str:
             if report.get("loadavg_start") is not None
             else ""
         )
-        + (f"  CUDA kernels {kernel_set(report)}" if kernel_set(report) else "")
     )
     if report.get("bandwidth_gbs") is not None:
         title += (

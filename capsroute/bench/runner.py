@@ -74,7 +74,6 @@ def run_benchmarks(
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "capsroute": _build_info(),
-        "cuda_kernels": capsroute.cuda_kernel_set(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("CAPSROUTE_")},
         "bandwidth_gbs": bandwidth,
         "peak_tflops": peak,

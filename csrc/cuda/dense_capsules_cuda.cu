@@ -1,13 +1,10 @@
-// dense_capsules on CUDA, two kernel sets (CAPSROUTE_CUDA_KERNELS, kernel_options.h):
-//   v1: the shared routing kernels over votes_ij = weight_ij @ u_i computed on the fly
-//       (DenseVotes); neither the votes nor their gradient is ever stored. The backward contracts
-//       the vote gradient of the saved state with weight (grad_u) and with u (grad_weight, a
-//       deterministic loop over the batch, no atomics).
-//   v2: a chunk of the batch at a time, its votes as one batched GEMM into an L2-sized workspace
-//       (kDenseChunkBytes; never the whole batch's votes), the routing kernels over those stored
-//       votes (MemoryVotes), and the backward's contractions as batched GEMMs over the chunk's
-//       written vote gradient. The GEMMs follow torch's float32 matmul precision (TF32 only if
-//       the user allows it, torch.backends.cuda.matmul.allow_tf32).
+// dense_capsules on CUDA: a chunk of the batch at a time, its votes as one batched GEMM into an
+// L2-sized workspace (kDenseChunkBytes; never the whole batch's votes), dynamic_routing's kernels
+// over those stored votes (MemoryVotes), and the backward's contractions as batched GEMMs over the
+// chunk's written vote gradient. The GEMMs follow torch's float32 matmul precision (TF32 only if
+// the user allows it, torch.backends.cuda.matmul.allow_tf32). Recomputing every vote from the
+// weight inside the routing kernels instead, in every pass, was about 10x slower on an H100 at
+// B = 512 and 2048 (docs/kernels.md, "CUDA, measured").
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -24,13 +21,13 @@ namespace capsroute {
 namespace cuda {
 namespace {
 
-// v2: the vote workspace of a chunk, in the accumulation dtype: sized so that the votes the GEMM
+// The vote workspace of a chunk, in the accumulation dtype: sized so that the votes the GEMM
 // writes are still in L2 (50 MB on an H100, 40 MB on an A100) when the routing iterations read
 // them, as the CPU backend keeps a tile's votes in its L2. 32 MiB is 45 MNIST elements
 // (I = 1152, J = 10, D = 16, float32), which the row-range split spreads over 405 blocks.
 constexpr int64_t kDenseChunkBytes = int64_t(32) << 20;
 
-// v2: elements per chunk (CAPSROUTE_DENSE_CHUNK=N forces N, for the tests).
+// Elements per chunk (CAPSROUTE_DENSE_CHUNK=N forces N, for the tests).
 int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_DENSE_CHUNK")) return *forced;
   const int64_t per_element = std::max<int64_t>(1, dims.I * dims.J * dims.D * acc_bytes);
@@ -45,7 +42,7 @@ void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::T
   at::bmm_out(votes_by_row, u_chunk.transpose(0, 1), weight.view({I, JD, Din}).transpose(1, 2));
 }
 
-// v2, both directions: for each chunk [b0, b0 + Bc) of the batch, its votes computed into one
+// Both directions: for each chunk [b0, b0 + Bc) of the batch, its votes computed into one
 // workspace that every chunk reuses (stream order), then body(b0, chunk_dims, u_chunk, votes).
 // u_acc and weight_acc in the accumulation dtype.
 template <typename Body>
@@ -72,7 +69,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
   const at::Tensor u = u_in.contiguous();
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
-  const int64_t Din = u.size(2);
   const RoutingDims dims{u.size(0), weight.size(0), weight.size(1), weight.size(2), iters, leaky};
   at::Tensor v = at::empty({dims.B, dims.J, dims.D}, u.options());
   at::Tensor c = at::empty({dims.B, dims.I, dims.J}, u.options());
@@ -80,20 +76,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
       at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
   if (dims.B == 0) return {v, c, s_hist};
 
-  const KernelSet kernels = cuda_kernel_set();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
         const scalar_t* bias_ptr = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-        if (kernels == KernelSet::v1) {
-          const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(),
-                                                weight.const_data_ptr<scalar_t>(), dims.I,
-                                                dims.J * dims.D, Din};
-          record_kernel_path(
-              "dense_capsules", Direction::forward,
-              "dense-v1+" + launch_routing_forward(src, bias_ptr, dims, eps, s_hist, v, c));
-          return;
-        }
         const at::ScalarType acc = s_hist.scalar_type();
         std::string routing_paths;
         for_each_chunk_of_votes(
@@ -136,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
 
-  if (B > 0 && cuda_kernel_set() == KernelSet::v2) {
+  if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
           using acc_t = at::opmath_type<scalar_t>;
@@ -175,26 +161,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
                              "dense-v2-gemm+" + routing_paths);
           grad_u.copy_(grad_u_acc);
           grad_weight.copy_(grad_weight_acc.view_as(weight));
-        });
-  } else if (B > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kHalf, at::kBFloat16, u.scalar_type(), "dense_capsules_backward_cuda", [&] {
-          using acc_t = at::opmath_type<scalar_t>;
-          const DenseVotes<scalar_t, acc_t> src{u.const_data_ptr<scalar_t>(),
-                                                weight.const_data_ptr<scalar_t>(), dims.I,
-                                                dims.J * dims.D, Din};
-          const BackwardBuffers<acc_t> buf =
-              launch_routing_backward(src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach,
-                                      eps, grad_bias_items, static_cast<acc_t*>(nullptr));
-          record_kernel_path("dense_capsules", Direction::backward, "dense-v1+" + buf.path);
-          const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
-          if (grad_u.numel() > 0)
-            launch(dense_grad_u_kernel<scalar_t, acc_t>, blocks_for(grad_u.numel()), buf.state,
-                   weight.const_data_ptr<scalar_t>(), B, Din, grad_u.mutable_data_ptr<scalar_t>());
-          if (grad_weight.numel() > 0)
-            launch(dense_grad_weight_kernel<scalar_t, acc_t>, blocks_for(grad_weight.numel()),
-                   buf.state, u.const_data_ptr<scalar_t>(), B, Din,
-                   grad_weight.mutable_data_ptr<scalar_t>());
         });
   }
   return {grad_u, grad_weight, grad_bias_items.sum(0).to(u.scalar_type())};

@@ -61,7 +61,6 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
 
-  const KernelSet kernels = cuda_kernel_set();
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cuda", [&] {
@@ -72,14 +71,10 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
               src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items,
               grad_votes.mutable_data_ptr<scalar_t>());
           record_kernel_path("dynamic_routing", Direction::backward, buf.path);
-          const int64_t n = buf.vote_grad_written ? 0 : grad_votes.numel();
           const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
-          if (n > 0 && kernels == KernelSet::v2)
+          if (!buf.vote_grad_written && grad_votes.numel() > 0)
             launch(write_vote_grad_rows_kernel<scalar_t, acc_t>, vote_grad_rows_blocks(B, dims.I),
                    buf.state, B, grad_votes.mutable_data_ptr<scalar_t>());
-          else if (n > 0)
-            launch(write_vote_grad_kernel<scalar_t, acc_t>, blocks_for(n), buf.state, B,
-                   grad_votes.mutable_data_ptr<scalar_t>());
         });
   }
   return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};

@@ -8,21 +8,23 @@
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jh) const;
 // returning vote V[b, i, j, h] with jh = j * H + h.
 //
-// Structure (one thread block of kBlockThreads threads per batch element b, grid-stride over
-// B; everything that scales with I, J or H lives in global-memory workspaces in the
-// accumulation dtype, so any size works and no shared memory is needed):
+// Structure (one thread block of kBlockThreads threads per (element b, range of its input rows)
+// in the rows kernels, per element in the others, grid-stride; everything that scales with I, J
+// or H lives in global-memory workspaces in the accumulation dtype, so any size works and no
+// shared memory is needed):
 //   * "column owner": thread t owns the flat (j, h) columns jh = t, t + blockDim, ... and sums
-//     over i in order (mean, variance and their gradients); a warp reads coalesced vote rows.
+//     over the range's rows in order (mean, variance and their gradients); a warp reads coalesced
+//     vote rows. A per-element kernel adds the ranges' sums in range order.
 //   * "capsule": thread t owns capsules j = t, t + blockDim, ... (cost, activation logit,
 //     E-step normaliser, mass and the beta gradients).
-//   * "warp per row": warp w handles input rows i = w, w + nwarps, ...; lane l handles
-//     j = l, l + 32, ... of that row (E-step softmax, its VJP, the M-step's per-row terms) and
-//     only touches its own (i, j) entries, so a row needs warp reductions but no barrier.
+//   * "warp per row": warp w handles the range's input rows i0 + w, i0 + w + nwarps, ...; lane l
+//     handles j = l, l + 32, ... of that row (E-step softmax, its VJP, the M-step's per-row terms)
+//     and only touches its own (i, j) entries, so a row needs warp reductions but no barrier.
 // Every loop bound is uniform per warp (rows) or per block (iterations), and every phase that
 // reads what other threads wrote is preceded by __syncthreads(). Every sum runs in a fixed
-// order (no atomics): results are deterministic. Sums over i run in the CPU's order; sums over
-// j within a row are warp butterflies. Device code only: the launches are in em_launch.cuh, and
-// tests/emulator runs these kernels on the host.
+// order (no atomics): results are deterministic. With one range the sums over i run in the CPU's
+// order; sums over j within a row are warp butterflies. Device code only: the launches are in
+// em_launch.cuh, and tests/emulator runs these kernels on the host.
 //
 // Saved statistics, stats (B, iters, J, 2H + 1) in the accumulation dtype, laid out as the CPU
 // writes them: per element and iteration t one block of J (2H + 1) values,
@@ -61,7 +63,7 @@ struct PoseVotes {
   }
 };
 
-// ---- device helpers (shared by the fused kernels and the row-range kernels) ----
+// ---- device helpers ----
 
 // The part of ln a_j + ln p_ij that does not depend on i:
 // ln sigmoid(logit_j) - sum_h (ln var_jh / 2 + ln(2 pi) / 2).
@@ -170,86 +172,28 @@ constexpr int em_min_blocks() {
 #endif
 }
 
-// Per element b, slices of: R (B, I, J) the running assignments, mass (B, J), norm (B, J). The
-// row-range kernels also use partial (B, splits, J + J*H): each range's column sums.
+// Per element b, slices of: R (B, I, J) the running assignments, mass (B, J), norm (B, J); and
+// partial (B, splits, J + J*H): each range's column sums.
 template <typename acc_t>
 struct EmForwardWorkspace {
   acc_t* R;
   acc_t* mass;
   acc_t* norm;
-  acc_t* partial;  // row-range path only (nullptr for the fused kernel)
+  acc_t* partial;
 };
 
-// Writes stats (B, iters, J, 2H + 1), pose (B, J, H) = the last means and a_out (B, J).
-// a_in (B, I), beta_u and beta_a (J,), all contiguous.
-template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_forward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u,
-                      const scalar_t* beta_a, const EmDims dims,
-                      const typename Source::acc_type eps,
-                      const EmForwardWorkspace<typename Source::acc_type> ws,
-                      typename Source::acc_type* stats, scalar_t* pose, scalar_t* a_out) {
-  using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, iters = dims.iters,
-                block = dims.stats_block();
-  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
-
-  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
-    acc_t* R = ws.R + b * I * J;
-    acc_t* mass = ws.mass + b * J;
-    acc_t* norm = ws.norm + b * J;
-    const scalar_t* a = a_in + b * I;
-    acc_t* st = stats + b * iters * block;
-
-    for (int64_t ij = tid; ij < I * J; ij += nthreads) R[ij] = acc_t(1) / acc_t(J);  // R^0 = 1/J
-    __syncthreads();
-
-    for (int64_t t = 0; t < iters; ++t) {
-      acc_t* mu = st + t * block;
-      acc_t* var = mu + JH;
-      acc_t* logit = mu + 2 * JH;
-      // M-step, column owners: m_j = sum_i r_ij, mu_jh = sum_i r_ij V_ijh / (m_j + eps), then a
-      // second pass var_jh = sum_i r_ij (V_ijh - mu_jh)^2 / (m_j + eps) + eps, r_ij = R_ij a_i.
-      for (int64_t jh = tid; jh < JH; jh += nthreads) {
-        const int64_t j = jh / H;
-        acc_t m = 0, sum = 0;
-        em_mean_sums(src, b, 0, I, J, jh, j, R, a, m, sum);
-        const acc_t M = m + eps;
-        const acc_t mean = sum / M;
-        mu[jh] = mean;
-        var[jh] = em_var_sum(src, b, 0, I, J, jh, j, R, a, mean) / M + eps;
-        if (jh == j * H) mass[j] = m;
-      }
-      __syncthreads();  // var and mass complete
-      // Capsules: cost, activation logit and (before an E-step) the E-step normaliser.
-      const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
-      for (int64_t j = tid; j < J; j += nthreads)
-        em_capsule_logit(j, H, mass[j], var, beta_u[j], beta_a[j], lam, t < iters - 1, logit, norm);
-      __syncthreads();  // logit and norm complete; the M-step's reads of R are over
-      if (t < iters - 1) {
-        // E-step, warp per row: R^{t+1}, in place.
-        for (int64_t i = warp; i < I; i += nwarps)
-          warp_em_e_step_row(src, b, i, J, H, mu, var, norm, R + i * J, lane);
-        __syncthreads();  // R^{t+1} complete before the next M-step reads it
-      }
-    }
-    em_write_outputs(st + (iters - 1) * block, J, JH, pose + b * JH, a_out + b * J, tid, nthreads);
-    __syncthreads();  // end of element
-  }
-}
-
-// The row-range forward (CAPSROUTE_CUDA_KERNELS=v2): each element's I rows cut into `splits`
-// ranges, a block per (element, range), so a small batch still fills the GPU and no thread walks
-// all I rows. Per iteration t, four launches (em_sequence.cuh):
+// The forward: each element's I rows cut into `splits` ranges, a block per (element, range), so a
+// small batch still fills the GPU and no thread walks all I rows. Writes stats
+// (B, iters, J, 2H + 1), pose (B, J, H) = the last means and a_out (B, J) from a_in (B, I),
+// beta_u and beta_a (J,), all contiguous. Per iteration t, four launches (em_sequence.cuh):
 //   em_mean_rows_kernel     R^t of the range's rows (1/J, or the E-step of iteration t - 1), then
 //                           the range's sums m_j and sum_i r_ij V_ijh into partial;
 //   em_mean_reduce_kernel   per element: the ranges' sums in range order, mu and m;
 //   em_var_rows_kernel      the range's sum_i r_ij (V_ijh - mu_jh)^2 into partial;
 //   em_var_reduce_kernel    per element: var, the logits, the E-step normalisers, and after the
 //                           last iteration the outputs.
-// Results are deterministic for a given number of ranges; the sums over i run range by range,
-// not in one chain as in the fused kernel (the same values up to rounding).
+// Results are deterministic for a given number of ranges; the sums over i run range by range
+// (with more than one range, not in the CPU's one chain: the same values up to rounding).
 
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
@@ -360,7 +304,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 //   norm    (B, iters, J)     E-step normaliser of the statistics of iteration t (t < iters - 1)
 //   g_mu, g_var (B, J, H)     dL/dmu^t, dL/dvar^t
 //   g_logit, mass, g_mass (B, J)
-// and for the row-range kernels, per (element, range):
+// and per (element, range):
 //   partial_cols (B, splits, 2 J H + J)  the range's sums of g_mu | g_var | g_logit
 //   partial_mass (B, splits, iters, J)   the range's sums of R^t a
 template <typename acc_t>
@@ -373,8 +317,8 @@ struct EmBackwardWorkspace {
   acc_t* g_logit;
   acc_t* mass;
   acc_t* g_mass;
-  acc_t* partial_cols;  // row-range path only (nullptr for the fused kernel)
-  acc_t* partial_mass;  // row-range path only
+  acc_t* partial_cols;
+  acc_t* partial_mass;
 };
 
 // What the backward writes, in the accumulation dtype: g_V (B, I, J, H), g_a (B, I) and the
@@ -529,96 +473,8 @@ __device__ __forceinline__ void warp_em_m_step_vjp_row(
   if (lane == 0) *g_a_i += g_ai;
 }
 
-// EmBackward::run of csrc/cpu/em_element.h for every element. a_in (B, I), beta_u (J,),
-// stats (B, iters, J, 2H + 1), grad_pose (B, J, H) and grad_a_out (B, J), all contiguous.
-template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
-    em_backward_kernel(const Source src, const scalar_t* a_in, const scalar_t* beta_u,
-                       const typename Source::acc_type* stats,
-                       const typename Source::acc_type* grad_pose,
-                       const typename Source::acc_type* grad_a_out, const EmDims dims,
-                       const typename Source::acc_type eps,
-                       const EmBackwardWorkspace<typename Source::acc_type> ws,
-                       const EmGrads<typename Source::acc_type> out) {
-  using acc_t = typename Source::acc_type;
-  const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, IJ = I * J, iters = dims.iters;
-  const int64_t block = dims.stats_block();
-  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
-  const int nthreads = blockDim.x, nwarps = nthreads / kWarpSize;
-
-  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
-    const scalar_t* a = a_in + b * I;
-    const acc_t* st = stats + b * iters * block;
-    acc_t* R_hist = ws.R_hist + b * iters * IJ;
-    acc_t* g_R = ws.g_R + b * IJ;
-    acc_t* norm = ws.norm + b * iters * J;
-    acc_t* g_mu = ws.g_mu + b * JH;
-    acc_t* g_var = ws.g_var + b * JH;
-    acc_t* g_logit = ws.g_logit + b * J;
-    acc_t* mass = ws.mass + b * J;
-    acc_t* g_mass = ws.g_mass + b * J;
-    acc_t* g_V = out.g_V + b * I * JH;
-    acc_t* g_a = out.g_a + b * I;
-    acc_t* g_beta_u = out.g_beta + b * 2 * J;
-    acc_t* g_beta_a = g_beta_u + J;
-
-    // 1. Zero the accumulators, R^0 = 1/J, the E-step normalisers and the gradients reaching the
-    //    last M-step's outputs (flat loops).
-    for (int64_t idx = tid; idx < I * JH; idx += nthreads) g_V[idx] = 0;
-    for (int64_t i = tid; i < I; i += nthreads) g_a[i] = 0;
-    for (int64_t ij = tid; ij < IJ; ij += nthreads) R_hist[ij] = acc_t(1) / acc_t(J);
-    em_backward_start(st, grad_pose + b * JH, grad_a_out + b * J, dims, norm, g_mu, g_var, g_logit,
-                      g_beta_u, g_beta_a, tid, nthreads);
-    __syncthreads();  // norm complete
-
-    // 2. R^{t+1} = E-step of the statistics of iteration t, for every t < iters - 1 (warp per row).
-    for (int64_t i = warp; i < I; i += nwarps) {
-      for (int64_t t = 0; t + 1 < iters; ++t) {
-        const acc_t* mu = st + t * block;
-        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, norm + t * J,
-                           R_hist + ((t + 1) * I + i) * J, lane);
-      }
-    }
-    __syncthreads();  // R_hist complete
-
-    // 3. Walk the iterations backwards.
-    for (int64_t t = iters - 1; t >= 0; --t) {
-      const acc_t* mu = st + t * block;
-      const acc_t* var = mu + JH;
-      const acc_t* R = R_hist + t * IJ;
-      if (t < iters - 1) {
-        // E-step t, warp per row, then the column owners' sums over i (g_logit by the h = 0 owner).
-        for (int64_t i = warp; i < I; i += nwarps)
-          warp_em_e_step_vjp_row(src, b, i, J, H, mu, var, R_hist + ((t + 1) * I + i) * J,
-                                 g_R + i * J, g_V + i * JH, lane);
-        __syncthreads();  // g_L complete
-        for (int64_t jh = tid; jh < JH; jh += nthreads) {
-          const int64_t j = jh / H;
-          const bool first = jh == j * H;
-          acc_t gm = 0, gvar = 0, gl = 0;
-          em_e_step_vjp_sums(src, b, 0, I, J, jh, j, first, mu, var, mu + 2 * JH, g_R, gm, gvar,
-                             gl);
-          g_mu[jh] = gm;
-          g_var[jh] = gvar;
-          if (first) g_logit[j] = gl;
-        }
-        __syncthreads();  // g_mu, g_var, g_logit complete
-      }
-      // M-step t: capsules, then warp per row.
-      const acc_t lam = static_cast<acc_t>(em_lambda(dims.final_lambda, t));
-      for (int64_t j = tid; j < J; j += nthreads)
-        em_m_step_capsule_vjp(j, H, em_mass_sum(R, a, 0, I, J, j), lam, eps, beta_u[j], mu, var,
-                              g_logit, g_mu, g_var, mass, g_mass, g_beta_u, g_beta_a);
-      __syncthreads();  // mass, g_mass, g_mu, g_var complete
-      for (int64_t i = warp; i < I; i += nwarps)
-        warp_em_m_step_vjp_row(src, b, i, J, H, a[i], eps, R + i * J, mu, var, mass, g_mass, g_mu,
-                               g_var, g_V + i * JH, g_R + i * J, g_a + i, lane);
-      __syncthreads();  // g_R of R^t complete before the E-step t - 1 reads it
-    }
-  }
-}
-
-// The row-range backward (CAPSROUTE_CUDA_KERNELS=v2), each element's rows cut as in the forward:
+// The backward (EmBackward::run of csrc/cpu/em_element.h), each element's rows cut as in the
+// forward:
 //   em_backward_start_kernel       per element: em_backward_start;
 //   em_backward_rows_start_kernel  per range: zeroed g_V and g_a rows, R^t of the range's rows for
 //                                  every t, and the range's sums of R^t a (partial_mass);

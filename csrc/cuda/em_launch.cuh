@@ -23,36 +23,21 @@
 namespace capsroute {
 namespace cuda {
 
-// How the EM kernels cover each element (em_sequence.cuh): kEmFused with the v1 kernels; with
-// v2, row ranges: 1 when B blocks fill the GPU, else enough for about 4 blocks per SM, each at
-// least kEmMinSplitRows rows (4 per warp). CAPSROUTE_EM_SPLITS=N forces N ranges with v2 (tests
-// run several on small shapes).
+// The row ranges per element of the EM kernels (em_sequence.cuh): 1 when B blocks fill the GPU,
+// else enough for about 4 blocks per SM, each at least kEmMinSplitRows rows (4 per warp).
+// CAPSROUTE_EM_SPLITS=N forces N ranges (tests run several on small shapes).
 constexpr int64_t kEmMinSplitRows = 32;
 
 inline int64_t em_splits(const EmDims& dims) {
-  if (cuda_kernel_set() == KernelSet::v1) return kEmFused;
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_EM_SPLITS")) return *forced;
   return row_ranges_to_fill_device(dims.B, dims.I, kEmMinSplitRows);
 }
 
-// The EM path `splits` runs, as capsroute.last_kernel_path() names it.
-inline const char* em_path_name(int64_t splits) {
-  return splits == kEmFused ? "em-block" : "em-row-ranges";
-}
-
-// The row ranges' partial sums: a (B, splits, n) buffer, or none for the fused kernels.
-inline at::Tensor em_partial_buffer(int64_t B, int64_t splits, int64_t n,
-                                    const at::TensorOptions& acc_options) {
-  return splits == kEmFused ? at::Tensor() : at::empty({B, splits, n}, acc_options);
-}
-
-template <typename acc_t>
-acc_t* data_or_null(at::Tensor& t) {
-  return t.defined() ? t.template mutable_data_ptr<acc_t>() : nullptr;
-}
+// The EM path, as capsroute.last_kernel_path() names it.
+constexpr const char* kEmPath = "em-row-ranges";
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0); returns the
-// path it ran (em_path_name).
+// path it ran (kEmPath).
 template <typename Source, typename scalar_t>
 const char* launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
                               const scalar_t* beta_a, const EmDims& dims, double eps,
@@ -63,15 +48,16 @@ const char* launch_em_forward(const Source& src, const scalar_t* a_in, const sca
   at::Tensor R = at::empty({dims.B, dims.I, dims.J}, acc_options);
   at::Tensor mass = at::empty({dims.B, dims.J}, acc_options);
   at::Tensor norm = at::empty({dims.B, dims.J}, acc_options);
-  at::Tensor partial = em_partial_buffer(dims.B, splits, dims.J * (dims.H + 1), acc_options);
+  at::Tensor partial = at::empty({dims.B, splits, dims.J * (dims.H + 1)}, acc_options);
   const EmForwardWorkspace<acc_t> ws{R.mutable_data_ptr<acc_t>(), mass.mutable_data_ptr<acc_t>(),
-                                     norm.mutable_data_ptr<acc_t>(), data_or_null<acc_t>(partial)};
+                                     norm.mutable_data_ptr<acc_t>(),
+                                     partial.mutable_data_ptr<acc_t>()};
   run_em_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, beta_a, dims,
                  static_cast<acc_t>(eps), splits, ws, stats.mutable_data_ptr<acc_t>(),
                  pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
-  // runs after the kernel, so reusing them is safe.
-  return em_path_name(splits);
+  // runs after the kernels, so reusing them is safe.
+  return kEmPath;
 }
 
 // Owns the backward workspaces for B elements (dims.B) in `splits` row ranges each; the kernels
@@ -95,14 +81,18 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, int64_t sp
   buf.g_logit = at::empty({B, J}, acc_options);
   buf.mass = at::empty({B, J}, acc_options);
   buf.g_mass = at::empty({B, J}, acc_options);
-  buf.partial_cols = em_partial_buffer(B, splits, J * (2 * H + 1), acc_options);
-  buf.partial_mass = em_partial_buffer(B, splits, R * J, acc_options);
-  buf.ws = EmBackwardWorkspace<acc_t>{
-      buf.R_hist.template mutable_data_ptr<acc_t>(), buf.g_R.template mutable_data_ptr<acc_t>(),
-      buf.norm.template mutable_data_ptr<acc_t>(),   buf.g_mu.template mutable_data_ptr<acc_t>(),
-      buf.g_var.template mutable_data_ptr<acc_t>(),  buf.g_logit.template mutable_data_ptr<acc_t>(),
-      buf.mass.template mutable_data_ptr<acc_t>(),   buf.g_mass.template mutable_data_ptr<acc_t>(),
-      data_or_null<acc_t>(buf.partial_cols),         data_or_null<acc_t>(buf.partial_mass)};
+  buf.partial_cols = at::empty({B, splits, J * (2 * H + 1)}, acc_options);
+  buf.partial_mass = at::empty({B, splits, R * J}, acc_options);
+  buf.ws = EmBackwardWorkspace<acc_t>{buf.R_hist.template mutable_data_ptr<acc_t>(),
+                                      buf.g_R.template mutable_data_ptr<acc_t>(),
+                                      buf.norm.template mutable_data_ptr<acc_t>(),
+                                      buf.g_mu.template mutable_data_ptr<acc_t>(),
+                                      buf.g_var.template mutable_data_ptr<acc_t>(),
+                                      buf.g_logit.template mutable_data_ptr<acc_t>(),
+                                      buf.mass.template mutable_data_ptr<acc_t>(),
+                                      buf.g_mass.template mutable_data_ptr<acc_t>(),
+                                      buf.partial_cols.template mutable_data_ptr<acc_t>(),
+                                      buf.partial_mass.template mutable_data_ptr<acc_t>()};
   return buf;
 }
 
@@ -125,7 +115,7 @@ const char* launch_em_backward(const Source& src, const scalar_t* a_in, const sc
                   stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
                   grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, buf.ws,
                   out);
-  return em_path_name(splits);
+  return kEmPath;
 }
 
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the

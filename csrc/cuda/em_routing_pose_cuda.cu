@@ -2,26 +2,26 @@
 // computed on the fly by the PoseVotes source. Same checks, results and saved statistics as
 // csrc/cpu/em_routing_pose_cpu.cpp (either backend's backward reads the other's stats).
 //
-// Forward: em_forward_kernel<PoseVotes>, one block per batch element (v2: the row-range kernels);
-// votes are never stored.
+// Forward: the EM kernels over PoseVotes, in row ranges (em_sequence.cuh); votes are never stored.
 //
-// Backward, and how its memory is bounded: em_backward_kernel<PoseVotes> (v2: the row-range
-// kernels) yields the vote gradient g_V (I, J, 16) of each element, which is contracted into
+// Backward, and how its memory is bounded: the EM backward kernels over PoseVotes yield the vote
+// gradient g_V (I, J, 16) of each element, which is contracted into
 //   g_pose: g_P_i = sum_j g_V_ij W_ij^T          (pose_grad_pose_kernel, per element)
 //   g_weight: g_W_ij = sum_b P_i^T g_V_ij        (pose_grad_weight_kernel, over the batch).
 // The batch is processed in chunks of consecutive elements, one after another on the stream:
 // each chunk runs the EM backward into a chunk-sized g_V buffer (with chunk-sized EM
 // workspaces), then both contractions. A chunk holds as many elements as fit in
 // kPoseBackwardChunkBytes (256 MiB) of g_V and EM workspaces, (16 + iters + 1) I J values per
-// element plus v2's partial sums, and at least one; the buffers are reused by every chunk. So the
-// backward's extra memory is O(min(B, chunk) * I * J * (16 + iters)), never O(B * I * J * 16).
+// element plus the row ranges' partial sums, and at least one; the buffers are reused by every
+// chunk. So the backward's extra memory is O(min(B, chunk) * I * J * (16 + iters)), never
+// O(B * I * J * 16).
 //
 // Determinism: no atomics and fixed summation orders. The weight gradient is one running sum
 // per (i, j, k, c) in the accumulation dtype that each chunk extends element by element in
 // batch order, so it is bitwise the same for every chunk size; everything else is per element
 // (the beta gradients per element, summed over the batch by one fixed reduction at the end).
 // The chunk size depends only on the shapes and dtype, never on the device; the environment
-// variable CAPSROUTE_EM_POSE_BACKWARD_CHUNK=n overrides it (for tests of that invariance). v2's
+// variable CAPSROUTE_EM_POSE_BACKWARD_CHUNK=n overrides it (for tests of that invariance). The
 // row ranges are chosen once for the whole batch, so every chunk uses the same (they depend on
 // the device's SM count: on another GPU the sums over i may round differently).
 #include <ATen/ATen.h>
@@ -91,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(
 
 // The chunked backward (B > 0): grad_pose (B, I, 4, 4) in the storage dtype; g_a (B, I),
 // g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype. Returns the path
-// it ran (em_path_name).
+// it ran (kEmPath).
 template <typename scalar_t, typename acc_t>
 const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in,
                                  const scalar_t* beta_u, const EmBackwardArgs& args,
@@ -111,7 +111,7 @@ const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, c
                     args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits,
                     chunk, buf.ws, g_V_buffer.mutable_data_ptr<acc_t>(), grad_pose, g_a, g_W,
                     args.grad_beta_items.mutable_data_ptr<acc_t>());
-  return em_path_name(splits);
+  return kEmPath;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

@@ -11,13 +11,8 @@
 namespace capsroute {
 namespace cuda {
 
-// How the sequences cover an element: kEmFused, the fused kernels (one block per element, one
-// launch each way), or the number of row ranges per element of the row-range kernels
-// (CAPSROUTE_CUDA_KERNELS=v2; em_kernels.cuh), which need ws.partial, partial_cols and
-// partial_mass.
-constexpr int64_t kEmFused = 0;
-
-// The forward of B > 0 elements: stats (B, iters, J, 2H + 1), pose (B, J, H), a_out (B, J).
+// The forward of B > 0 elements, each in `splits` >= 1 row ranges (em_kernels.cuh) whose sums
+// ws.partial holds: stats (B, iters, J, 2H + 1), pose (B, J, H), a_out (B, J).
 template <typename Launch, typename Source, typename scalar_t>
 void run_em_forward(const Launch& launch, const Source& src, const scalar_t* a_in,
                     const scalar_t* beta_u, const scalar_t* beta_a, const EmDims& dims,
@@ -25,11 +20,6 @@ void run_em_forward(const Launch& launch, const Source& src, const scalar_t* a_i
                     const EmForwardWorkspace<typename Source::acc_type>& ws,
                     typename Source::acc_type* stats, scalar_t* pose, scalar_t* a_out) {
   using acc_t = typename Source::acc_type;
-  if (splits == kEmFused) {
-    launch(em_forward_kernel<Source, scalar_t>, blocks_for_items(dims.B), src, a_in, beta_u, beta_a,
-           dims, eps, ws, stats, pose, a_out);
-    return;
-  }
   const unsigned rows_blocks = blocks_for_items(dims.B * splits),
                  element_blocks = blocks_for_items(dims.B);
   for (int64_t t = 0; t < dims.iters; ++t) {
@@ -55,11 +45,6 @@ void run_em_backward(const Launch& launch, const Source& src, const scalar_t* a_
                      const EmBackwardWorkspace<typename Source::acc_type>& ws,
                      const EmGrads<typename Source::acc_type>& out) {
   using acc_t = typename Source::acc_type;
-  if (splits == kEmFused) {
-    launch(em_backward_kernel<Source, scalar_t>, blocks_for_items(dims.B), src, a_in, beta_u, stats,
-           grad_pose, grad_a_out, dims, eps, ws, out);
-    return;
-  }
   const unsigned rows_blocks = blocks_for_items(dims.B * splits),
                  element_blocks = blocks_for_items(dims.B);
   launch(em_backward_start_kernel<acc_t>, element_blocks, stats, grad_pose, grad_a_out, dims, ws,

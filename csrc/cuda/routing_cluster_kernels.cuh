@@ -1,4 +1,4 @@
-// The v2 kernel set's dynamic routing on sm_90, an element per cluster of blocks, each block
+// Dynamic routing on sm_90 (the "v2-cluster" path), an element per cluster of blocks, each block
 // holding its part of the element's rows' votes in shared memory, so that the votes cross HBM once
 // per direction (docs/kernels.md, "CUDA, v2"):
 //   - the forward on clusters of kClusterBlocks, every iteration on the votes in shared memory;

@@ -1,10 +1,11 @@
-// Dynamic routing kernels shared by dynamic_routing (votes read from memory) and
-// dense_capsules (votes computed on the fly as weight_ij @ u_i, never stored).
+// The block kernels of dynamic routing (the "v2-block" path, for capsules the warp rows do not
+// fit: routing_launch.cuh), over votes read from memory: dynamic_routing's own, or a chunk of
+// dense_capsules' votes made by a GEMM. Their reduce and backward-start kernels, and the writer of
+// the vote gradient from the saved state, serve the warp-rows kernels too.
 //
-// The kernels are templated on a "vote source": a functor with
+// The kernels are templated on a "vote source" (MemoryVotes below; the storage type of the votes
+// varies): a functor with
 //   using acc_type = ...;                                    // accumulation type
-//   static constexpr bool kComputesVotes = ...;              // computed (not read), for
-//   source_min_blocks
 //   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jd) const;
 // returning vote u[b, i, j, d] with jd = j * D + d.
 //
@@ -40,31 +41,24 @@ namespace cuda {
 constexpr int64_t kRoutingTile = 32;
 
 // Resident blocks per SM asked of ptxas (0: no hint). sm_90's ptxas (CUDA 13) spills none of
-// these kernels unhinted; sm_80's squeezes the float64 ones and a dense one into 32-80 registers
-// and spills, which asking for 2 blocks of 256 threads (up to 128 registers) removes. Decided in
-// the device pass for each architecture, as PyTorch's C10_MIN_BLOCKS_PER_SM is.
-template <typename acc_t, bool kComputesVotes = false>
+// these kernels unhinted; sm_80's squeezes the float64 ones into 32-80 registers and spills,
+// which asking for 2 blocks of 256 threads (up to 128 registers) removes. Decided in the device
+// pass for each architecture, as PyTorch's C10_MIN_BLOCKS_PER_SM is.
+template <typename acc_t>
 constexpr int routing_min_blocks() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  return sizeof(acc_t) == 8 || kComputesVotes ? 2 : 0;
+  return sizeof(acc_t) == 8 ? 2 : 0;
 #else
   return 0;
 #endif
 }
 
-// ---- vote sources ----
-
-// routing_min_blocks of the kernels templated on a vote source.
-template <typename Source>
-constexpr int source_min_blocks() {
-  return routing_min_blocks<typename Source::acc_type, Source::kComputesVotes>();
-}
+// ---- the vote source ----
 
 // votes (B, I, J, D), contiguous.
 template <typename scalar_t, typename acc_t>
 struct MemoryVotes {
   using acc_type = acc_t;
-  static constexpr bool kComputesVotes = false;
   const scalar_t* votes;
   int64_t I, JD;
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
@@ -73,23 +67,6 @@ struct MemoryVotes {
   // Row (b, i)'s J * D votes (the warp-rows kernels index it in 32-bit arithmetic).
   __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const {
     return votes + (b * I + i) * JD;
-  }
-};
-
-// votes_bij = weight_ij @ u_bi: u (B, I, Din), weight (I, J, D, Din), both contiguous.
-template <typename scalar_t, typename acc_t>
-struct DenseVotes {
-  using acc_type = acc_t;
-  static constexpr bool kComputesVotes = true;
-  const scalar_t* u;
-  const scalar_t* weight;
-  int64_t I, JD, Din;
-  __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
-    const scalar_t* w = weight + (i * JD + jd) * Din;
-    const scalar_t* x = u + (b * I + i) * Din;
-    acc_t sum = 0;
-    for (int64_t k = 0; k < Din; ++k) sum += static_cast<acc_t>(w[k]) * static_cast<acc_t>(x[k]);
-    return sum;
   }
 };
 
@@ -256,7 +233,7 @@ __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r,
 // Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J).
 // bias (J, D) or nullptr. One block per element, every iteration.
 template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
                            const typename Source::acc_type eps,
                            const ForwardWorkspace<typename Source::acc_type> ws,
@@ -276,7 +253,7 @@ __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
 
 // Split forward, iteration r, block per (b, g): partial[b, g] = sum over range g's rows.
 template <typename Source, typename scalar_t>
-__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
                                 const int64_t r,
                                 const ForwardWorkspace<typename Source::acc_type> ws,
@@ -321,11 +298,7 @@ struct BackwardState {
   acc_t* g_logits;
   int64_t I, J, D, iters, first_r, nkeep;
 
-  __device__ __forceinline__ acc_t vote_grad(int64_t b, int64_t i, int64_t jd) const {
-    return vote_grad(b, i, jd / D, jd);
-  }
-
-  // The same with the capsule j = jd / D given.
+  // (The capsule j = jd / D is given: its callers find it once per column.)
   __device__ __forceinline__ acc_t vote_grad(int64_t b, int64_t i, int64_t j, int64_t jd) const {
     const int64_t JD = J * D;
     acc_t sum = 0;
@@ -474,7 +447,7 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
 // grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype; detach is
 // st.first_r = iters - 1. One block per element.
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_backward_kernel(const Source src, const typename Source::acc_type* grad_v,
                             const typename Source::acc_type* s_hist, const RoutingDims dims,
                             const typename Source::acc_type eps,
@@ -513,7 +486,7 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 
 // Split backward: recompute_coupling_rows, block per (b, g).
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_coupling_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* logits_ws) {
@@ -524,7 +497,7 @@ __global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
 
 // Split backward, step r, block per (b, g): partial[b, g] = range g's share of gv^{r-1}.
 template <typename Source>
-__global__ void __launch_bounds__(kBlockThreads, source_min_blocks<Source>())
+__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
                                  const int64_t r, const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* partial) {
@@ -566,27 +539,15 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     sum_gs(b, dims.J * dims.D, st, grad_bias_items);
 }
 
-// ---- the vote gradient of the saved state, written or contracted ----
-
-// grad_votes (B, I, J, D) = the vote gradient of the saved state, flat and coalesced.
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    write_vote_grad_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
-  const int64_t JD = st.J * st.D, n = B * st.I * JD;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t jd = idx % JD, bi = idx / JD;
-    grad_votes[idx] = static_cast<scalar_t>(st.vote_grad(bi / st.I, bi % st.I, jd));
-  }
-}
+// ---- the vote gradient of the saved state ----
 
 // Rows of an item of write_vote_grad_rows_kernel.
 constexpr int64_t kVoteGradRows = 8;
 
-// The v2 kernel set's grad_votes: the same values, an item per (b, tile of kVoteGradRows rows)
-// (grid-stride over items); thread t owns the columns jd = t, t + blockDim, ... and finds its
-// capsule j once per column, not per element (write_vote_grad_kernel divides four times per
-// element). Each row's writes are coalesced.
+// grad_votes (B, I, J, D) = the vote gradient of the saved state, an item per (b, tile of
+// kVoteGradRows rows) (grid-stride over items); thread t owns the columns jd = t, t + blockDim, ...
+// and finds its capsule j once per column, not per element (per element that is four 64-bit
+// divisions, most of the work of writing it). Each row's writes are coalesced.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     write_vote_grad_rows_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
@@ -605,41 +566,6 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 // Blocks of write_vote_grad_rows_kernel for B elements of I rows.
 inline unsigned int vote_grad_rows_blocks(int64_t B, int64_t I) {
   return blocks_for_items(B * ceil_div<int64_t>(I, kVoteGradRows));
-}
-
-// grad_u[b, i, k] = sum_{j, d} weight[i, j, d, k] g_u[b, i, j, d]; thread per (b, i, k).
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    dense_grad_u_kernel(const BackwardState<acc_t> st, const scalar_t* weight, int64_t B,
-                        int64_t Din, scalar_t* grad_u) {
-  const int64_t JD = st.J * st.D, n = B * st.I * Din;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t k = idx % Din, bi = idx / Din;
-    const int64_t i = bi % st.I, b = bi / st.I;
-    const scalar_t* w = weight + i * JD * Din + k;
-    acc_t sum = 0;
-    for (int64_t jd = 0; jd < JD; ++jd)
-      sum += static_cast<acc_t>(w[jd * Din]) * st.vote_grad(b, i, jd);
-    grad_u[idx] = static_cast<scalar_t>(sum);
-  }
-}
-
-// grad_weight[i, j, d, k] = sum_b g_u[b, i, j, d] u[b, i, k]; thread per (i, j, d, k), b in order.
-template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    dense_grad_weight_kernel(const BackwardState<acc_t> st, const scalar_t* u, int64_t B,
-                             int64_t Din, scalar_t* grad_weight) {
-  const int64_t JD = st.J * st.D, n = st.I * JD * Din;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t k = idx % Din, ijd = idx / Din;
-    const int64_t jd = ijd % JD, i = ijd / JD;
-    acc_t sum = 0;
-    for (int64_t b = 0; b < B; ++b)
-      sum += st.vote_grad(b, i, jd) * static_cast<acc_t>(u[(b * st.I + i) * Din + k]);
-    grad_weight[idx] = static_cast<scalar_t>(sum);
-  }
 }
 
 }  // namespace cuda

@@ -34,12 +34,11 @@ inline int64_t routing_splits(const RoutingDims& dims, bool warp_rows, int64_t w
                    : row_ranges_to_fill_device(dims.B, dims.I, min_rows);
 }
 
-// The v2 kernel set routes votes read from memory with the warp-rows kernels where the capsules
-// fit them (routing_warp_kernels.cuh); v1, and votes computed on the fly, with the block kernels.
+// The warp-rows kernels where the capsules fit them (routing_warp_kernels.cuh), else the block
+// kernels (routing_kernels.cuh).
 template <typename Source>
 RowSplit routing_row_split(const RoutingDims& dims) {
-  const bool warp_rows =
-      !Source::kComputesVotes && cuda_kernel_set() == KernelSet::v2 && warp_rows_fit(dims);
+  const bool warp_rows = warp_rows_fit(dims);
   return {routing_splits(dims, warp_rows, warp_rows_min_blocks<typename Source::acc_type>()),
           warp_rows};
 }
@@ -71,14 +70,13 @@ bool use_clusters(Kernel kernel, const RoutingDims& dims, int cluster_blocks,
   return mode == ClusterMode::force || 2 * dims.B >= resident;
 }
 
-// The routing path a split runs, as capsroute.last_kernel_path() names it: v1's block kernels fused
-// (a block per element) or split in row ranges; v2's element per cluster, warp rows, or block
-// kernels (capsules the warp rows do not fit). `cluster`: the direction's cluster flag.
+// The routing path a split runs, as capsroute.last_kernel_path() names it: an element per
+// cluster, warp rows, or the block kernels (capsules the warp rows do not fit). `cluster`: the
+// direction's cluster flag.
 inline std::string routing_path_name(const RowSplit& split, bool cluster) {
   if (cluster) return "v2-cluster";
   if (split.warp_rows) return "v2-warp-rows";
-  if (cuda_kernel_set() == KernelSet::v2) return "v2-block";
-  return split.fused() ? "v1-fused" : "v1-split";
+  return "v2-block";
 }
 
 // A workspace of the given sizes where `needed`, else an undefined tensor; and its data or nullptr.
@@ -99,12 +97,10 @@ std::string launch_routing_forward(const Source& src, const scalar_t* bias, cons
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
   RowSplit split = routing_row_split<Source>(dims);
-  if constexpr (!Source::kComputesVotes) {
-    if (split.warp_rows)
-      split.cluster_forward =
-          use_clusters(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, dims,
-                       kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
-  }
+  if (split.warp_rows)
+    split.cluster_forward =
+        use_clusters(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, dims,
+                     kClusterBlocks, cluster_forward_shared_bytes(dims, sizeof(acc_t)));
   // (The warp kernels keep a row's couplings in registers; the cluster kernel keeps everything on
   // chip.)
   at::Tensor logits =
@@ -138,8 +134,8 @@ struct BackwardBuffers {
 
 // Allocates the state, launches the backward kernels on the current stream (B > 0) and
 // returns the state for the op-specific vote-gradient kernels, or, where the cluster backward
-// runs (v2 on sm_90, votes read from memory), writes the vote gradient to grad_votes (B, I, J, D)
-// itself. grad_v (B, J, D) is in the accumulation dtype.
+// runs (sm_90), writes the vote gradient to grad_votes (B, I, J, D) itself. grad_v (B, J, D) is
+// in the accumulation dtype.
 template <typename Source, typename grad_t>
 BackwardBuffers<typename Source::acc_type> launch_routing_backward(
     const Source& src, const typename Source::acc_type* grad_v, const at::Tensor& s_hist,
@@ -150,12 +146,10 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(
   const int64_t first_r = detach ? R - 1 : 0, nkeep = R - first_r;
   const auto acc_options = s_hist.options();
   RowSplit split = routing_row_split<Source>(dims);
-  if constexpr (!Source::kComputesVotes) {
-    if (split.warp_rows)
-      split.cluster_backward = use_clusters(
-          routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, dims,
-          kBackwardClusterBlocks, cluster_backward_shared_bytes(dims, nkeep, sizeof(acc_t)));
-  }
+  if (split.warp_rows)
+    split.cluster_backward = use_clusters(
+        routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, dims, kBackwardClusterBlocks,
+        cluster_backward_shared_bytes(dims, nkeep, sizeof(acc_t)));
   // (The cluster backward keeps its state on chip; the warp kernels keep a row's logits in
   // registers.)
   const bool state = !split.cluster_backward;

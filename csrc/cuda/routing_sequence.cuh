@@ -16,11 +16,10 @@ namespace cuda {
 
 // How an element's rows are routed: in `splits` ranges of a block each (the block kernels;
 // splits = 1 is the fused kernel), or with warp_rows, each range cut again among its block's
-// warps (routing_warp_kernels.cuh: votes read from memory only, warp_rows_fit). Either way the
-// rows kernels leave parts() partial sums per element for the reduce kernels. With
-// cluster_forward (and warp_rows) the forward is instead one launch of an element per cluster
-// (routing_cluster_kernels.cuh, sm_90, use_clusters), and with cluster_backward the backward,
-// vote gradient included.
+// warps (routing_warp_kernels.cuh, where warp_rows_fit). Either way the rows kernels leave
+// parts() partial sums per element for the reduce kernels. With cluster_forward (and warp_rows)
+// the forward is instead one launch of an element per cluster (routing_cluster_kernels.cuh,
+// sm_90, use_clusters), and with cluster_backward the backward, vote gradient included.
 struct RowSplit {
   int64_t splits;
   bool warp_rows;
@@ -63,22 +62,18 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
              static_cast<const acc_t*>(partial), parts, bias, dims, r, eps, ws.v, s_hist, v);
     }
   };
-  // (Votes computed on the fly never take the warp or cluster kernels, which are not even
-  // instantiated for them.)
-  if constexpr (!Source::kComputesVotes) {
-    if (split.cluster_forward) {
-      launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>,
-                     blocks_for_items(B), kClusterBlocks,
-                     cluster_forward_shared_bytes(dims, sizeof(acc_t)), src, bias, dims, eps,
-                     s_hist, v, c);
-      return;
-    }
-    if (split.warp_rows)
-      return iterate([&](int64_t r) {
-        launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowMaxD>,
-               blocks_for_warps(B * parts), src, dims, parts, r, ws, c, partial);
-      });
+  if (split.cluster_forward) {
+    launch.cluster(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>,
+                   blocks_for_items(B), kClusterBlocks,
+                   cluster_forward_shared_bytes(dims, sizeof(acc_t)), src, bias, dims, eps, s_hist,
+                   v, c);
+    return;
   }
+  if (split.warp_rows)
+    return iterate([&](int64_t r) {
+      launch(routing_forward_warp_rows_kernel<Source, scalar_t, kWarpRowMaxD>,
+             blocks_for_warps(B * parts), src, dims, parts, r, ws, c, partial);
+    });
   iterate([&](int64_t r) {
     launch(routing_forward_rows_kernel<Source, scalar_t>, blocks_for_items(B * parts), src, dims,
            parts, r, ws, c, partial);
@@ -101,14 +96,12 @@ void run_routing_backward(const Launch& launch, const Source& src,
                           grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, R = dims.iters, parts = split.parts();
-  if constexpr (!Source::kComputesVotes) {
-    if (split.cluster_backward) {
-      launch.cluster(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>,
-                     blocks_for_items(B), kBackwardClusterBlocks,
-                     cluster_backward_shared_bytes(dims, st.nkeep, sizeof(acc_t)), src, grad_v,
-                     s_hist, dims, eps, st.first_r, grad_bias, grad_votes);
-      return;
-    }
+  if (split.cluster_backward) {
+    launch.cluster(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>,
+                   blocks_for_items(B), kBackwardClusterBlocks,
+                   cluster_backward_shared_bytes(dims, st.nkeep, sizeof(acc_t)), src, grad_v,
+                   s_hist, dims, eps, st.first_r, grad_bias, grad_votes);
+    return;
   }
   if (split.fused()) {
     launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st,
@@ -131,19 +124,17 @@ void run_routing_backward(const Launch& launch, const Source& src,
              static_cast<const acc_t*>(partial), parts, s_hist, dims, r, eps, st, ws.gv, grad_bias);
     }
   };
-  if constexpr (!Source::kComputesVotes) {
-    if (split.warp_rows)
-      return walk_back(
-          true,
-          [&] {
-            launch(routing_coupling_warp_rows_kernel<Source, kWarpRowMaxD>,
-                   blocks_for_warps(B * parts), src, dims, parts, st, partial);
-          },
-          [&](int64_t r) {
-            launch(routing_backward_warp_rows_kernel<Source, kWarpRowMaxD>,
-                   blocks_for_warps(B * parts), src, dims, parts, r, st, partial);
-          });
-  }
+  if (split.warp_rows)
+    return walk_back(
+        true,
+        [&] {
+          launch(routing_coupling_warp_rows_kernel<Source, kWarpRowMaxD>,
+                 blocks_for_warps(B * parts), src, dims, parts, st, partial);
+        },
+        [&](int64_t r) {
+          launch(routing_backward_warp_rows_kernel<Source, kWarpRowMaxD>,
+                 blocks_for_warps(B * parts), src, dims, parts, r, st, partial);
+        });
   walk_back(
       false,
       [&] {

@@ -1,6 +1,6 @@
-// The v2 kernel set's dynamic routing rows (CAPSROUTE_CUDA_KERNELS=v2, votes read from memory,
-// warp_rows_fit): a warp per part of an element's rows, each row's votes read once per pass into
-// registers and routed there (docs/kernels.md, "CUDA, v2").
+// Dynamic routing's warp rows (the "v2-warp-rows" path, where warp_rows_fit): a warp per part of
+// an element's rows, each row's votes read once per pass into registers and routed there
+// (docs/kernels.md, "CUDA, v2").
 //
 // Lanes. A row's capsules sit on seg consecutive lanes, seg = the power of two >= J (J <= 32), so
 // a warp routes 32 / seg rows at once: lane l takes row slot l / seg and capsule j = l % seg, and

@@ -1,16 +1,13 @@
 // The CUDA routing kernels (csrc/cuda/routing_kernels.cuh) on the host emulator, against the CPU
 // backend's per-element code (csrc/cpu/routing_element.h) in double: forward outputs, saved
-// state and the gradients (dynamic_routing's grad_votes; dense_capsules' grad_u and grad_weight;
-// squash_rows_kernel too),
-// for votes read from memory and votes computed from a weight, one
-// block per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), votes
-// read from memory also by the warp-rows kernels (v2: a warp per part of a range) and the cluster
-// kernels (v2 on sm_90: an element per cluster of 8 blocks forward, 16 backward, votes in shared
-// memory; the backward writing the vote gradient over the votes), in
-// float64 and float32, and float16/bfloat16 storage with float accumulation as the extension
-// instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real ones),
-// also with votes in the accumulation dtype as dense_capsules' v2 kernel set stores them,
-// including J * D > 256 (a thread owning several columns). Workspaces and outputs start as NaN,
+// state and the vote gradient (squash_rows_kernel too), by the block kernels with one block per
+// element and rows split over 2, 3 and 7 blocks (more ranges than rows included), the warp-rows
+// kernels (a warp per part of a range) and the cluster kernels (sm_90: an element per cluster of 8
+// blocks forward, 16 backward, votes in shared memory; the backward writing the vote gradient over
+// the votes), in float64 and float32, and float16/bfloat16 storage with float accumulation as the
+// extension instantiates them (c10::Half / c10::BFloat16 themselves, so the roundings are the real
+// ones), also with votes in the accumulation dtype as dense_capsules stores them, including
+// J * D > 256 (a thread owning several columns). Workspaces and outputs start as NaN,
 // so a value the kernels forget to write shows. Prints one line per failure; exits 1 if there is
 // any.
 //   routing_test [quick | tsan]
@@ -93,7 +90,7 @@ void compare(const char* label, const char* what, const std::vector<T>& got,
 }
 
 struct Case {
-  int64_t B, I, J, D, Din, iters;
+  int64_t B, I, J, D, iters;
   bool leaky, detach, bias;
   unsigned grid;
   int64_t splits;
@@ -195,8 +192,8 @@ void check_kernels(const char* label, const Case& cs, const RowSplit& split, con
 }
 
 // Votes read from memory in type V, their gradient written in V (V = S as dynamic_routing, or
-// V = the accumulation dtype as dense_capsules' v2 kernel set), outputs in S; by the block
-// kernels and, where the capsules fit them, the warp-rows kernels (the v2 kernel set).
+// V = the accumulation dtype as dense_capsules), outputs in S; by the block kernels and, where the
+// capsules fit them, the warp-rows kernels.
 template <typename S, typename V>
 void check_memory_votes(const char* case_label, const Case& cs, const std::vector<double>& votes,
                         const std::vector<double>& bias, const std::vector<double>& grad_v,
@@ -219,24 +216,19 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
                                                            : "");
     Case launch_cs = cs;
     if (split.cluster_forward && (tsan_mode || !std::is_same_v<S, double>)) launch_cs.grid = 1;
-    // The cluster backward writes the vote gradient over the votes, as dense_capsules' v2 asks.
+    // The cluster backward writes the vote gradient over the votes, as dense_capsules asks.
     std::vector<V> votes_then_grad = votes_v;
     check_kernels<S>(
         label.c_str(), launch_cs, split,
         MemoryVotes<V, A>{votes_then_grad.data(), cs.I, cs.J * cs.D}, bias, grad_v, want, eps, tol,
         split.cluster_backward ? votes_then_grad.data() : nullptr, [&](const BackwardState<A>& st) {
           if (votes.empty()) return;
-          // Both kernel sets' writers: a thread per element (v1), a block per tile of rows (v2).
-          std::vector<V> grad_votes = nans<V>(votes.size()),
-                         grad_votes_rows = nans<V>(votes.size());
-          emu_launch(2, kBlockThreads, write_vote_grad_kernel<V, A>, st, cs.B, grad_votes.data());
+          std::vector<V> grad_votes = nans<V>(votes.size());
           emu_launch(2, kBlockThreads, write_vote_grad_rows_kernel<V, A>, st, cs.B,
-                     grad_votes_rows.data());
-          const char* what =
-              std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)";
-          compare(label.c_str(), what, grad_votes, want.grad_votes, tol);
-          compare(label.c_str(), (std::string(what) + ", a tile of rows per block").c_str(),
-                  grad_votes_rows, want.grad_votes, tol);
+                     grad_votes.data());
+          compare(label.c_str(),
+                  std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)",
+                  grad_votes, want.grad_votes, tol);
         });
     if (split.cluster_backward && !votes.empty())
       compare(
@@ -253,58 +245,19 @@ void check_case(const Case& cs, double tol) {
   const int64_t JD = cs.J * cs.D;
   // Values rounded to S first, so that both sides route the same numbers.
   const auto votes = cast<double>(cast<S>(randn(cs.B * cs.I * JD, 0.5)));
-  const auto u = cast<double>(cast<S>(randn(cs.B * cs.I * cs.Din, 1.0)));
-  const auto weight = cast<double>(
-      cast<S>(randn(cs.I * JD * cs.Din, 0.5 / std::sqrt(double(std::max<int64_t>(cs.Din, 1))))));
   const auto bias = cast<double>(cast<S>(randn(JD, 0.3)));
   const auto grad_v = cast<double>(cast<S>(randn(cs.B * JD, 1.0)));
   char label[200];
-  std::snprintf(
-      label, sizeof label,
-      "%s B=%ld I=%ld J=%ld D=%ld Din=%ld iters=%ld leaky=%d detach=%d bias=%d splits=%ld",
-      dtype_name<S>(), long(cs.B), long(cs.I), long(cs.J), long(cs.D), long(cs.Din), long(cs.iters),
-      cs.leaky, cs.detach, cs.bias, long(cs.splits));
+  std::snprintf(label, sizeof label,
+                "%s B=%ld I=%ld J=%ld D=%ld iters=%ld leaky=%d detach=%d bias=%d splits=%ld",
+                dtype_name<S>(), long(cs.B), long(cs.I), long(cs.J), long(cs.D), long(cs.iters),
+                cs.leaky, cs.detach, cs.bias, long(cs.splits));
 
   const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
   check_memory_votes<S, S>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
-  // dense_capsules' v2 kernel set: votes (and their gradient) in the accumulation dtype.
+  // dense_capsules: votes (and their gradient) in the accumulation dtype.
   if constexpr (!std::is_same_v<S, A>)
     check_memory_votes<S, A>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
-
-  std::vector<double> dense_votes(cs.B * cs.I * JD, 0.0);
-  for (int64_t b = 0; b < cs.B; ++b)
-    for (int64_t i = 0; i < cs.I; ++i)
-      for (int64_t jd = 0; jd < JD; ++jd)
-        for (int64_t k = 0; k < cs.Din; ++k)
-          dense_votes[(b * cs.I + i) * JD + jd] +=
-              weight[(i * JD + jd) * cs.Din + k] * u[(b * cs.I + i) * cs.Din + k];
-  const std::vector<S> u_s = cast<S>(u), weight_s = cast<S>(weight);
-  const Expected from_weight = cpu_routing(cs, dense_votes, bias, grad_v, eps);
-  // grad_u = weight^T g_u and grad_weight = sum_b g_u u^T from the CPU's vote gradient g_u.
-  std::vector<double> want_grad_u(cs.B * cs.I * cs.Din, 0.0),
-      want_grad_weight(cs.I * JD * cs.Din, 0.0);
-  for (int64_t b = 0; b < cs.B; ++b)
-    for (int64_t i = 0; i < cs.I; ++i)
-      for (int64_t jd = 0; jd < JD; ++jd)
-        for (int64_t k = 0; k < cs.Din; ++k) {
-          const double g = from_weight.grad_votes[(b * cs.I + i) * JD + jd];
-          want_grad_u[(b * cs.I + i) * cs.Din + k] += weight[(i * JD + jd) * cs.Din + k] * g;
-          want_grad_weight[(i * JD + jd) * cs.Din + k] += g * u[(b * cs.I + i) * cs.Din + k];
-        }
-  const DenseVotes<S, A> dense_src{u_s.data(), weight_s.data(), cs.I, JD, cs.Din};
-  check_kernels<S>(label, cs, {cs.splits, false}, dense_src, bias, grad_v, from_weight, eps, tol,
-                   static_cast<S*>(nullptr), [&](const BackwardState<A>& st) {
-                     std::vector<S> grad_u = nans<S>(want_grad_u.size()),
-                                    grad_weight = nans<S>(want_grad_weight.size());
-                     if (!grad_u.empty())
-                       emu_launch(3, kBlockThreads, dense_grad_u_kernel<S, A>, st, weight_s.data(),
-                                  cs.B, cs.Din, grad_u.data());
-                     if (!grad_weight.empty())
-                       emu_launch(2, kBlockThreads, dense_grad_weight_kernel<S, A>, st, u_s.data(),
-                                  cs.B, cs.Din, grad_weight.data());
-                     compare(label, "dense grad_u", grad_u, want_grad_u, tol);
-                     compare(label, "dense grad_weight", grad_weight, want_grad_weight, tol);
-                   });
 }
 
 // squash_rows_kernel, forward and backward, against the formulas of common/acc_math.h; one row of
@@ -352,25 +305,25 @@ int main(int argc, char** argv) {
   }
   const bool quick = mode != "full", tsan = mode == "tsan";
   tsan_mode = tsan;
-  // B, I, J, D, Din, iters, leaky, detach, bias, grid blocks, splits (set below)
+  // B, I, J, D, iters, leaky, detach, bias, grid blocks, splits (set below)
   std::vector<Case> shapes = {
       // I = 47: rows in every block of a cluster (8 x 6 forward, 16 x 3 backward), the last short.
-      {3, 47, 10, 16, 8, 3, false, false, true, 2, 1},
-      {3, 47, 10, 16, 8, 3, true, true, false, 2, 1},
-      {2, 70, 33, 3, 5, 2, false, false, false, 2, 1},
-      {2, 70, 33, 3, 5, 4, true, true, true, 1, 1},
-      {2, 9, 70, 1, 2, 3, true, false, true, 3, 1},
-      {2, 40, 5, 7, 1, 1, false, false, true, 2, 1},
-      {2, 0, 4, 4, 3, 3, false, false, true, 2, 1},
-      {1, 1, 1, 1, 1, 5, true, false, false, 1, 1},
+      {3, 47, 10, 16, 3, false, false, true, 2, 1},
+      {3, 47, 10, 16, 3, true, true, false, 2, 1},
+      {2, 70, 33, 3, 2, false, false, false, 2, 1},
+      {2, 70, 33, 3, 4, true, true, true, 1, 1},
+      {2, 9, 70, 1, 3, true, false, true, 3, 1},
+      {2, 40, 5, 7, 1, false, false, true, 2, 1},
+      {2, 0, 4, 4, 3, false, false, true, 2, 1},
+      {1, 1, 1, 1, 5, true, false, false, 1, 1},
       // J * D > 256: each column owner holds 2 (320) or 2 of 300 columns, and J = 100 > 3 lanes'
       // worth.
-      {2, 40, 20, 16, 4, 3, false, false, true, 2, 1},
-      {1, 12, 100, 3, 2, 2, true, false, true, 2, 1},
+      {2, 40, 20, 16, 3, false, false, true, 2, 1},
+      {1, 12, 100, 3, 2, true, false, true, 2, 1},
       // The warp-rows kernels: J = 16 (2 rows a warp, D = 12 as 3 of 4 vectors) and at their limit
       // of J = 32 (a row a warp, D = 5 read by scalars), walking back 3 steps.
-      {2, 37, 16, 12, 3, 3, false, false, true, 2, 1},
-      {2, 45, 32, 5, 2, 4, true, false, true, 2, 1},
+      {2, 37, 16, 12, 3, false, false, true, 2, 1},
+      {2, 45, 32, 5, 4, true, false, true, 2, 1},
   };
   // float16 / bfloat16 storage, float accumulation: a fused and a split launch of an MNIST-like
   // and a J * D > 256 shape. The outputs are rounded to the storage type: 2 ulps of it.
