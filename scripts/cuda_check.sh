@@ -8,33 +8,31 @@
 #
 # The plan of a GPU session, in value order (one line a call; the budgets below; the build only in
 # the first call, later calls carry build-cache and unpack it):
-#   call-1  build doctor bench-minimal        the install works on the GPU, on every path; the
-#                                             minimal timings of each path
-#   call-2  tests memcheck                    the CUDA test suite; memcheck over the workload
-#   call-3  sweep bench-baselines             the float64 sweep at GPU sizes; eager and compiled
-#                                             once per minimal shape
-#   call-4  racecheck initcheck               two more sanitizers
-#   call-5  synccheck tests-scale             the last sanitizer; I = 16384
-#   call-6  bench bench-em                    the full benchmark (other paths capsroute alone)
-#   call-7  bench-models train-capsnet        model steps; training resumes in later calls
+#   call-1  build doctor bench-minimal tests  the install works on the GPU, on every path; the
+#                                             minimal timings of each path; the CUDA test suite
+#   call-2  memcheck racecheck initcheck synccheck   the four sanitizers over the workload
+#   call-3  sweep bench                       the float64 sweep at GPU sizes; the full benchmark
+#   call-4  bench-em tests-scale              the EM benchmark; I = 16384
+#   call-5  bench-models train-capsnet        model steps; training resumes in later calls
 # Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
-# the first builds instead (240 s). `DRY_RUN=1 bash scripts/cuda_check.sh` checks that each call's
-# budgets fit CALL_SECONDS.
+# the first builds instead (150 s). The budgets are two to three times what each stage took on the
+# first H100 session (bench/results/nvidia-h100-2026-11-25-b96fbfa) where it ran there.
+# `DRY_RUN=1 bash scripts/cuda_check.sh` checks that each call's budgets fit CALL_SECONDS.
 #
 # Stages (budget in seconds; a stage may run longer where the call has time to spare, that is what
 # is left of the call less the budgets of the stages after it):
-#   doctor (120)          capsroute doctor --device cuda: every op, path and dtype against the
+#   doctor (90)           capsroute doctor --device cuda: every op, path and dtype against the
 #                         reference, the path each ran, timings against eager
-#   bench-minimal (150)   capsroute alone: dynamic_routing B = 32, 512 without and with clusters;
+#   bench-minimal (120)   capsroute alone: dynamic_routing B = 32, 512 without and with clusters;
 #                         dense_capsules B = 32, 512; em_routing class and conv shapes (B = 64,
 #                         2304); each report has the copy bandwidth
-#   bench-baselines (180) eager and torch.compile once per minimal shape
-#   tests (240)           the CUDA tests (-m cuda)
+#   bench-baselines (240) eager and torch.compile once per minimal shape
+#   tests (150)           the CUDA tests (-m cuda)
 #   tests-scale (150)     I = 16384 at B = 1 or 2
-#   sweep (180)           scripts/gpu_sweep.py
-#   memcheck (270), racecheck (270), initcheck (240), synccheck (240)   compute-sanitizer over
+#   sweep (150)           scripts/gpu_sweep.py
+#   memcheck (120), racecheck (120), initcheck (120), synccheck (120)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
-#   bench (270), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
+#   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
 #   train-MODEL[-fashion|-multimnist] (the rest of the call)
 #
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
@@ -59,14 +57,14 @@ cd "$(dirname "$0")/.."
 CALL_SECONDS=${CALL_SECONDS:-570}
 # Each stage's time budget in seconds (the header's table). setup: a call's start with the build
 # carried in build-cache (unpack, environment, the GPU check); build: the same with the build
-# (2 min 15 s on 2 cores, measured; the GPU machines have 16).
-declare -A budget=([setup]=45 [build]=240 [doctor]=120 [bench-minimal]=150 [bench-baselines]=180
-  [tests]=240 [tests-scale]=150 [sweep]=180 [memcheck]=270 [racecheck]=270
-  [initcheck]=240 [synccheck]=240 [bench]=270 [bench-em]=240 [bench-large]=240 [bench-scale]=180
+# (about 100 s on the H100 machine's 16 cores).
+declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
+  [tests]=150 [tests-scale]=150 [sweep]=150 [memcheck]=120 [racecheck]=120
+  [initcheck]=120 [synccheck]=120 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
   [bench-models]=300)
 # The calls of a GPU session, in value order (the header's plan).
-calls=("build doctor bench-minimal" "tests memcheck" "sweep bench-baselines" "racecheck initcheck"
-       "synccheck tests-scale" "bench bench-em" "bench-models train-capsnet")
+calls=("build doctor bench-minimal tests" "memcheck racecheck initcheck synccheck" "sweep bench"
+       "bench-em tests-scale" "bench-models train-capsnet")
 # The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
 stages=()
 for arg in "${@:-call-1}"; do
