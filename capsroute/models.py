@@ -5,13 +5,20 @@ Both take `backend="fused" | "reference"` (see capsroute.nn) and return a named 
 """
 
 import ast
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import multimnist
-from .nn import ClassCapsules, ConvCapsules, DenseCapsules, PrimaryCapsules, PrimaryMatrixCapsules
+from .nn import (
+    ClassCapsules,
+    ConvCapsules,
+    ConvRouting,
+    DenseCapsules,
+    PrimaryCapsules,
+    PrimaryMatrixCapsules,
+)
 
 
 class CapsNetOutput(NamedTuple):
@@ -151,7 +158,7 @@ class MatrixCapsNet(nn.Module):
         min_var: float = 1e-6,
         weight_std: float = 0.5,
         pose_norm: bool = False,
-        conv_routing: Literal["window", "cross-window"] = "window",
+        conv_routing: ConvRouting = "window",
         conv_norm: bool = False,
         backend: str = "fused",
     ):

@@ -8,6 +8,9 @@ Shapes: vector capsules are (N, capsules, dim); matrix capsules keep the grid,
 poses (N, H, W, types, 16) and activations (N, H, W, types).
 """
 
+import typing
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
@@ -16,7 +19,8 @@ from ._autocast import like_op
 
 BACKENDS = {"fused": ops, "reference": reference}
 # Where ConvCapsules normalises a child's assignments (its docstring).
-CONV_ROUTINGS = ("window", "cross-window")
+ConvRouting = Literal["window", "cross-window"]
+CONV_ROUTINGS = typing.get_args(ConvRouting)
 
 
 def _routing_ops(backend: str):
@@ -273,7 +277,7 @@ class ConvCapsules(_EmCapsules):
         iters: int = 3,
         *,
         final_lambda: float = 0.01,
-        routing: str = "window",
+        routing: ConvRouting = "window",
         backend: str = "fused",
         **options,
     ):

@@ -85,21 +85,35 @@ def test_conv_capsules_layer_backends_agree(device, routing):
     assert_backends_agree(results)
 
 
+def both_routings(in_types, out_types, stride, backend="fused"):
+    """ConvCapsules with routing "window" and "cross-window", the same parameters, float64."""
+    window, cross = (
+        ConvCapsules(
+            in_types,
+            out_types,
+            kernel_size=3,
+            stride=stride,
+            iters=2,
+            final_lambda=0.5,
+            routing=routing,
+            backend=backend,
+        ).double()
+        for routing in ("window", "cross-window")
+    )
+    cross.load_state_dict(window.state_dict())
+    return window, cross
+
+
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_conv_capsules_routings_agree_without_overlap(backend):
     """With stride = kernel size every child lies in one window: normalising its assignments across
     the windows that contain it is normalising them in its window, so both routings agree (this
     also pins the weight's (row, column, type) order to the op's)."""
     torch.manual_seed(0)
-    window = ConvCapsules(3, 4, kernel_size=3, stride=3, iters=2, final_lambda=0.5, backend=backend)
-    cross = ConvCapsules(
-        3, 4, kernel_size=3, stride=3, iters=2, final_lambda=0.5, routing="cross-window"
-    )
-    cross.load_state_dict(window.state_dict())
-    cross.backend = backend
+    window, cross = both_routings(3, 4, stride=3, backend=backend)
     pose = torch.randn(2, 6, 9, 3, 16, dtype=torch.float64)
     activation = torch.rand(2, 6, 9, 3, dtype=torch.float64)
-    for a, b in zip(window.double()(pose, activation), cross.double()(pose, activation)):
+    for a, b in zip(window(pose, activation), cross(pose, activation)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -107,11 +121,7 @@ def test_conv_capsules_cross_window_shares_a_child_between_windows():
     """With overlapping windows the two routings differ: a child's assignments are normalised
     across every window that contains it, not in each window on its own."""
     torch.manual_seed(0)
-    window = ConvCapsules(2, 3, kernel_size=3, stride=1, iters=2, final_lambda=0.5).double()
-    cross = ConvCapsules(
-        2, 3, kernel_size=3, stride=1, iters=2, final_lambda=0.5, routing="cross-window"
-    ).double()
-    cross.load_state_dict(window.state_dict())
+    window, cross = both_routings(2, 3, stride=1)
     pose = torch.randn(1, 5, 5, 2, 16, dtype=torch.float64)
     activation = torch.rand(1, 5, 5, 2, dtype=torch.float64)
     expected = capsroute.conv_em_routing(
