@@ -3,24 +3,13 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
+
+#include "../common/forced_count.h"
 
 namespace capsroute {
 namespace cuda {
-
-// A count forced through the environment variable `name` (an integer >= 1), or nullopt if unset.
-inline std::optional<int64_t> forced_count(const char* name) {
-  const char* forced = std::getenv(name);
-  if (forced == nullptr) return std::nullopt;
-  char* end = nullptr;
-  const long long n = std::strtoll(forced, &end, 10);
-  TORCH_CHECK(end != forced && *end == '\0' && n >= 1, "capsroute: ", name,
-              " must be an integer >= 1, got '", forced, "'");
-  return n;
-}
 
 // CAPSROUTE_ROUTING_CLUSTER=0 keeps the routing forward and backward (dynamic_routing,
 // dense_capsules) on the warp-rows kernels where they would run an element per cluster (sm_90;
