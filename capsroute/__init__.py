@@ -18,6 +18,7 @@ check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal
 from . import _C  # noqa: E402  (registers the capsroute:: operators)
 from .ops import (
     OPS,
+    conv_dynamic_routing,
     conv_em_routing,
     dense_capsules,
     dynamic_routing,
@@ -40,7 +41,8 @@ def last_kernel_path(op: str, direction: str = "forward") -> str:
     this process, as the dispatch decided at run time, fallbacks included: "cpu" on the CPU; on CUDA
     "cuda" (squash), "v2-warp-rows", "v2-cluster", "v2-block" (dynamic_routing),
     "dense-v2-gemm+<routing paths of its chunks, comma-separated>" (dense_capsules), "em-row-ranges"
-    (the EM ops), "cuda-host-copy" (conv_em_routing); docs/kernels.md says which runs when. "" if
+    (the EM ops), "cuda-host-copy" (conv_em_routing), "conv-gemm+<routing paths>"
+    (conv_dynamic_routing); docs/kernels.md says which runs when. "" if
     the op has not run in that direction since clear_kernel_paths()."""
     if op not in OPS:
         raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
@@ -57,6 +59,7 @@ def clear_kernel_paths() -> None:
 __all__ = [
     "build_info",
     "clear_kernel_paths",
+    "conv_dynamic_routing",
     "conv_em_routing",
     "dense_capsules",
     "dynamic_routing",

@@ -102,7 +102,7 @@ def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, fina
 def _(pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps):
     B, H, W = pose.shape[:3]
     K, C_out = weight.shape[0], weight.shape[3]
-    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+    Ho, Wo = conv_output_size(H, K, stride, padding), conv_output_size(W, K, stride, padding)
     return (
         pose.new_empty(B, Ho, Wo, C_out, 16),
         pose.new_empty(B, Ho, Wo, C_out),
@@ -131,4 +131,31 @@ def _(
         torch.empty_like(weight),
         torch.empty_like(beta_u),
         torch.empty_like(beta_a),
+    )
+
+
+def conv_output_size(size: int, kernel_size: int, stride: int, padding: int) -> int:
+    """The output positions along an axis of `size` input positions of a convolutional capsule
+    layer."""
+    return (size + 2 * padding - kernel_size) // stride + 1
+
+
+@torch.library.register_fake("capsroute::conv_dynamic_routing")
+def _(u, weight, bias, iters, stride, padding, leaky, detach, eps):
+    B, H, W, C_in, _ = u.shape
+    K, _, _, C_out, D, _ = weight.shape
+    Ho, Wo = conv_output_size(H, K, stride, padding), conv_output_size(W, K, stride, padding)
+    return (
+        u.new_empty(B, Ho, Wo, C_out, D),
+        u.new_empty(B, Ho, Wo, C_in, C_out),
+        u.new_empty(B, Ho, Wo, iters, C_out, D, dtype=acc_dtype(u.dtype)),
+    )
+
+
+@torch.library.register_fake("capsroute::_conv_dynamic_routing_backward")
+def _(grad_v, u, weight, s_hist, stride, padding, leaky, detach, eps):
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+        u.new_empty(weight.shape[3], weight.shape[4]),
     )

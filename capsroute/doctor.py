@@ -43,6 +43,7 @@ SWITCHES = (
     "CAPSROUTE_EM_SPLITS",
     "CAPSROUTE_DENSE_CHUNK",
     "CAPSROUTE_EM_POSE_BACKWARD_CHUNK",
+    "CAPSROUTE_CONV_CHUNK",
 )
 REFUSED = "CAPSROUTE_ROUTING_CLUSTER=force, but"  # a forced cluster path refusing to run
 WARP_ROW_MAX_J, WARP_ROW_MAX_D = 32, 16  # warp_rows_fit (csrc/cuda/routing_warp_kernels.cuh)
@@ -84,7 +85,7 @@ class OpCheck:
     small: dict  # label -> shape: odd sizes (J > 32 or D > 16 where the op has the warp rows)
     canonical: dict  # label -> shape: the canonical ones at a small batch
     timing: tuple  # (label, shape on the CPU, shape on CUDA): where it is timed against eager
-    family: str  # which CUDA paths it has: "squash", "routing", "dense", "em" or "conv-em"
+    family: str  # which CUDA paths it has: "squash", "routing", "dense", "em", "conv-em" or "conv"
 
     def shapes(self, quick: bool) -> dict:
         return self.small if quick else {**self.small, **self.canonical}
@@ -164,6 +165,25 @@ OPS = [
         ("conv1 12x12 8->16", (16, 12, 12, 8, 16, 3), (64, 12, 12, 8, 16, 3)),
         "conv-em",
     ),
+    # SegCaps-like: 5 x 5 windows with padding 2 (the grid keeps its size), 8 types of 16D; the
+    # weight scaled as nn.ConvDynamicCapsules initialises it (votes of unit size).
+    OpCheck(
+        "conv_dynamic_routing",
+        lambda s, d, t, g: (
+            _randn((*s[:4], s[6]), d, t, g),
+            _randn((s[7], s[7], *s[3:7]), d, t, g, (s[7] * s[7] * s[6]) ** -0.5),
+            _randn(s[4:6], d, t, g, 0.1),
+        ),
+        lambda m, u, weight, bias: (m.conv_dynamic_routing(u, weight, bias=bias, padding=2),),
+        1,
+        {
+            "2,5,6,3,33,4,5 K=5": (2, 5, 6, 3, 33, 4, 5, 5),
+            "1,4,4,2,3,32,3 K=3": (1, 4, 4, 2, 3, 32, 3, 3),
+        },
+        {"segcaps 16x16 8->8 B=2": (2, 16, 16, 8, 8, 16, 16, 5)},
+        ("segcaps 32x32 8->8", (2, 32, 32, 8, 8, 16, 16, 5), (16, 64, 64, 8, 8, 16, 16, 5)),
+        "conv",
+    ),
 ]
 
 
@@ -177,12 +197,16 @@ class KernelPath:
     expect: Callable = lambda shape: None
 
 
-def _routing_paths(prefix: str, with_clusters: bool) -> list[KernelPath]:
-    """dynamic_routing's (prefix "") or dense_capsules' ("dense-v2-gemm+") paths."""
+def _routing_paths(
+    prefix: str, with_clusters: bool, capsules=lambda shape: shape[2:4]
+) -> list[KernelPath]:
+    """dynamic_routing's (prefix "") paths, or those of an op that routes with its kernels
+    (dense_capsules' "dense-v2-gemm+", conv_dynamic_routing's "conv-gemm+"); capsules(shape) gives
+    the routing's J and D."""
 
     def path(cluster):
         def expect(shape):
-            J, D = shape[2], shape[3]
+            J, D = capsules(shape)
             if J > WARP_ROW_MAX_J or D > WARP_ROW_MAX_D:
                 return prefix + "v2-block"  # the warp rows do not fit these capsules
             return prefix + ("v2-cluster" if cluster else "v2-warp-rows")
@@ -214,6 +238,11 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
         paths = _routing_paths("dense-v2-gemm+", clusters)
         # Chunks of 2 elements: the vote workspace reused across chunks.
         paths[-1] = KernelPath("auto chunk=2", {"CAPSROUTE_DENSE_CHUNK": "2"})
+        return paths
+    if check.family == "conv":
+        paths = _routing_paths("conv-gemm+", clusters, lambda shape: shape[4:6])
+        # Chunks of 7 positions: rows of an image, the workspace reused across chunks.
+        paths[-1] = KernelPath("auto chunk=7", {"CAPSROUTE_CONV_CHUNK": "7"})
         return paths
     return [
         KernelPath("splits=3", {"CAPSROUTE_EM_SPLITS": "3"}, lambda shape: "em-row-ranges"),

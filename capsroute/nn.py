@@ -148,6 +148,92 @@ class DenseCapsules(_CapsuleLayer):
         return f"{I}x{Din}D -> {J}x{D}D, iters={self.iters}, leaky={self.leaky}, {super().extra_repr()}"
 
 
+class ConvDynamicCapsules(_CapsuleLayer):
+    """Convolutional capsules routed by agreement: SegCaps' locally-constrained dynamic routing
+    (LaLonde and Bagci 2018, capsroute.conv_dynamic_routing). At every output position each input
+    capsule type votes for every output type through a K x K convolution of its capsules, and
+    `iters` iterations of dynamic routing over the position's votes (softmax over the output types)
+    give the output capsules.
+
+        u_hat[y, x, c, o] = sum_{ky, kx} W[ky, kx, c, o] u[y s + ky - p, x s + kx - p, c]
+        v[y, x, o] = squash(sum_c c_co u_hat[y, x, c, o] + bias_o),  c = dynamic routing's couplings
+
+    Args:
+        in_types: C_in, the capsule types per input position.
+        in_dim: Din, values per input capsule.
+        out_types: C_out, the capsule types per output position.
+        out_dim: D, values per output capsule.
+        kernel_size: K of the K x K windows.
+        stride: of the windows.
+        padding: positions of zero capsules on every side; "same" is (K - 1) // 2, which keeps the
+            grid's size at stride 1 for an odd K.
+        iters: routing iterations (>= 1).
+        share_weights: one transform per window offset and output type for every input type
+            (SegCaps'); else one per input type as well (C_in times the parameters).
+        bias: learn a bias (C_out, D) added before the squash.
+        leaky: add an orphan output with logit 0 to the softmax.
+        backend: "fused" (capsroute ops; the votes are never stored for the whole batch) or
+            "reference" (plain PyTorch, every vote materialised).
+
+    Parameters: weight (K, K, C_in or 1, C_out, D, Din), initialised N(0, 1 / (K K Din)); bias
+    (C_out, D), zeros, or None.
+
+    Shapes: u (N, H, W, C_in, Din) -> v (N, H', W', C_out, D), H' = (H + 2 padding - K) // stride
+    + 1 (W' likewise).
+    """
+
+    def __init__(
+        self,
+        in_types: int,
+        in_dim: int,
+        out_types: int,
+        out_dim: int,
+        kernel_size: int = 5,
+        stride: int = 1,
+        padding: int | Literal["same"] = "same",
+        iters: int = 3,
+        *,
+        share_weights: bool = True,
+        bias: bool = True,
+        leaky: bool = False,
+        backend: str = "fused",
+    ):
+        super().__init__(backend)
+        if padding == "same":
+            padding = (kernel_size - 1) // 2
+        if not isinstance(padding, int) or padding < 0:
+            raise ValueError(f"padding must be an int >= 0 or 'same', got {padding!r}")
+        self.in_types, self.stride, self.padding = in_types, stride, padding
+        self.iters, self.leaky = iters, leaky
+        types = 1 if share_weights else in_types
+        scale = (kernel_size * kernel_size * in_dim) ** -0.5
+        self.weight = nn.Parameter(
+            scale * torch.randn(kernel_size, kernel_size, types, out_types, out_dim, in_dim)
+        )
+        self.bias = nn.Parameter(torch.zeros(out_types, out_dim)) if bias else None
+
+    def forward(self, u: Tensor) -> Tensor:
+        K, _, _, C_out, D, Din = self.weight.shape
+        weight = self.weight.expand(K, K, self.in_types, C_out, D, Din)
+        return self.ops.conv_dynamic_routing(
+            u,
+            weight,
+            self.iters,
+            bias=self.bias,
+            stride=self.stride,
+            padding=self.padding,
+            leaky=self.leaky,
+        )
+
+    def extra_repr(self) -> str:
+        K, _, types, C_out, D, Din = self.weight.shape
+        return (
+            f"{self.in_types}x{Din}D -> {C_out}x{D}D, kernel_size={K}, stride={self.stride}, "
+            f"padding={self.padding}, iters={self.iters}, share_weights={types == 1}, "
+            f"{super().extra_repr()}"
+        )
+
+
 class PrimaryMatrixCapsules(nn.Module):
     """Primary matrix capsules (Hinton et al. 2018): at every position, 1x1 convolutions give each
     of `types` capsules a 4x4 pose and an activation.

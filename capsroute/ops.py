@@ -28,6 +28,7 @@ OPS = (
     "em_routing",
     "em_routing_pose",
     "conv_em_routing",
+    "conv_dynamic_routing",
 )
 SCHEMA_OPS = tuple(name for op in OPS for name in (op, f"_{op}_backward"))
 
@@ -311,6 +312,58 @@ def conv_em_routing(
     return pose_out, a_out
 
 
+@_with_args(_ROUTING_ARGS)
+def conv_dynamic_routing(
+    u: Tensor,
+    weight: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    stride: int = 1,
+    padding: int = 0,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
+    """A convolutional capsule layer with dynamic routing (SegCaps' locally-constrained routing,
+        LaLonde and Bagci 2018): at every output position (y, x), child type c votes for parent type
+        o through a K x K convolution of its capsules,
+
+            u_hat[y, x, c, o] = sum_{{ky, kx}} weight[ky, kx, c, o] @ u[y stride + ky - padding,
+                                                                      x stride + kx - padding, c],
+
+        and the position's C_in votes per parent are routed by dynamic_routing (softmax over the
+        parent types). The votes are computed a chunk of positions at a time, never stored for the
+        whole batch.
+
+        Args:
+            u: (B, H, W, C_in, Din), the input capsules (zeros outside the input).
+            weight: (K, K, C_in, C_out, D, Din), a transform per window offset and pair of types
+                (expand a (K, K, 1, C_out, D, Din) weight to share it over the child types, as
+                SegCaps does).
+    {args}
+            stride: of the windows (>= 1).
+            padding: positions of zeros added on every side (>= 0).
+
+        Returns:
+            v: (B, H', W', C_out, D), H' = (H + 2 padding - K) // stride + 1 (W' likewise),
+            differentiable w.r.t. u, weight and bias.
+    """
+    if _transformed(u, weight, bias):
+        return reference.conv_dynamic_routing(
+            u,
+            weight,
+            iters,
+            bias=bias,
+            stride=stride,
+            padding=padding,
+            leaky=leaky,
+            detach=detach,
+            eps=eps,
+        )
+    return _ops.conv_dynamic_routing(u, weight, bias, iters, stride, padding, leaky, detach, eps)[0]
+
+
 # ---- autograd ----
 # Each operator's inputs are its tensors, then its options. setup_context saves the tensors and
 # the forward's saved state; the backward runs the fused backward operator, or, when the engine
@@ -434,6 +487,15 @@ def _conv_em_backward(ctx, tensors, stats, grads):
     )
 
 
+def _conv_dynamic_routing_backward(ctx, tensors, s_hist, grads):
+    u, weight, bias = tensors
+    iters, stride, padding, leaky, detach, eps = ctx.options
+    grad_u, grad_weight, grad_bias = _ops._conv_dynamic_routing_backward(
+        grads[0], u, weight, s_hist, stride, padding, leaky, detach, eps
+    )
+    return [grad_u, grad_weight, None if bias is None else grad_bias]
+
+
 _register_autograd("squash", 1, 1, lambda s, eps: reference.squash(s, eps=eps), _squash_backward)
 _register_autograd(
     "dynamic_routing",
@@ -477,6 +539,25 @@ _register_autograd(
     _conv_em_backward,
 )
 
+_register_autograd(
+    "conv_dynamic_routing",
+    3,
+    1,
+    lambda u, weight, bias, iters, stride, padding, leaky, detach, eps: (
+        reference.conv_dynamic_routing(
+            u,
+            weight,
+            iters,
+            bias=bias,
+            stride=stride,
+            padding=padding,
+            leaky=leaky,
+            detach=detach,
+            eps=eps,
+        )
+    ),
+    _conv_dynamic_routing_backward,
+)
 
 # ---- autocast: the rules of capsroute/_autocast.py, on the operators themselves ----
 

@@ -179,6 +179,40 @@ def conv_windows(
     return rows[:, None, :, None] * Wp + cols[None, :, None, :]
 
 
+def conv_capsule_votes(u: Tensor, weight: Tensor, stride: int = 1, padding: int = 0) -> Tensor:
+    """The votes of a convolutional capsule layer: child type c at output position (y, x) votes for
+    parent type o with sum_{ky, kx} weight[ky, kx, c, o] @ u[y stride + ky - padding, x stride + kx
+    - padding, c] (zeros outside the input). u (B, H, W, C_in, Din), weight (K, K, C_in, C_out, D,
+    Din) -> (B, H', W', C_in, C_out, D), through the unfolded windows (B, H', W', K, K, C_in, Din)."""
+    B, H, W, C_in, Din = u.shape
+    p = padding
+    u = torch.nn.functional.pad(u, (0, 0, 0, 0, p, p, p, p))
+    windows = conv_windows(H, W, weight.shape[0], stride, p, u.device)  # (H', W', K, K)
+    window_u = u.flatten(1, 2)[:, windows]  # (B, H', W', K, K, C_in, Din)
+    return torch.einsum("byxklci,klcodi->byxcod", window_u, weight)
+
+
+@like_op("conv_dynamic_routing")
+def conv_dynamic_routing(
+    u: Tensor,
+    weight: Tensor,
+    iters: int = 3,
+    *,
+    bias: Tensor | None = None,
+    stride: int = 1,
+    padding: int = 0,
+    leaky: bool = False,
+    detach: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
+    """dynamic_routing at every output position of a convolutional capsule layer, over the votes of
+    conv_capsule_votes: u (B, H, W, C_in, Din), weight (K, K, C_in, C_out, D, Din) -> (B, H', W',
+    C_out, D). Materialises the unfolded windows and every vote: the oracle, not a fast path."""
+    votes = conv_capsule_votes(u, weight, stride, padding)
+    v = dynamic_routing(votes.flatten(0, 2), iters, bias=bias, leaky=leaky, detach=detach, eps=eps)
+    return v.unflatten(0, votes.shape[:3])
+
+
 @like_op("conv_em_routing")
 def conv_em_routing(
     pose: Tensor,

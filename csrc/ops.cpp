@@ -68,4 +68,17 @@ TORCH_LIBRARY(capsroute, m) {
       "_conv_em_routing_backward(Tensor grad_pose_out, Tensor grad_a_out, Tensor pose, Tensor a_in,"
       " Tensor weight, Tensor beta_u, Tensor beta_a, Tensor stats, int stride, int padding,"
       " float final_lambda, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+
+  // Dynamic routing in a convolutional capsule layer (SegCaps' locally-constrained routing):
+  // u (B, H, W, C_in, Din), weight (K, K, C_in, C_out, D, Din); the votes of each output position
+  // are computed a chunk of positions at a time, never for the whole batch. Returns (v (B, H', W',
+  // C_out, D), final coupling c (B, H', W', C_in, C_out), s_hist (B, H', W', iters, C_out, D) in
+  // the accumulation dtype).
+  m.def(
+      "conv_dynamic_routing(Tensor u, Tensor weight, Tensor? bias, int iters, int stride,"
+      " int padding, bool leaky, bool detach, float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_u, grad_weight, grad_bias (C_out, D)).
+  m.def(
+      "_conv_dynamic_routing_backward(Tensor grad_v, Tensor u, Tensor weight, Tensor s_hist,"
+      " int stride, int padding, bool leaky, bool detach, float eps) -> (Tensor, Tensor, Tensor)");
 }

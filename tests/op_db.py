@@ -252,6 +252,16 @@ def conv_em_inputs(shape, device="cpu", dtype=torch.float64, generator=None):
     return pose, a_in, weight, beta_u, beta_a
 
 
+def conv_dynamic_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
+    B, H, W, C_in, C_out, D, Din, K = shape
+    u = randn(B, H, W, C_in, Din, dtype=dtype, device=device, requires_grad=True)
+    weight = randn(
+        K, K, C_in, C_out, D, Din, dtype=dtype, device=device, scale=0.3, requires_grad=True
+    )
+    b = randn(C_out, D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
+    return u, weight, b
+
+
 def _em_tolerance(dtype):
     """EM routing divides by variances: float32 and low-precision storage lose a little more."""
     return TOLERANCE[dtype] * doctor.EM_TOLERANCE_FACTOR.get(dtype, 1)
@@ -297,6 +307,14 @@ CONV_EM_SHAPES = [
     (2, 3, 7, 2, 5, 2),
     (1, 3, 3, 5, 2, 1),
 ]  # B, H, W, C_in, C_out, K
+# Odd grids; one window (K = H = W); K = 1; D from 4 to 32 (tests/test_conv_dynamic_routing.py: strides
+# and paddings).
+CONV_DYNAMIC_SHAPES = [
+    (2, 5, 6, 3, 4, 8, 5, 3),
+    (1, 4, 4, 2, 3, 16, 8, 4),
+    (2, 3, 7, 1, 5, 4, 3, 2),
+    (1, 3, 3, 5, 2, 32, 2, 1),
+]  # B, H, W, C_in, C_out, D, Din, K
 
 SQUASH = OpSpec(
     name="squash",
@@ -439,4 +457,43 @@ CONV_EM_ROUTING = OpSpec(
     opcheck=[((2, 4, 4, 2, 3, 2), dict(stride=2, padding=1))],
 )
 
-OP_DB = [SQUASH, DYNAMIC_ROUTING, DENSE_CAPSULES, EM_ROUTING, EM_ROUTING_POSE, CONV_EM_ROUTING]
+CONV_DYNAMIC_ROUTING = OpSpec(
+    name="conv_dynamic_routing",
+    fn=lambda u, weight, bias, **options: capsroute.conv_dynamic_routing(
+        u, weight, bias=bias, **options
+    ),
+    ref=lambda u, weight, bias, **options: reference.conv_dynamic_routing(
+        u, weight, bias=bias, **options
+    ),
+    make=conv_dynamic_inputs,
+    defaults=dict(iters=3, stride=1, padding=0, leaky=False, detach=False, eps=1e-8),
+    shapes=_shapes(CONV_DYNAMIC_SHAPES, [(2, 5, 5, 3, 4, 16, 8, 3)]),
+    input_names=("u", "weight", "bias"),
+    output_names=("v",),
+    grad_outputs=1,
+    tolerance=TOLERANCE.get,
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors[:2],
+        out[2],
+        *list(sample.options.values())[1:],
+    ),
+    gradcheck=[
+        ((1, 4, 3, 2, 3, 4, 2, 2), dict(leaky=True)),
+        ((1, 4, 5, 1, 2, 4, 3, 3), dict(iters=2, stride=2, padding=1)),
+    ],
+    opcheck=[
+        ((2, 4, 4, 2, 3, 4, 3, 2), dict(stride=2, padding=1)),
+        ((1, 3, 4, 2, 2, 4, 2, 3), dict(bias=False, iters=2, leaky=True, detach=True, padding=1)),
+    ],
+)
+
+OP_DB = [
+    SQUASH,
+    DYNAMIC_ROUTING,
+    DENSE_CAPSULES,
+    EM_ROUTING,
+    EM_ROUTING_POSE,
+    CONV_EM_ROUTING,
+    CONV_DYNAMIC_ROUTING,
+]

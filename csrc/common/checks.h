@@ -176,6 +176,15 @@ inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tens
               "capsroute: grad_a_out must have shape (", B, ", ", J, "), got ", grad_a_out.sizes());
 }
 
+// The K x K windows of a convolutional capsule layer over an H x W input.
+inline void check_conv_window(int64_t K, int64_t H, int64_t W, int64_t stride, int64_t padding) {
+  TORCH_CHECK(stride >= 1, "capsroute: stride must be >= 1, got ", stride);
+  TORCH_CHECK(padding >= 0, "capsroute: padding must be >= 0, got ", padding);
+  const int64_t Hp = H + 2 * padding, Wp = W + 2 * padding;
+  TORCH_CHECK(K <= Hp && K <= Wp, "capsroute: weight's kernel size K = ", K,
+              " is larger than the padded input (", Hp, " x ", Wp, " with padding ", padding, ")");
+}
+
 // pose (B, H, W, C_in, 4, 4), a_in (B, H, W, C_in), weight (K, K, C_in, C_out, 4, 4)
 inline void check_conv_em_routing_inputs(const at::Tensor& pose, const at::Tensor& a_in,
                                          const at::Tensor& weight, const at::Tensor& beta_u,
@@ -192,11 +201,7 @@ inline void check_conv_em_routing_inputs(const at::Tensor& pose, const at::Tenso
       weight.sizes());
   TORCH_CHECK(weight.size(2) == pose.size(3), "capsroute: weight has C_in = ", weight.size(2),
               " (its dim 2) but pose has C_in = ", pose.size(3));
-  TORCH_CHECK(stride >= 1, "capsroute: stride must be >= 1, got ", stride);
-  TORCH_CHECK(padding >= 0, "capsroute: padding must be >= 0, got ", padding);
-  const int64_t K = weight.size(0), H = pose.size(1) + 2 * padding, W = pose.size(2) + 2 * padding;
-  TORCH_CHECK(K <= H && K <= W, "capsroute: weight's kernel size K = ", K,
-              " is larger than the padded input (", H, " x ", W, " with padding ", padding, ")");
+  check_conv_window(weight.size(0), pose.size(1), pose.size(2), stride, padding);
   check_same(a_in, pose, "a_in", "pose");
   TORCH_CHECK(a_in.sizes() == pose.sizes().slice(0, 4),
               "capsroute: a_in must have shape (B, H, W, C_in) = ", pose.sizes().slice(0, 4),
@@ -241,6 +246,57 @@ inline void check_dense_capsules_backward_inputs(const at::Tensor& grad_v, const
                                                  double eps) {
   check_dense_shapes(u, weight);
   check_routing_backward_inputs(grad_v, s_hist, u.size(0), weight.size(1), weight.size(2));
+  check_eps(eps);
+}
+
+// u (B, H, W, C_in, Din), weight (K, K, C_in, C_out, D, Din)
+inline void check_conv_capsule_shapes(const at::Tensor& u, const at::Tensor& weight, int64_t stride,
+                                      int64_t padding) {
+  check_float_dtype(u, "u");
+  check_rank(u, 5, "u", "(B, H, W, C_in, Din)");
+  check_same(weight, u, "weight", "u");
+  TORCH_CHECK(
+      weight.dim() == 6 && weight.size(0) == weight.size(1) && weight.size(0) >= 1 &&
+          weight.size(3) >= 1 && weight.size(4) >= 1,
+      "capsroute: weight must have shape (K, K, C_in, C_out, D, Din) with K, C_out, D >= 1, "
+      "got shape ",
+      weight.sizes());
+  TORCH_CHECK(weight.size(2) == u.size(3) && weight.size(5) == u.size(4),
+              "capsroute: weight must have C_in = ", u.size(3),
+              " (its dim 2) and Din = ", u.size(4), " (its dim 5) to match u of shape ", u.sizes(),
+              ", got weight of shape ", weight.sizes());
+  check_conv_window(weight.size(0), u.size(1), u.size(2), stride, padding);
+}
+
+inline void check_conv_dynamic_routing_inputs(const at::Tensor& u, const at::Tensor& weight,
+                                              const std::optional<at::Tensor>& bias, int64_t iters,
+                                              int64_t stride, int64_t padding, double eps) {
+  check_conv_capsule_shapes(u, weight, stride, padding);
+  check_bias(bias, u, weight.size(3), weight.size(4));
+  check_routing_options(iters, eps);
+}
+
+// grad_v (B, H', W', C_out, D); s_hist (B, H', W', iters, C_out, D)
+inline void check_conv_dynamic_routing_backward_inputs(const at::Tensor& grad_v,
+                                                       const at::Tensor& u,
+                                                       const at::Tensor& weight,
+                                                       const at::Tensor& s_hist, int64_t stride,
+                                                       int64_t padding, double eps) {
+  check_conv_capsule_shapes(u, weight, stride, padding);
+  const int64_t K = weight.size(0), C_out = weight.size(3), D = weight.size(4);
+  const int64_t Ho = (u.size(1) + 2 * padding - K) / stride + 1;
+  const int64_t Wo = (u.size(2) + 2 * padding - K) / stride + 1;
+  TORCH_CHECK(grad_v.sizes() == at::IntArrayRef({u.size(0), Ho, Wo, C_out, D}),
+              "capsroute: grad_v must have shape (", u.size(0), ", ", Ho, ", ", Wo, ", ", C_out,
+              ", ", D, "), got ", grad_v.sizes());
+  TORCH_CHECK(s_hist.dim() == 6 && s_hist.size(3) >= 1 &&
+                  s_hist.sizes().slice(0, 3) == grad_v.sizes().slice(0, 3) &&
+                  s_hist.sizes().slice(4) == grad_v.sizes().slice(3),
+              "capsroute: s_hist must have shape (", u.size(0), ", ", Ho, ", ", Wo, ", iters, ",
+              C_out, ", ", D, "), got ", s_hist.sizes());
+  TORCH_CHECK(grad_v.device() == u.device() && s_hist.device() == u.device(),
+              "capsroute: grad_v and s_hist must be on ", u.device(), " with u, got ",
+              grad_v.device(), " and ", s_hist.device());
   check_eps(eps);
 }
 

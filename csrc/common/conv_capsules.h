@@ -1,0 +1,257 @@
+// conv_dynamic_routing on either device: the votes of a chunk of output positions at a time as
+// batched GEMMs over the chunk's windows, routed by the device's dynamic routing kernels, and the
+// backward's contractions as batched GEMMs over the chunk's vote gradient. Host code on ATen ops,
+// shared by csrc/cpu/conv_dynamic_routing_cpu.cpp and csrc/cuda/conv_dynamic_routing_cuda.cu,
+// which bring the routing. Every sum runs in a fixed order: no atomics (docs/ops.md).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "checks.h"
+#include "dims.h"
+#include "forced_count.h"
+#include "kernel_path.h"
+
+namespace capsroute {
+
+// u (B, H, W, C_in, Din) -> v (B, Ho, Wo, C_out, D); weight (K, K, C_in, C_out, D, Din).
+struct ConvCapsuleDims {
+  int64_t B, H, W, C_in, Din, K, C_out, D, stride, padding;
+
+  ConvCapsuleDims(const at::Tensor& u, const at::Tensor& weight, int64_t stride, int64_t padding)
+      : B(u.size(0)),
+        H(u.size(1)),
+        W(u.size(2)),
+        C_in(u.size(3)),
+        Din(u.size(4)),
+        K(weight.size(0)),
+        C_out(weight.size(3)),
+        D(weight.size(4)),
+        stride(stride),
+        padding(padding) {}
+  int64_t Ho() const { return (H + 2 * padding - K) / stride + 1; }
+  int64_t Wo() const { return (W + 2 * padding - K) / stride + 1; }
+  int64_t Hp() const { return H + 2 * padding; }
+  int64_t Wp() const { return W + 2 * padding; }
+  int64_t window() const { return K * K * Din; }  // a child type's values in one window
+};
+
+// Output positions [first, first + count) of the (B, Ho, Wo) grid: `images` whole images from
+// image b0, or rows [y0, y0 + rows) of image b0 alone.
+struct PositionChunk {
+  int64_t b0, images, y0, rows, first, count;
+};
+
+// The workspace of a chunk, in bytes of the accumulation dtype: its windows, votes, vote gradient
+// and window gradient. 32 MiB stays in an H100's L2 between the GEMM and the routing that reads it.
+constexpr int64_t kConvChunkBytes = int64_t(32) << 20;
+
+// Output positions per chunk (CAPSROUTE_CONV_CHUNK=N forces N, for the tests).
+inline int64_t conv_chunk_positions(const ConvCapsuleDims& d, int64_t acc_bytes) {
+  if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_CONV_CHUNK")) return *forced;
+  const int64_t per_position =
+      acc_bytes * d.C_in * (2 * d.window() + 2 * d.C_out * d.D) + acc_bytes * d.C_out * d.D;
+  return std::max<int64_t>(1, kConvChunkBytes / per_position);
+}
+
+// Calls body(chunk) for consecutive chunks that cover every output position, in order.
+template <typename Body>
+void for_each_position_chunk(const ConvCapsuleDims& d, int64_t acc_bytes, Body&& body) {
+  const int64_t positions = conv_chunk_positions(d, acc_bytes);
+  const int64_t per_image = d.Ho() * d.Wo();
+  if (positions >= per_image) {
+    const int64_t images = positions / per_image;
+    for (int64_t b0 = 0; b0 < d.B; b0 += images) {
+      const int64_t n = std::min(images, d.B - b0);
+      body(PositionChunk{b0, n, 0, d.Ho(), b0 * per_image, n * per_image});
+    }
+    return;
+  }
+  const int64_t rows = std::max<int64_t>(1, positions / d.Wo());
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t y0 = 0; y0 < d.Ho(); y0 += rows) {
+      const int64_t n = std::min(rows, d.Ho() - y0);
+      body(PositionChunk{b, 1, y0, n, (b * d.Ho() + y0) * d.Wo(), n * d.Wo()});
+    }
+}
+
+// The operands in the accumulation dtype, laid out for batched GEMMs over the child types c:
+// u_t (C_in, B, Hp, Wp, Din), zero-padded; weight_t (C_in, K*K*Din, C_out*D), weight_t[c] holding
+// weight[ky, kx, c, o, d, i] at row (ky, kx, i), column (o, d).
+class ConvVoteOperands {
+ public:
+  ConvVoteOperands(const at::Tensor& u, const at::Tensor& weight, const ConvCapsuleDims& d,
+                   at::ScalarType acc)
+      : d_(d),
+        u_t_(at::constant_pad_nd(u.to(acc).permute({3, 0, 1, 2, 4}),
+                                 {0, 0, d.padding, d.padding, d.padding, d.padding})
+                 .contiguous()),
+        weight_t_(weight.to(acc)
+                      .permute({2, 0, 1, 5, 3, 4})
+                      .reshape({d.C_in, d.window(), d.C_out * d.D})) {}
+
+  const at::Tensor& weight_t() const { return weight_t_; }
+
+  // The chunk's windows (C_in, count, K*K*Din): position p's K x K children of type c, in (ky, kx,
+  // i) order.
+  at::Tensor windows(const PositionChunk& chunk) const {
+    at::Tensor out =
+        at::empty({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din}, u_t_.options());
+    out.copy_(window_view(chunk, 0, 0, /*whole_window=*/true));
+    return out.view({d_.C_in, chunk.count, d_.window()});
+  }
+
+  // votes (count, C_in, C_out, D), contiguous, of the chunk's windows: one GEMM per child type,
+  // written through a transposed view (the GEMMs take the strides).
+  at::Tensor votes(const at::Tensor& windows) const {
+    const int64_t count = windows.size(1);
+    at::Tensor votes = at::empty({count, d_.C_in, d_.C_out, d_.D}, windows.options());
+    at::Tensor by_type = votes.view({count, d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
+    at::bmm_out(by_type, windows, weight_t_);
+    return votes;
+  }
+
+  // Adds the chunk's input gradient, from its vote gradient (count, C_in, C_out, D), into grad_u_t
+  // (the shape of u_t): the window gradient as one GEMM per type, regrouped by window offset (so
+  // that an offset's values are adjacent, as the input's are), then added offset by offset, each
+  // offset's positions distinct (so no sum races and the order is fixed).
+  void add_input_gradient(const PositionChunk& chunk, const at::Tensor& grad_votes,
+                          at::Tensor& grad_u_t) const {
+    const at::Tensor by_offset =
+        at::bmm(by_type(grad_votes), weight_t_.transpose(1, 2))
+            .view({d_.C_in, chunk.count, d_.K * d_.K, d_.Din})
+            .transpose(1, 2)
+            .contiguous()
+            .view({d_.C_in, d_.K, d_.K, chunk.images, chunk.rows, d_.Wo(), d_.Din});
+    for (int64_t ky = 0; ky < d_.K; ++ky)
+      for (int64_t kx = 0; kx < d_.K; ++kx)
+        window_view(chunk, ky, kx, /*whole_window=*/false, &grad_u_t)
+            .add_(by_offset.select(1, ky).select(1, kx));
+  }
+
+  // grad_weight_t += windows^T @ grad_votes, per type.
+  void add_weight_gradient(const at::Tensor& windows, const at::Tensor& grad_votes,
+                           at::Tensor& grad_weight_t) const {
+    grad_weight_t.baddbmm_(windows.transpose(1, 2), by_type(grad_votes));
+  }
+
+  // The gradients in the layouts of the op's u and weight, from those of u_t and weight_t.
+  at::Tensor input_gradient(const at::Tensor& grad_u_t) const {
+    return grad_u_t.narrow(2, d_.padding, d_.H)
+        .narrow(3, d_.padding, d_.W)
+        .permute({1, 2, 3, 0, 4});
+  }
+  at::Tensor weight_gradient(const at::Tensor& grad_weight_t) const {
+    return grad_weight_t.view({d_.C_in, d_.K, d_.K, d_.Din, d_.C_out, d_.D})
+        .permute({1, 2, 0, 4, 5, 3});
+  }
+
+ private:
+  // (count, C_in, C_out, D) -> (C_in, count, C_out*D), a view.
+  at::Tensor by_type(const at::Tensor& grad_votes) const {
+    return grad_votes.view({grad_votes.size(0), d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
+  }
+
+  // A strided view of u_t (or of `of`, its shape) over the chunk's windows: the whole windows
+  // (C_in, images, rows, Wo, K, K, Din), or the children at offset (ky, kx) alone (C_in, images,
+  // rows, Wo, Din).
+  at::Tensor window_view(const PositionChunk& chunk, int64_t ky, int64_t kx, bool whole_window,
+                         const at::Tensor* of = nullptr) const {
+    const at::Tensor& t = of ? *of : u_t_;
+    const int64_t sx = d_.Din, sy = d_.Wp() * sx, sb = d_.Hp() * sy, sc = d_.B * sb;
+    const int64_t s = d_.stride;
+    const int64_t offset = chunk.b0 * sb + (chunk.y0 * s + ky) * sy + kx * sx;
+    if (whole_window)
+      return t.as_strided({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din},
+                          {sc, sb, s * sy, s * sx, sy, sx, 1}, t.storage_offset() + offset);
+    return t.as_strided({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.Din},
+                        {sc, sb, s * sy, s * sx, 1}, t.storage_offset() + offset);
+  }
+
+  ConvCapsuleDims d_;
+  at::Tensor u_t_, weight_t_;
+};
+
+// The routing of one chunk's votes, on the device's kernels: route(votes (count, C_in, C_out, D),
+// bias or undefined, dims, s_hist (count, iters, C_out, D), v (count, C_out, D), c (count, C_in,
+// C_out)), every tensor in the accumulation dtype, returns the kernel path it ran.
+// route_backward(votes, grad_v, s_hist, dims, grad_bias_items (count, C_out, D), grad_votes) writes
+// the vote gradient (count, C_in, C_out, D) into grad_votes, which may be votes itself.
+template <typename Route>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_forward(
+    const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    int64_t iters, int64_t stride, int64_t padding, bool leaky, const char* device_prefix,
+    Route&& route) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const ConvCapsuleDims d(u, weight, stride, padding);
+  const at::ScalarType acc = acc_dtype(u.scalar_type());
+  const auto acc_options = u.options().dtype(acc);
+  at::Tensor v = at::empty({d.B, d.Ho(), d.Wo(), d.C_out, d.D}, acc_options);
+  at::Tensor c = at::empty({d.B, d.Ho(), d.Wo(), d.C_in, d.C_out}, acc_options);
+  at::Tensor s_hist = at::empty({d.B, d.Ho(), d.Wo(), iters, d.C_out, d.D}, acc_options);
+  const at::Tensor bias_acc = bias.has_value() ? bias->to(acc).contiguous() : at::Tensor();
+  std::string paths;
+  if (v.numel() > 0) {
+    const ConvVoteOperands operands(u, weight, d, acc);
+    const at::Tensor v_rows = v.view({-1, d.C_out, d.D}), c_rows = c.view({-1, d.C_in, d.C_out});
+    const at::Tensor s_rows = s_hist.view({-1, iters, d.C_out, d.D});
+    for_each_position_chunk(d, at::elementSize(acc), [&](const PositionChunk& chunk) {
+      const RoutingDims dims{chunk.count, d.C_in, d.C_out, d.D, iters, leaky};
+      add_distinct_path(paths, route(operands.votes(operands.windows(chunk)), bias_acc, dims,
+                                     s_rows.narrow(0, chunk.first, chunk.count),
+                                     v_rows.narrow(0, chunk.first, chunk.count),
+                                     c_rows.narrow(0, chunk.first, chunk.count)));
+    });
+  }
+  record_kernel_path("conv_dynamic_routing", Direction::forward, device_prefix + paths);
+  return {v.to(u.scalar_type()), c.to(u.scalar_type()), s_hist};
+}
+
+template <typename RouteBackward>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward(
+    const at::Tensor& grad_v_in, const at::Tensor& u, const at::Tensor& weight,
+    const at::Tensor& s_hist_in, int64_t stride, int64_t padding, bool leaky,
+    const char* device_prefix, RouteBackward&& route_backward) {
+  // A backward called under autocast (the CPU's autograd runs it on the caller's thread) must not
+  // have its float32 GEMMs cast down.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const ConvCapsuleDims d(u, weight, stride, padding);
+  const int64_t iters = s_hist_in.size(3);
+  const at::ScalarType acc = acc_dtype(u.scalar_type());
+  const auto acc_options = u.options().dtype(acc);
+  // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
+  const at::Tensor grad_v = grad_v_in.to(acc).contiguous().view({-1, d.C_out, d.D});
+  const at::Tensor s_hist = s_hist_in.to(acc).contiguous().view({-1, iters, d.C_out, d.D});
+  const ConvVoteOperands operands(u, weight, d, acc);
+  at::Tensor grad_u_t = at::zeros({d.C_in, d.B, d.Hp(), d.Wp(), d.Din}, acc_options);
+  at::Tensor grad_weight_t = at::zeros_like(operands.weight_t());
+  at::Tensor grad_bias = at::zeros({d.C_out, d.D}, acc_options);
+  std::string paths;
+  if (grad_v.size(0) > 0) {
+    for_each_position_chunk(d, at::elementSize(acc), [&](const PositionChunk& chunk) {
+      const RoutingDims dims{chunk.count, d.C_in, d.C_out, d.D, iters, leaky};
+      const at::Tensor windows = operands.windows(chunk);
+      at::Tensor votes = operands.votes(windows);
+      at::Tensor grad_bias_items = at::zeros({chunk.count, d.C_out, d.D}, acc_options);
+      // The vote gradient goes over the votes: the routing backward is their last reader.
+      add_distinct_path(paths, route_backward(votes, grad_v.narrow(0, chunk.first, chunk.count),
+                                              s_hist.narrow(0, chunk.first, chunk.count), dims,
+                                              grad_bias_items, votes));
+      operands.add_input_gradient(chunk, votes, grad_u_t);
+      operands.add_weight_gradient(windows, votes, grad_weight_t);
+      grad_bias.add_(grad_bias_items.sum(0));
+    });
+  }
+  record_kernel_path("conv_dynamic_routing", Direction::backward, device_prefix + paths);
+  return {operands.input_gradient(grad_u_t).to(u.scalar_type()).contiguous(),
+          operands.weight_gradient(grad_weight_t).to(u.scalar_type()).contiguous(),
+          grad_bias.to(u.scalar_type())};
+}
+
+}  // namespace capsroute
