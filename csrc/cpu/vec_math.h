@@ -266,14 +266,17 @@ VoteRows<vote_t> element_votes(const vote_t* data, const CapsuleStrides& strides
   return {data + strides.offset(n, 0), strides.row, strides.capsule};
 }
 
-// The same votes, gathered into `slab` (I x J x D, adjacent) where their rows are not adjacent:
-// the routing passes over an element's rows many times, and rows a multiple of 4 KB apart (the
-// einsum layout) share a few L2 sets and evict each other; one gather keeps the passes in L2.
+// The same votes, gathered into `slab` (I x J x D, adjacent) where their rows lie a multiple of
+// 4 KB apart (the einsum layout at B = 32, 128, ...) or a row's capsules are apart: the routing
+// passes over an element's rows many times, and such rows share a few L2 sets and evict each
+// other; one gather keeps the passes in L2. Rows at other strides are read in place (the gather
+// costs more than it saves there).
 template <typename vote_t>
 VoteRows<vote_t> staged_element_votes(const vote_t* data, const CapsuleStrides& strides, int64_t n,
                                       int64_t I, int64_t J, int64_t D, std::vector<vote_t>& slab) {
   const VoteRows<vote_t> votes = element_votes(data, strides, n);
-  if (strides.row == J * D && strides.capsule == D) return votes;
+  const bool page_strided = strides.row * int64_t(sizeof(vote_t)) % 4096 == 0;
+  if (strides.capsule == D && (strides.row == J * D || !page_strided)) return votes;
   slab.resize(I * J * D);
   for (int64_t i = 0; i < I; ++i)
     for (int64_t j = 0; j < J; ++j)
