@@ -89,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
               const int64_t Bc = chunk_dims.B;
               at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc),
                          c_chunk = c.narrow(0, b0, Bc);
-              const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(), dims.I,
-                                                          dims.J * dims.D};
+              const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(),
+                                                          packed_rows(dims.I, dims.J * dims.D)};
               add_distinct_path(routing_paths,
                                 launch_routing_forward(chunk_votes, bias_ptr, chunk_dims, eps,
                                                        s_chunk, v_chunk, c_chunk));
@@ -142,14 +142,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
                 at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
                 // (The cluster backward writes the gradient over the votes itself: each block reads
                 // its rows' votes into shared memory before it writes their gradient.)
+                const CapsuleStrides rows = packed_rows(I, JD);
                 const BackwardBuffers<acc_t> buf = launch_routing_backward(
-                    MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
+                    MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), rows},
                     grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims,
-                    detach, eps, grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
+                    detach, eps, grad_bias_chunk, rows, votes.mutable_data_ptr<acc_t>());
                 add_distinct_path(routing_paths, buf.path);
                 if (votes.numel() > 0 && !buf.vote_grad_written)
                   launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I),
-                         buf.state, Bc, votes.mutable_data_ptr<acc_t>());
+                         buf.state, Bc, rows, votes.mutable_data_ptr<acc_t>());
                 // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T
                 // @ u_i.
                 const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);
