@@ -34,6 +34,15 @@ int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
   return std::max<int64_t>(1, kDenseChunkBytes / per_element);
 }
 
+// u itself where the batched GEMMs below read it in place, else a contiguous copy (once per call:
+// at::bmm would copy each chunk's). cuBLAS takes the chunk's u, input capsule i a (Bc, Din) matrix,
+// at any batch stride (u.stride(1)) and row stride (the leading dimension u.stride(0)) >= Din,
+// with each u_bi's Din values adjacent.
+at::Tensor gemm_readable(const at::Tensor& u) {
+  const bool in_place = u.stride(2) == 1 && u.stride(0) >= std::max<int64_t>(1, u.size(2));
+  return in_place ? u : u.contiguous();
+}
+
 // votes (Bc, I, J, D) = weight_ij @ u_bi for the chunk's u (Bc, I, Din): one GEMM per input
 // capsule, (Bc, Din) x (Din, J*D), written through a transposed view (cuBLAS takes the strides).
 void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::Tensor& votes) {
@@ -66,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   check_cuda(u_in, "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
-  const at::Tensor u = u_in.contiguous();
+  const at::Tensor u = gemm_readable(u_in);
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const RoutingDims dims{u.size(0), weight.size(0), weight.size(1), weight.size(2), iters, leaky};
@@ -110,13 +119,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
   const c10::cuda::CUDAGuard guard(u_in.device());
   const RoutingDims dims{
       B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
-  const at::Tensor u = u_in.contiguous();
+  const at::Tensor u = gemm_readable(u_in);
   const at::Tensor weight = weight_in.contiguous();
   const at::ScalarType acc = acc_dtype(u.scalar_type());
   // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_u = at::empty_like(u);
+  at::Tensor grad_u = at::empty(u.sizes(), u.options());  // contiguous, whatever u's layout
   // With B == 0 the sums over the batch are empty: zero gradients.
   at::Tensor grad_weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
