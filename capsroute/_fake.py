@@ -10,6 +10,33 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _has_contiguous_capsules(t: Tensor, capsule_dims: int) -> bool:
+    """Whether each of t's capsules, its last capsule_dims dims, is one contiguous run."""
+    expected = 1
+    for d in range(t.dim() - 1, t.dim() - 1 - capsule_dims, -1):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
+def _capsule_gradient(t: Tensor, capsule_dims: int) -> Tensor:
+    """The gradient of a capsule input as the kernels allocate it (csrc/common/layout.h,
+    empty_capsule_gradient of with_contiguous_capsules): in t's layout where it is dense and its
+    capsules (capsule_dims) contiguous, else contiguous."""
+    contiguous = torch.empty_like(t, memory_format=torch.contiguous_format)
+    if not _has_contiguous_capsules(t, capsule_dims):
+        return contiguous
+    like = torch.empty_like(t)
+    return like if _has_contiguous_capsules(like, capsule_dims) else contiguous
+
+
+def _votes_gradient(votes: Tensor) -> Tensor:
+    """The CUDA kernels read a row of J capsules at a time, the CPU ones a capsule (docs/ops.md,
+    "Layouts")."""
+    return _capsule_gradient(votes, 2 if votes.device.type == "cuda" else 1)
+
+
 def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int):
     return (
         like.new_empty(B, J, D),
@@ -37,7 +64,7 @@ def _(votes, bias, iters, leaky, detach, eps):
 @torch.library.register_fake("capsroute::_dynamic_routing_backward")
 def _(grad_v, votes, s_hist, leaky, detach, eps):
     return (
-        torch.empty_like(votes, memory_format=torch.contiguous_format),
+        _votes_gradient(votes),
         votes.new_empty(votes.shape[2], votes.shape[3]),
     )
 
@@ -70,7 +97,7 @@ def _(votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
 @torch.library.register_fake("capsroute::_em_routing_backward")
 def _(grad_pose, grad_a_out, votes, a_in, beta_u, beta_a, stats, final_lambda, eps):
     return (
-        torch.empty_like(votes, memory_format=torch.contiguous_format),
+        _votes_gradient(votes),
         torch.empty_like(a_in),
         torch.empty_like(beta_u),
         torch.empty_like(beta_a),
@@ -90,7 +117,7 @@ def _(pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps):
 @torch.library.register_fake("capsroute::_em_routing_pose_backward")
 def _(grad_pose_out, grad_a_out, pose, weight, a_in, beta_u, beta_a, stats, final_lambda, eps):
     return (
-        torch.empty_like(pose, memory_format=torch.contiguous_format),
+        _capsule_gradient(pose, 2),
         torch.empty_like(weight),
         torch.empty_like(a_in),
         torch.empty_like(beta_u),

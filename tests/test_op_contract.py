@@ -15,9 +15,12 @@ from capsroute import _autocast, ops
 from helpers import assert_rel_close, noncontiguous, randn
 from op_db import CAPSULE_LAYOUTS, DTYPES, OP_DB, capsule_layout
 
-# The ops whose CPU kernels return their capsule input's gradient in that input's layout where it
-# is dense (docs/ops.md, "Layouts"); the rest return it contiguous.
+# The ops whose kernels return their capsule input's gradient in that input's layout where they
+# read it in place and it is dense (docs/ops.md, "Layouts"); the rest return it contiguous. The
+# CUDA kernels of ROWS_ON_CUDA read votes in rows of J capsules, which the permute layout's are
+# not (J outermost): copied, their gradient comes back contiguous.
 GRADIENT_IN_INPUT_LAYOUT = ("dynamic_routing", "em_routing", "em_routing_pose")
+ROWS_ON_CUDA = ("dynamic_routing", "em_routing")
 
 per_op = pytest.mark.parametrize("spec", OP_DB, ids=lambda spec: spec.name)
 
@@ -121,20 +124,35 @@ def in_layout(sample, layout, capsule_dims):
 )
 def test_capsule_layouts(spec, device, layout, dtype):
     """The layouts einsum, permute and slicing give: outputs and every gradient match the reference;
-    the first input's gradient comes back in its layout where that is dense (the CPU kernels of
-    the ops that read the input in place), else contiguous (docs/ops.md, "Layouts")."""
+    the first input's gradient comes back in its layout where the kernels read it in place and it
+    is dense, else contiguous (docs/ops.md, "Layouts")."""
     for shape in spec.shapes[dtype][:2]:
         sample = in_layout(spec.draw(shape, device, dtype), layout, spec.capsule_dims)
         compared = spec.compare(sample)
         for name, actual, expected in compared:
             assert_rel_close(actual, expected, spec.tolerance(dtype), f"{shape} {name}")
         first, grad_first = sample.inputs()[0], compared[len(spec.output_names)][1]
-        in_its_layout = device == "cpu" and spec.name in GRADIENT_IN_INPUT_LAYOUT
+        in_its_layout = spec.name in GRADIENT_IN_INPUT_LAYOUT and not (
+            device == "cuda" and spec.name in ROWS_ON_CUDA and layout == "permute"
+        )
         expected = torch.empty_like(first) if in_its_layout else first.contiguous()
         assert grad_first.stride() == expected.stride(), (
             f"{shape} grad_{spec.input_names[0]} strides {grad_first.stride()}, "
             f"{spec.input_names[0]} strides {first.stride()}"
         )
+
+
+@with_capsules
+@pytest.mark.parametrize("layout", CAPSULE_LAYOUTS)
+def test_capsule_layouts_opcheck(spec, device, layout):
+    """The fake backward op gives the first input's gradient the strides the kernels give it."""
+    shape, options = spec.opcheck[0]
+    saved = detached(
+        in_layout(spec.draw(shape, device, torch.float64, **options), layout, spec.capsule_dims)
+    )
+    out = call_op(spec, saved)
+    grads = [randn(*o.shape, device=device) for o in out[: spec.grad_outputs]]
+    torch.library.opcheck(spec.backward_op, spec.backward_args(saved, out, grads))
 
 
 def copies_of(spec, sample, like: torch.Tensor) -> list[str]:

@@ -58,6 +58,10 @@ struct CapsuleStrides {
   }
 };
 
+// The strides of the rows (b, i) of a contiguous (B, I, J, D) tensor (JD = J * D), for the CUDA
+// kernels that take a row's J x D values as one contiguous run (capsule stride unused).
+CAPSROUTE_HD CapsuleStrides packed_rows(int64_t I, int64_t JD) { return {I * JD, JD, 0}; }
+
 // The values of a 4x4 pose matrix, row-major: H of em_routing_pose.
 constexpr int64_t kPoseSize = 16;
 

@@ -28,8 +28,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_cuda(
           at::Tensor s_hist, at::Tensor v, at::Tensor c) {
         std::string path;
         AT_DISPATCH_FLOATING_TYPES(votes.scalar_type(), "conv_dynamic_routing_cuda", [&] {
-          const MemoryVotes<scalar_t, scalar_t> src{votes.const_data_ptr<scalar_t>(), dims.I,
-                                                    dims.jd()};
+          const MemoryVotes<scalar_t, scalar_t> src{votes.const_data_ptr<scalar_t>(),
+                                                    packed_rows(dims.I, dims.jd())};
           path = launch_routing_forward(
               src, bias_acc.defined() ? bias_acc.const_data_ptr<scalar_t>() : nullptr, dims, eps,
               s_hist, v, c);
@@ -53,14 +53,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward_cud
         AT_DISPATCH_FLOATING_TYPES(votes.scalar_type(), "conv_dynamic_routing_backward_cuda", [&] {
           // (The cluster backward writes the gradient over the votes itself: each block reads its
           // rows' votes into shared memory before it writes their gradient.)
+          const CapsuleStrides rows = packed_rows(dims.I, dims.jd());
           const BackwardBuffers<scalar_t> buf = launch_routing_backward(
-              MemoryVotes<scalar_t, scalar_t>{votes.const_data_ptr<scalar_t>(), dims.I, dims.jd()},
+              MemoryVotes<scalar_t, scalar_t>{votes.const_data_ptr<scalar_t>(), rows},
               g_v.const_data_ptr<scalar_t>(), s_hist_chunk, dims, detach, eps, grad_bias_items,
-              grad_votes.mutable_data_ptr<scalar_t>());
+              rows, grad_votes.mutable_data_ptr<scalar_t>());
           if (!buf.vote_grad_written)
             StreamLaunch{c10::cuda::getCurrentCUDAStream()}(
                 write_vote_grad_rows_kernel<scalar_t, scalar_t>,
-                vote_grad_rows_blocks(dims.B, dims.I), buf.state, dims.B,
+                vote_grad_rows_blocks(dims.B, dims.I), buf.state, dims.B, rows,
                 grad_votes.mutable_data_ptr<scalar_t>());
           path = buf.path;
         });

@@ -34,6 +34,15 @@ int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
   return std::max<int64_t>(1, kDenseChunkBytes / per_element);
 }
 
+// u itself where the batched GEMMs below read it in place, else a contiguous copy (once per call:
+// at::bmm would copy each chunk's). cuBLAS takes the chunk's u, input capsule i a (Bc, Din) matrix,
+// at any batch stride (u.stride(1)) and row stride (the leading dimension u.stride(0)) >= Din,
+// with each u_bi's Din values adjacent.
+at::Tensor gemm_readable(const at::Tensor& u) {
+  const bool in_place = u.stride(2) == 1 && u.stride(0) >= std::max<int64_t>(1, u.size(2));
+  return in_place ? u : u.contiguous();
+}
+
 // votes (Bc, I, J, D) = weight_ij @ u_bi for the chunk's u (Bc, I, Din): one GEMM per input
 // capsule, (Bc, Din) x (Din, J*D), written through a transposed view (cuBLAS takes the strides).
 void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::Tensor& votes) {
@@ -66,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
   check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
   check_cuda(u_in, "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
-  const at::Tensor u = u_in.contiguous();
+  const at::Tensor u = gemm_readable(u_in);
   const at::Tensor weight = weight_in.contiguous();
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const RoutingDims dims{u.size(0), weight.size(0), weight.size(1), weight.size(2), iters, leaky};
@@ -89,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
               const int64_t Bc = chunk_dims.B;
               at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc),
                          c_chunk = c.narrow(0, b0, Bc);
-              const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(), dims.I,
-                                                          dims.J * dims.D};
+              const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(),
+                                                          packed_rows(dims.I, dims.J * dims.D)};
               add_distinct_path(routing_paths,
                                 launch_routing_forward(chunk_votes, bias_ptr, chunk_dims, eps,
                                                        s_chunk, v_chunk, c_chunk));
@@ -110,13 +119,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
   const c10::cuda::CUDAGuard guard(u_in.device());
   const RoutingDims dims{
       B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
-  const at::Tensor u = u_in.contiguous();
+  const at::Tensor u = gemm_readable(u_in);
   const at::Tensor weight = weight_in.contiguous();
   const at::ScalarType acc = acc_dtype(u.scalar_type());
   // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_u = at::empty_like(u);
+  at::Tensor grad_u = at::empty(u.sizes(), u.options());  // contiguous, whatever u's layout
   // With B == 0 the sums over the batch are empty: zero gradients.
   at::Tensor grad_weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
@@ -142,14 +151,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(
                 at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
                 // (The cluster backward writes the gradient over the votes itself: each block reads
                 // its rows' votes into shared memory before it writes their gradient.)
+                const CapsuleStrides rows = packed_rows(I, JD);
                 const BackwardBuffers<acc_t> buf = launch_routing_backward(
-                    MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), I, JD},
+                    MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), rows},
                     grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims,
-                    detach, eps, grad_bias_chunk, votes.mutable_data_ptr<acc_t>());
+                    detach, eps, grad_bias_chunk, rows, votes.mutable_data_ptr<acc_t>());
                 add_distinct_path(routing_paths, buf.path);
                 if (votes.numel() > 0 && !buf.vote_grad_written)
                   launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I),
-                         buf.state, Bc, votes.mutable_data_ptr<acc_t>());
+                         buf.state, Bc, rows, votes.mutable_data_ptr<acc_t>());
                 // (I, Bc, J*D) vote gradients: grad_u_i = g_i @ weight_i and grad_weight_i += g_i^T
                 // @ u_i.
                 const at::Tensor grad_votes = votes.view({Bc, I, JD}).transpose(0, 1);

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../common/checks.h"
+#include "../common/layout.h"
 #include "host_checks.cuh"
 #include "routing_launch.cuh"
 
@@ -18,7 +19,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(
   check_dynamic_routing_inputs(votes_in, bias_in, iters, eps);
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
-  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2);  // rows (MemoryVotes)
   const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
   const RoutingDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, leaky};
   at::Tensor v = at::empty({dims.B, dims.J, dims.D}, votes.options());
@@ -30,8 +31,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I,
-                                               dims.J * dims.D};
+        const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(),
+                                               capsule_strides(votes, 2)};
         record_kernel_path(
             "dynamic_routing", Direction::forward,
             launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
@@ -52,12 +53,13 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
   const c10::cuda::CUDAGuard guard(votes_in.device());
   const RoutingDims dims{
       B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
-  const at::Tensor votes = votes_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2);
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_votes = at::empty_like(votes);
+  at::Tensor grad_votes = empty_capsule_gradient(votes, 2);
+  const CapsuleStrides grad_rows = capsule_strides(grad_votes, 2);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, votes.options().dtype(acc));
 
@@ -65,16 +67,16 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, votes.scalar_type(), "dynamic_routing_backward_cuda", [&] {
           using acc_t = at::opmath_type<scalar_t>;
-          const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I,
-                                                 dims.J * dims.D};
+          const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(),
+                                                 capsule_strides(votes, 2)};
           const BackwardBuffers<acc_t> buf = launch_routing_backward(
               src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, grad_bias_items,
-              grad_votes.mutable_data_ptr<scalar_t>());
+              grad_rows, grad_votes.mutable_data_ptr<scalar_t>());
           record_kernel_path("dynamic_routing", Direction::backward, buf.path);
           const StreamLaunch launch{c10::cuda::getCurrentCUDAStream()};
           if (!buf.vote_grad_written && grad_votes.numel() > 0)
             launch(write_vote_grad_rows_kernel<scalar_t, acc_t>, vote_grad_rows_blocks(B, dims.I),
-                   buf.state, B, grad_votes.mutable_data_ptr<scalar_t>());
+                   buf.state, B, grad_rows, grad_votes.mutable_data_ptr<scalar_t>());
         });
   }
   return {grad_votes, grad_bias_items.sum(0).to(votes.scalar_type())};

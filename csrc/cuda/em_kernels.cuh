@@ -44,18 +44,19 @@ namespace cuda {
 // ---- the pose vote source (em_routing_pose) ----
 
 // V[b, i, j, (r, c)] = sum_k P[b, i, r, k] W[i, j, k, c] in the accumulation type, k in order
-// (the CPU's compute_votes): pose (B, I, 4, 4), weight (I, J, 4, 4), both contiguous; H = 16,
-// jh = j * 16 + r * 4 + c.
+// (the CPU's compute_votes): pose (B, I, 4, 4) at any strides over b and i (pose_strides), each
+// P_bi's 16 values contiguous; weight (I, J, 4, 4) contiguous; H = 16, jh = j * 16 + r * 4 + c.
 template <typename scalar_t, typename acc_t>
 struct PoseVotes {
   using acc_type = acc_t;
   const scalar_t* pose;
+  CapsuleStrides pose_strides;
   const scalar_t* weight;
-  int64_t I, J;
+  int64_t J;
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jh) const {
     const int64_t j = jh / kPoseSize, rc = jh - j * kPoseSize, r = rc / 4, c = rc - r * 4;
-    const scalar_t* P = pose + (b * I + i) * kPoseSize + r * 4;  // row r of P_i
-    const scalar_t* W = weight + (i * J + j) * kPoseSize + c;    // column c of W_ij
+    const scalar_t* P = pose + pose_strides.offset(b, i) + r * 4;  // row r of P_i
+    const scalar_t* W = weight + (i * J + j) * kPoseSize + c;      // column c of W_ij
     acc_t sum = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) sum += static_cast<acc_t>(P[k]) * static_cast<acc_t>(W[k * 4]);
@@ -321,11 +322,13 @@ struct EmBackwardWorkspace {
   acc_t* partial_mass;
 };
 
-// What the backward writes, in the accumulation dtype: g_V (B, I, J, H), g_a (B, I) and the
-// per-element beta gradients g_beta (B, 2, J) = [beta_u | beta_a] (summed over b by the caller).
+// What the backward writes, in the accumulation dtype: g_V (B, I, J, H) in rows at g_V_rows (as
+// MemoryVotes reads votes), g_a (B, I) and the per-element beta gradients g_beta (B, 2, J) =
+// [beta_u | beta_a] (summed over b by the caller).
 template <typename acc_t>
 struct EmGrads {
   acc_t* g_V;
+  CapsuleStrides g_V_rows;
   acc_t* g_a;
   acc_t* g_beta;
 };
@@ -511,10 +514,11 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     const int64_t i0 = rows.begin, i1 = rows.end;
     const acc_t* st = stats + b * iters * dims.stats_block();
     acc_t* R_hist = ws.R_hist + b * iters * IJ;
-    for (int64_t idx = i0 * JH + tid; idx < i1 * JH; idx += nthreads) out.g_V[b * I * JH + idx] = 0;
     for (int64_t i = i0 + tid; i < i1; i += nthreads) out.g_a[b * I + i] = 0;
     for (int64_t ij = i0 * J + tid; ij < i1 * J; ij += nthreads) R_hist[ij] = acc_t(1) / acc_t(J);
     for (int64_t i = i0 + warp; i < i1; i += nwarps) {
+      acc_t* g_V_i = out.g_V + out.g_V_rows.offset(b, i);
+      for (int64_t jh = lane; jh < JH; jh += kWarpSize) g_V_i[jh] = 0;
       for (int64_t t = 0; t + 1 < iters; ++t) {
         const acc_t* mu = st + t * dims.stats_block();
         warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + (b * iters + t) * J,
@@ -592,19 +596,18 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     const acc_t* st = stats + b * iters * block;
     const acc_t* R_hist = ws.R_hist + b * iters * IJ;
     acc_t* g_R = ws.g_R + b * IJ;
-    acc_t* g_V = out.g_V + b * I * JH;
     const acc_t* mu = st + t * block;
     for (int64_t i = i0 + warp; i < i1; i += nwarps)
       warp_em_m_step_vjp_row(src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J, mu,
                              mu + JH, ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH,
-                             ws.g_var + b * JH, g_V + i * JH, g_R + i * J, out.g_a + b * I + i,
-                             lane);
+                             ws.g_var + b * JH, out.g_V + out.g_V_rows.offset(b, i), g_R + i * J,
+                             out.g_a + b * I + i, lane);
     if (t > 0) {
       __syncthreads();                           // the range's g_R = dL/dR^t complete
       const acc_t* prev = st + (t - 1) * block;  // the statistics E-step t - 1 used
       for (int64_t i = i0 + warp; i < i1; i += nwarps)
         warp_em_e_step_vjp_row(src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J,
-                               g_R + i * J, g_V + i * JH, lane);
+                               g_R + i * J, out.g_V + out.g_V_rows.offset(b, i), lane);
       __syncthreads();  // the range's g_L complete
       acc_t* part = ws.partial_cols + item * cols;
       for (int64_t jh = tid; jh < JH; jh += nthreads) {
@@ -627,16 +630,17 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
 // the accumulation dtype): g_P_i = sum_j G W_ij^T and g_W_ij = sum_b P_i^T G.
 
 // grad_pose[b, i, r, k] = sum_j sum_c G[b, i, j, r, c] W[i, j, k, c], j then c in order (the
-// CPU's order); thread per (b, i, r, k) over B elements (a chunk: g_V and grad_pose offset).
+// CPU's order); thread per (b, i, r, k) over B elements (a chunk: g_V and grad_pose offset),
+// grad_pose at grad_strides (as PoseVotes reads pose).
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
     pose_grad_pose_kernel(const acc_t* g_V, const scalar_t* weight, int64_t B, int64_t I, int64_t J,
-                          scalar_t* grad_pose) {
+                          const CapsuleStrides grad_strides, scalar_t* grad_pose) {
   const int64_t n = B * I * kPoseSize;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t bi = idx / kPoseSize, rk = idx - bi * kPoseSize, r = rk / 4, k = rk - r * 4;
-    const int64_t i = bi % I;
+    const int64_t b = bi / I, i = bi - b * I;
     const acc_t* G = g_V + bi * J * kPoseSize + r * 4;       // row r of G_ij, j = 0
     const scalar_t* W = weight + i * J * kPoseSize + k * 4;  // row k of W_ij, j = 0
     acc_t sum = 0;
@@ -645,17 +649,19 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int c = 0; c < 4; ++c)
         sum += G[j * kPoseSize + c] * static_cast<acc_t>(W[j * kPoseSize + c]);
     }
-    grad_pose[idx] = static_cast<scalar_t>(sum);
+    grad_pose[grad_strides.offset(b, i) + rk] = static_cast<scalar_t>(sum);
   }
 }
 
 // g_W[i, j, k, c] = (accumulate ? g_W[i, j, k, c] : 0) + sum_b sum_r P[b, i, r, k] G[b, i, j, r,
 // c], b then r in order; thread per (i, j, k, c). Called chunk after chunk of the batch with
 // accumulate set after the first, it adds the elements one by one in batch order into one
-// running sum in the accumulation dtype: the result does not depend on the chunking.
+// running sum in the accumulation dtype: the result does not depend on the chunking. pose at
+// pose_strides (PoseVotes).
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
-    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose, int64_t B, int64_t I, int64_t J,
+    pose_grad_weight_kernel(const acc_t* g_V, const scalar_t* pose,
+                            const CapsuleStrides pose_strides, int64_t B, int64_t I, int64_t J,
                             bool accumulate, acc_t* g_W) {
   const int64_t n = I * J * kPoseSize;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
@@ -664,8 +670,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t i = ij / J;
     acc_t sum = accumulate ? g_W[idx] : acc_t(0);
     for (int64_t b = 0; b < B; ++b) {
-      const scalar_t* P = pose + (b * I + i) * kPoseSize + k;   // column k of P_i
-      const acc_t* G = g_V + (b * I * J + ij) * kPoseSize + c;  // column c of G_ij
+      const scalar_t* P = pose + pose_strides.offset(b, i) + k;  // column k of P_i
+      const acc_t* G = g_V + (b * I * J + ij) * kPoseSize + c;   // column c of G_ij
 #pragma unroll
       for (int r = 0; r < 4; ++r) sum += static_cast<acc_t>(P[r * 4]) * G[r * 4];
     }

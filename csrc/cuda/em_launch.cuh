@@ -14,6 +14,7 @@
 
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
+#include "../common/layout.h"
 #include "em_kernels.cuh"
 #include "em_sequence.cuh"
 #include "host_checks.cuh"
@@ -97,8 +98,9 @@ EmBackwardBuffers<acc_t> make_em_backward_buffers(const EmDims& dims, int64_t sp
 }
 
 // Allocates the workspaces and launches the backward on the current stream (B > 0). stats,
-// grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H), g_a (B, I) and
-// g_beta (B, 2, J) receive the gradients (accumulation dtype, contiguous). Returns the path it ran.
+// grad_pose and grad_a_out in the accumulation dtype; g_V (B, I, J, H, rows at any strides over
+// b and i, as MemoryVotes), g_a (B, I) and g_beta (B, 2, J) receive the gradients (accumulation
+// dtype; g_a and g_beta contiguous). Returns the path it ran.
 template <typename Source, typename scalar_t>
 const char* launch_em_backward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
                                const at::Tensor& stats, const at::Tensor& grad_pose,
@@ -109,8 +111,8 @@ const char* launch_em_backward(const Source& src, const scalar_t* a_in, const sc
   const int64_t splits = em_splits(dims);
   const EmBackwardBuffers<acc_t> buf =
       make_em_backward_buffers<acc_t>(dims, splits, stats.options());
-  const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), g_a.mutable_data_ptr<acc_t>(),
-                           g_beta.mutable_data_ptr<acc_t>()};
+  const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), capsule_strides(g_V, 2),
+                           g_a.mutable_data_ptr<acc_t>(), g_beta.mutable_data_ptr<acc_t>()};
   run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u,
                   stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
                   grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, buf.ws,

@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "../common/checks.h"
+#include "../common/layout.h"
 #include "em_kernels.cuh"
 #include "em_launch.cuh"
 #include "host_checks.cuh"
@@ -23,7 +24,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cuda(
   check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
-  const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2);  // rows (MemoryVotes)
+  const at::Tensor a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const EmDims dims{votes.size(0), votes.size(1), votes.size(2),
                     votes.size(3), iters,         final_lambda};
@@ -34,8 +36,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I,
-                                               dims.J * dims.H};
+        const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(),
+                                               capsule_strides(votes, 2)};
         record_kernel_path(
             "em_routing", Direction::forward,
             launch_em_forward(src, a_in.const_data_ptr<scalar_t>(),
@@ -59,17 +61,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};
   const EmBackwardArgs args =
       prepare_em_backward(grad_pose_in, grad_a_out_in, stats_in, votes_in, "votes", B, dims.J);
-  const at::Tensor votes = votes_in.contiguous(), a_in = a_in_in.contiguous();
+  const at::Tensor votes = with_contiguous_capsules(votes_in, 2), a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous();
-  at::Tensor grad_votes = at::empty_like(votes);
+  at::Tensor grad_votes = empty_capsule_gradient(votes, 2);
   at::Tensor grad_a_in = at::empty_like(a_in);
 
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_backward_cuda", [&] {
           using acc_t = at::opmath_type<scalar_t>;
-          const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(), dims.I,
-                                                 dims.J * dims.H};
+          const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(),
+                                                 capsule_strides(votes, 2)};
           // The kernel accumulates in the accumulation dtype (em_launch.cuh).
           at::Tensor g_V = acc_buffer_for(grad_votes), g_a = acc_buffer_for(grad_a_in);
           at::Tensor g_beta = args.grad_beta_items;

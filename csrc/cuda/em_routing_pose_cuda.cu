@@ -34,6 +34,7 @@
 #include <tuple>
 
 #include "../common/checks.h"
+#include "../common/layout.h"
 #include "em_kernels.cuh"
 #include "em_launch.cuh"
 #include "host_checks.cuh"
@@ -66,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(
                                final_lambda, eps);
   check_cuda(pose_in, "pose");
   const c10::cuda::CUDAGuard guard(pose_in.device());
-  const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(),
+  const at::Tensor pose = with_contiguous_capsules(pose_in, 2), weight = weight_in.contiguous(),
                    a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous(), beta_a = beta_a_in.contiguous();
   const EmDims dims{pose.size(0), pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
@@ -79,7 +80,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(
       at::kHalf, at::kBFloat16, pose.scalar_type(), "em_routing_pose_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
         const PoseVotes<scalar_t, acc_t> src{pose.const_data_ptr<scalar_t>(),
-                                             weight.const_data_ptr<scalar_t>(), dims.I, dims.J};
+                                             capsule_strides(pose, 2),
+                                             weight.const_data_ptr<scalar_t>(), dims.J};
         record_kernel_path(
             "em_routing_pose", Direction::forward,
             launch_em_forward(src, a_in.const_data_ptr<scalar_t>(),
@@ -89,14 +91,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(
   return {pose_out, a_out, stats};
 }
 
-// The chunked backward (B > 0): grad_pose (B, I, 4, 4) in the storage dtype; g_a (B, I),
-// g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the accumulation dtype. Returns the path
-// it ran (kEmPath).
+// The chunked backward (B > 0): pose at pose_strides; grad_pose (B, I, 4, 4) in the storage
+// dtype at grad_strides; g_a (B, I), g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the
+// accumulation dtype. Returns the path it ran (kEmPath).
 template <typename scalar_t, typename acc_t>
-const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, const scalar_t* a_in,
+const char* launch_pose_backward(const scalar_t* pose, const CapsuleStrides& pose_strides,
+                                 const scalar_t* weight, const scalar_t* a_in,
                                  const scalar_t* beta_u, const EmBackwardArgs& args,
-                                 const EmDims& dims, double eps, scalar_t* grad_pose, acc_t* g_a,
-                                 acc_t* g_W) {
+                                 const EmDims& dims, double eps, const CapsuleStrides& grad_strides,
+                                 scalar_t* grad_pose, acc_t* g_a, acc_t* g_W) {
   const int64_t splits = em_splits(dims);  // for every chunk: the same sums whatever the chunking
   const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, splits, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
@@ -106,10 +109,11 @@ const char* launch_pose_backward(const scalar_t* pose, const scalar_t* weight, c
   const EmBackwardBuffers<acc_t> buf =
       make_em_backward_buffers<acc_t>(chunk_dims, splits, acc_options);
   at::Tensor g_V_buffer = at::empty({chunk, dims.I, dims.J, kPoseSize}, acc_options);
-  run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, weight, a_in, beta_u,
-                    args.stats.const_data_ptr<acc_t>(), args.grad_pose.const_data_ptr<acc_t>(),
-                    args.grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits,
-                    chunk, buf.ws, g_V_buffer.mutable_data_ptr<acc_t>(), grad_pose, g_a, g_W,
+  run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, pose_strides, weight,
+                    a_in, beta_u, args.stats.const_data_ptr<acc_t>(),
+                    args.grad_pose.const_data_ptr<acc_t>(), args.grad_a_out.const_data_ptr<acc_t>(),
+                    dims, static_cast<acc_t>(eps), splits, chunk, buf.ws,
+                    g_V_buffer.mutable_data_ptr<acc_t>(), grad_strides, grad_pose, g_a, g_W,
                     args.grad_beta_items.mutable_data_ptr<acc_t>());
   return kEmPath;
 }
@@ -130,10 +134,10 @@ em_routing_pose_backward_cuda(const at::Tensor& grad_pose_out_in, const at::Tens
   const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
   const EmBackwardArgs args =
       prepare_em_backward(grad_pose_out_in, grad_a_out_in, stats_in, pose_in, "pose", B, J);
-  const at::Tensor pose = pose_in.contiguous(), weight = weight_in.contiguous(),
+  const at::Tensor pose = with_contiguous_capsules(pose_in, 2), weight = weight_in.contiguous(),
                    a_in = a_in_in.contiguous();
   const at::Tensor beta_u = beta_u_in.contiguous();
-  at::Tensor grad_pose = at::empty_like(pose);
+  at::Tensor grad_pose = empty_capsule_gradient(pose, 2);
   at::Tensor grad_a_in = at::empty_like(a_in);
   // With B == 0 the sum over the batch is empty: a zero weight gradient.
   at::Tensor grad_weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
@@ -143,12 +147,14 @@ em_routing_pose_backward_cuda(const at::Tensor& grad_pose_out_in, const at::Tens
         at::kHalf, at::kBFloat16, pose.scalar_type(), "em_routing_pose_backward_cuda", [&] {
           using acc_t = at::opmath_type<scalar_t>;
           at::Tensor g_a = acc_buffer_for(grad_a_in), g_W = acc_buffer_for(grad_weight);
-          record_kernel_path("em_routing_pose", Direction::backward,
-                             launch_pose_backward<scalar_t, acc_t>(
-                                 pose.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
-                                 a_in.const_data_ptr<scalar_t>(), beta_u.const_data_ptr<scalar_t>(),
-                                 args, dims, eps, grad_pose.mutable_data_ptr<scalar_t>(),
-                                 g_a.mutable_data_ptr<acc_t>(), g_W.mutable_data_ptr<acc_t>()));
+          record_kernel_path(
+              "em_routing_pose", Direction::backward,
+              launch_pose_backward<scalar_t, acc_t>(
+                  pose.const_data_ptr<scalar_t>(), capsule_strides(pose, 2),
+                  weight.const_data_ptr<scalar_t>(), a_in.const_data_ptr<scalar_t>(),
+                  beta_u.const_data_ptr<scalar_t>(), args, dims, eps, capsule_strides(grad_pose, 2),
+                  grad_pose.mutable_data_ptr<scalar_t>(), g_a.mutable_data_ptr<acc_t>(),
+                  g_W.mutable_data_ptr<acc_t>()));
           copy_from_acc_buffer(grad_a_in, g_a);
           copy_from_acc_buffer(grad_weight, g_W);
         });

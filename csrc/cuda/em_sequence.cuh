@@ -62,32 +62,38 @@ void run_em_backward(const Launch& launch, const Source& src, const scalar_t* a_
 // em_routing_pose's backward over dims.B > 0 elements, `chunk` at a time through one workspace
 // (ws and g_V, chunk x I x J x H, reused by every chunk in stream order): the EM backward of the
 // chunk, then its vote gradient contracted into grad_pose (B, I, 4, 4) and, accumulated over the
-// chunks in order, g_W (I, J, 4, 4). g_a (B, I) and g_beta (B, 2, J) per element. stats,
-// grad_pose_out and grad_a_out in the accumulation dtype.
+// chunks in order, g_W (I, J, 4, 4). g_a (B, I) and g_beta (B, 2, J) per element. pose at
+// pose_strides and grad_pose at grad_strides (PoseVotes); stats, grad_pose_out and grad_a_out in
+// the accumulation dtype.
 template <typename Launch, typename scalar_t, typename acc_t>
-void run_pose_backward(const Launch& launch, const scalar_t* pose, const scalar_t* weight,
+void run_pose_backward(const Launch& launch, const scalar_t* pose,
+                       const CapsuleStrides& pose_strides, const scalar_t* weight,
                        const scalar_t* a_in, const scalar_t* beta_u, const acc_t* stats,
                        const acc_t* grad_pose_out, const acc_t* grad_a_out, const EmDims& dims,
                        acc_t eps, int64_t splits, int64_t chunk,
-                       const EmBackwardWorkspace<acc_t>& ws, acc_t* g_V, scalar_t* grad_pose,
-                       acc_t* g_a, acc_t* g_W, acc_t* g_beta) {
+                       const EmBackwardWorkspace<acc_t>& ws, acc_t* g_V,
+                       const CapsuleStrides& grad_strides, scalar_t* grad_pose, acc_t* g_a,
+                       acc_t* g_W, acc_t* g_beta) {
   const int64_t B = dims.B, I = dims.I, J = dims.J;
   EmDims chunk_dims = dims;
   for (int64_t b0 = 0; b0 < B; b0 += chunk) {
     chunk_dims.B = std::min(chunk, B - b0);
     const int64_t nb = chunk_dims.B;
-    const scalar_t* pose_b0 = pose + b0 * I * kPoseSize;
-    run_em_backward(launch, PoseVotes<scalar_t, acc_t>{pose_b0, weight, I, J}, a_in + b0 * I,
-                    beta_u, stats + b0 * dims.iters * dims.stats_block(),
-                    grad_pose_out + b0 * J * kPoseSize, grad_a_out + b0 * J, chunk_dims, eps,
-                    splits, ws, EmGrads<acc_t>{g_V, g_a + b0 * I, g_beta + b0 * 2 * J});
+    const scalar_t* pose_b0 = pose + pose_strides.offset(b0, 0);
+    run_em_backward(
+        launch, PoseVotes<scalar_t, acc_t>{pose_b0, pose_strides, weight, J}, a_in + b0 * I, beta_u,
+        stats + b0 * dims.iters * dims.stats_block(), grad_pose_out + b0 * J * kPoseSize,
+        grad_a_out + b0 * J, chunk_dims, eps, splits, ws,
+        EmGrads<acc_t>{g_V, packed_rows(I, J * kPoseSize), g_a + b0 * I, g_beta + b0 * 2 * J});
     const int64_t n_pose = nb * I * kPoseSize, n_weight = I * J * kPoseSize;
     if (n_pose > 0)
       launch(pose_grad_pose_kernel<scalar_t, acc_t>, blocks_for(n_pose),
-             static_cast<const acc_t*>(g_V), weight, nb, I, J, grad_pose + b0 * I * kPoseSize);
+             static_cast<const acc_t*>(g_V), weight, nb, I, J, grad_strides,
+             grad_pose + grad_strides.offset(b0, 0));
     if (n_weight > 0)
       launch(pose_grad_weight_kernel<scalar_t, acc_t>, blocks_for(n_weight),
-             static_cast<const acc_t*>(g_V), pose_b0, nb, I, J, /*accumulate=*/b0 > 0, g_W);
+             static_cast<const acc_t*>(g_V), pose_b0, pose_strides, nb, I, J,
+             /*accumulate=*/b0 > 0, g_W);
   }
 }
 

@@ -26,18 +26,20 @@ namespace cuda {
 constexpr int kClusterBlocks = 8;
 
 // Element b's rows `rows` into shared memory, capsule q of them at votes_s + q * stride: a
-// capsule's vector per thread (the rows are contiguous in memory, so consecutive threads read
-// consecutive vectors), unrolled so that each thread keeps two vectors' loads in flight.
+// capsule's vector per thread (consecutive threads read a row's consecutive capsules), unrolled
+// so that each thread keeps two vectors' loads in flight. (q / J in 32 bits: q counts the
+// capsules a block holds in shared memory.)
 template <int kD, typename Source>
 __device__ __forceinline__ void copy_rows_to_shared(const Source& src, int64_t b, RowRange rows,
                                                     int64_t J, int D, int64_t stride, bool vectors,
                                                     typename Source::acc_type* votes_s) {
   using acc_t = typename Source::acc_type;
-  const auto* votes_b = src.row(b, rows.begin);
+  const int J32 = static_cast<int>(J);
 #pragma unroll 2
-  for (int64_t q = threadIdx.x; q < (rows.end - rows.begin) * J; q += blockDim.x) {
+  for (int q = threadIdx.x; q < static_cast<int>(rows.end - rows.begin) * J32; q += blockDim.x) {
+    const int row = q / J32;
     acc_t u[kD];
-    load_capsule(votes_b + q * D, D, true, vectors, u);
+    load_capsule(src.row(b, rows.begin + row) + (q - row * J32) * D, D, true, vectors, u);
 #pragma unroll
     for (int d = 0; d < kD; ++d)
       if (d < D) votes_s[q * stride + d] = u[d];
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const RowRange rows = split_rows(I, kClusterBlocks, rank);
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
   const CapsuleLanes lanes(J, lane);
-  const bool vectors = vector_capsules(src.row(0, 0), D);
+  const bool vectors = vector_capsules(src.votes, src.rows, D);
   const int64_t clusters = gridDim.x / kClusterBlocks;
   for (int64_t b = blockIdx.x / kClusterBlocks; b < dims.B; b += clusters) {
     copy_rows_to_shared<kD>(src, b, rows, J, D, stride, vectors, votes_s);
@@ -209,16 +211,16 @@ struct ClusterBackwardLayout {
 // back on them, then walks back the other steps on the same votes (each step's gv^{r-1} summed
 // over the cluster as the forward sums s^r), and writes its rows' vote gradient
 //   g_u[b, i, j, d] = sum_{r >= first_r} c^r_ij gs^r_jd + G^r_ij v^r_jd
-// to grad_votes from shared memory: the votes cross HBM once, their gradient once, and no
-// (B, I, J) state at all. grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype,
-// grad_bias_items (B, J, D) = sum_r gs^r as the other paths write it.
+// to grad_votes (rows at grad_rows, as MemoryVotes) from shared memory: the votes cross HBM once,
+// their gradient once, and no (B, I, J) state at all. grad_v (B, J, D) and s_hist (B, iters, J, D)
+// in the accumulation dtype, grad_bias_items (B, J, D) = sum_r gs^r as the other paths write it.
 template <typename Source, typename grad_t, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_backward_cluster_kernel(const Source src, const typename Source::acc_type* grad_v,
                                     const typename Source::acc_type* s_hist, const RoutingDims dims,
                                     const typename Source::acc_type eps, const int64_t first_r,
                                     typename Source::acc_type* grad_bias_items,
-                                    grad_t* grad_votes) {
+                                    const CapsuleStrides grad_rows, grad_t* grad_votes) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, JD = J * dims.D, R = dims.iters, nkeep = R - first_r;
@@ -235,8 +237,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t n = layout.rows * J;  // values per kept iteration of c_s and g_s
   const RowRange warp_rows = split_rows(rows.end - rows.begin, kWarpsPerBlock, warp);  // local rows
   const CapsuleLanes lanes(J, lane);
-  const bool vectors = vector_capsules(src.row(0, 0), D),
-             grad_vectors = vector_capsules(grad_votes, D);
+  const bool vectors = vector_capsules(src.votes, src.rows, D),
+             grad_vectors = vector_capsules(grad_votes, grad_rows, D);
   const auto for_each_local_row = [&](bool with_votes, auto&& f) {
     for_each_shared_row<kD>(lanes, warp_rows, votes_s, J, D, stride, with_votes, f);
   };
@@ -289,7 +291,10 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
                        gs_s + (k_r - 1) * J * stride, stride);
       __syncthreads();  // gs^{r-1} complete
     }
-    // The block's rows' vote gradient (each lane's c and G are its own writes; gs is complete).
+    // The block's rows' vote gradient (each lane's c and G are its own writes; gs is complete), at
+    // grad_lane, which steps with the lane's row.
+    grad_t* grad_lane =
+        grad_votes + grad_rows.offset(b, rows.begin + warp_rows.begin + lanes.slot) + lanes.j * D;
     for_each_local_row(false, [&](int64_t i, bool valid, const acc_t(&)[kD]) {
       acc_t grad[kD];
 #pragma unroll
@@ -306,9 +311,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
 #pragma unroll
         for (int d = 0; d < kD; ++d) grad[d] += g * x[d];
       }
-      if (valid)
-        store_capsule(grad_votes + ((b * I + rows.begin + i) * J + lanes.j) * D, D, grad_vectors,
-                      grad);
+      if (valid) store_capsule(grad_lane, D, grad_vectors, grad);
+      grad_lane += lanes.rows * grad_rows.row;
     });
     if (rank == 0)
       for (int64_t jd = tid; jd < JD; jd += blockDim.x) {

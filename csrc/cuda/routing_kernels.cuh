@@ -55,18 +55,21 @@ constexpr int routing_min_blocks() {
 
 // ---- the vote source ----
 
-// votes (B, I, J, D), contiguous.
+// votes (B, I, J, D) at any strides over b and i, each row (b, i) of J x D votes contiguous
+// (docs/ops.md, "Layouts"): row (b, i) at rows.offset(b, i) (the capsule stride unused;
+// packed_rows where contiguous). Rows, not capsules: a capsule stride of its own costs a 64-bit
+// division per vote in the block kernels, which index a row by jd.
 template <typename scalar_t, typename acc_t>
 struct MemoryVotes {
   using acc_type = acc_t;
   const scalar_t* votes;
-  int64_t I, JD;
+  CapsuleStrides rows;
   __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
-    return static_cast<acc_t>(votes[(b * I + i) * JD + jd]);
+    return static_cast<acc_t>(row(b, i)[jd]);
   }
   // Row (b, i)'s J * D votes (the warp-rows kernels index it in 32-bit arithmetic).
   __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const {
-    return votes + (b * I + i) * JD;
+    return votes + rows.offset(b, i);
   }
 };
 
@@ -142,6 +145,29 @@ __device__ __forceinline__ void sum_ranges(const acc_t* partial, int64_t splits,
   }
 }
 
+// The capsule j and value d of a column owner's columns jd = threadIdx.x, + blockDim.x, ... (D
+// values a capsule), found once and then stepped: a 64-bit jd / D per column is a call, and the
+// registers it saves made ptxas spill. (32-bit divisions: the thread index and block size are
+// below 2^31, and a D beyond that has them all in capsule 0.)
+struct ColumnWalk {
+  int64_t j, d, step_j, step_d, D;
+  __device__ __forceinline__ explicit ColumnWalk(int64_t D_) : D(D_) {
+    const unsigned d32 = D_ < (int64_t(1) << 31) ? static_cast<unsigned>(D_) : 1u << 31;
+    j = threadIdx.x / d32;
+    d = threadIdx.x % d32;
+    step_j = blockDim.x / d32;
+    step_d = blockDim.x % d32;
+  }
+  __device__ __forceinline__ void next() {
+    j += step_j;
+    d += step_d;
+    if (d >= D) {
+      d -= D;
+      ++j;
+    }
+  }
+};
+
 // Per element b, slices of: logits (B, I, J), coupling (B, I, J), v (B, J, D).
 template <typename acc_t>
 struct ForwardWorkspace {
@@ -158,10 +184,10 @@ __device__ __forceinline__ void accumulate_tile_columns(const Source& src, int64
                                                         int64_t J, int64_t D,
                                                         typename Source::acc_type* acc) {
   using acc_t = typename Source::acc_type;
-  for (int64_t jd = threadIdx.x; jd < J * D; jd += blockDim.x) {
-    const int64_t j = jd / D;
+  ColumnWalk col(D);
+  for (int64_t jd = threadIdx.x; jd < J * D; jd += blockDim.x, col.next()) {
     acc_t sum = acc[jd];
-    for (int64_t i = i0; i < i1; ++i) sum += weight[i * J + j] * src(b, i, jd);
+    for (int64_t i = i0; i < i1; ++i) sum += weight[i * J + col.j] * src(b, i, jd);
     acc[jd] = sum;
   }
 }
@@ -544,22 +570,23 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 // Rows of an item of write_vote_grad_rows_kernel.
 constexpr int64_t kVoteGradRows = 8;
 
-// grad_votes (B, I, J, D) = the vote gradient of the saved state, an item per (b, tile of
-// kVoteGradRows rows) (grid-stride over items); thread t owns the columns jd = t, t + blockDim, ...
-// and finds its capsule j once per column, not per element (per element that is four 64-bit
-// divisions, most of the work of writing it). Each row's writes are coalesced.
+// grad_votes (B, I, J, D) in rows at grad_rows = the vote gradient of the saved state, an item
+// per (b, tile of kVoteGradRows rows) (grid-stride over items); thread t owns the columns
+// jd = t, t + blockDim, ... and finds its capsule j once per column, not per element (per element
+// that is four 64-bit divisions, most of the work of writing it). Each row's writes are coalesced.
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    write_vote_grad_rows_kernel(const BackwardState<acc_t> st, int64_t B, scalar_t* grad_votes) {
+    write_vote_grad_rows_kernel(const BackwardState<acc_t> st, int64_t B,
+                                const CapsuleStrides grad_rows, scalar_t* grad_votes) {
   const int64_t JD = st.J * st.D, tiles = ceil_div<int64_t>(st.I, kVoteGradRows);
   for (int64_t item = blockIdx.x; item < B * tiles; item += gridDim.x) {
     const int64_t b = item / tiles, i0 = (item % tiles) * kVoteGradRows;
     const int64_t i1 = i0 + kVoteGradRows < st.I ? i0 + kVoteGradRows : st.I;
-    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
-      const int64_t j = jd / st.D;
+    ColumnWalk col(st.D);
+    for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x, col.next())
       for (int64_t i = i0; i < i1; ++i)
-        grad_votes[(b * st.I + i) * JD + jd] = static_cast<scalar_t>(st.vote_grad(b, i, j, jd));
-    }
+        grad_votes[grad_rows.offset(b, i) + jd] =
+            static_cast<scalar_t>(st.vote_grad(b, i, col.j, jd));
   }
 }
 

@@ -134,13 +134,13 @@ struct BackwardBuffers {
 
 // Allocates the state, launches the backward kernels on the current stream (B > 0) and
 // returns the state for the op-specific vote-gradient kernels, or, where the cluster backward
-// runs (sm_90), writes the vote gradient to grad_votes (B, I, J, D) itself. grad_v (B, J, D) is
-// in the accumulation dtype.
+// runs (sm_90), writes the vote gradient to grad_votes (B, I, J, D, rows at grad_rows) itself.
+// grad_v (B, J, D) is in the accumulation dtype.
 template <typename Source, typename grad_t>
 BackwardBuffers<typename Source::acc_type> launch_routing_backward(
     const Source& src, const typename Source::acc_type* grad_v, const at::Tensor& s_hist,
     const RoutingDims& dims, bool detach, double eps, at::Tensor& grad_bias_items,
-    grad_t* grad_votes) {
+    const CapsuleStrides& grad_rows, grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, I = dims.I, J = dims.J, D = dims.D, R = dims.iters;
   const int64_t first_r = detach ? R - 1 : 0, nkeep = R - first_r;
@@ -175,7 +175,7 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(
   run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v,
                        s_hist.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), split, st, ws,
                        data_or_null<acc_t>(partial), grad_bias_items.mutable_data_ptr<acc_t>(),
-                       grad_votes);
+                       grad_rows, grad_votes);
   return BackwardBuffers<acc_t>{v_hist,
                                 gs_hist,
                                 coupling,

@@ -81,10 +81,10 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
 }
 
 // The backward of B > 0 elements: fills the state st and grad_bias (B, J, D), from which the op
-// writes its vote gradient; with split.cluster_backward instead writes grad_votes (B, I, J, D)
-// and grad_bias, and leaves st alone (only st.first_r is read; its buffers and ws may be null).
-// grad_v and s_hist in the accumulation dtype; partial as for the forward unless fused, when a
-// step is walked back.
+// writes its vote gradient; with split.cluster_backward instead writes grad_votes (B, I, J, D,
+// rows at grad_rows) and grad_bias, and leaves st alone (only st.first_r is read; its buffers and
+// ws may be null). grad_v and s_hist in the accumulation dtype; partial as for the forward unless
+// fused, when a step is walked back.
 template <typename Launch, typename Source, typename grad_t>
 void run_routing_backward(const Launch& launch, const Source& src,
                           const typename Source::acc_type* grad_v,
@@ -93,14 +93,14 @@ void run_routing_backward(const Launch& launch, const Source& src,
                           const BackwardState<typename Source::acc_type>& st,
                           const BackwardWorkspace<typename Source::acc_type>& ws,
                           typename Source::acc_type* partial, typename Source::acc_type* grad_bias,
-                          grad_t* grad_votes) {
+                          const CapsuleStrides& grad_rows, grad_t* grad_votes) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, R = dims.iters, parts = split.parts();
   if (split.cluster_backward) {
     launch.cluster(routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>,
                    blocks_for_items(B), kBackwardClusterBlocks,
                    cluster_backward_shared_bytes(dims, st.nkeep, sizeof(acc_t)), src, grad_v,
-                   s_hist, dims, eps, st.first_r, grad_bias, grad_votes);
+                   s_hist, dims, eps, st.first_r, grad_bias, grad_rows, grad_votes);
     return;
   }
   if (split.fused()) {

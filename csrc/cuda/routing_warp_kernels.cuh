@@ -95,6 +95,14 @@ __device__ __forceinline__ bool vector_capsules(const T* p, int64_t D) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (D * sizeof(T)) % 16 == 0;
 }
 
+// The same for every row (b, i) of values at p + rows.offset(b, i) (MemoryVotes): the strides
+// between rows keep each row's capsules on 16-byte boundaries too.
+template <typename T>
+__device__ __forceinline__ bool vector_capsules(const T* p, const CapsuleStrides& rows, int64_t D) {
+  constexpr int64_t kBytes = sizeof(T);
+  return vector_capsules(p, D) && rows.element * kBytes % 16 == 0 && rows.row * kBytes % 16 == 0;
+}
+
 // The D <= kD values at p into x (0 beyond D, and everywhere when !valid); as 16-byte vectors
 // when `vectors` (vector_capsules of the rows read).
 template <int kD, typename T, typename acc_t>
@@ -242,7 +250,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t I = dims.I, J = dims.J;
   const int D = static_cast<int>(dims.D);
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D);
+  const bool vectors = vector_capsules(src.votes, src.rows, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     acc_t v_prev[kD], s_sum[kD];
     // v^{r-1} (not yet written at r = 0)
@@ -290,7 +298,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int D = static_cast<int>(dims.D);
   const bool walks_back = R - 1 > st.first_r;
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D),
+  const bool vectors = vector_capsules(src.votes, src.rows, D),
              state_vectors = vector_capsules(st.v_hist, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     const acc_t* v_j = st.v_hist + (b * R * J + lanes.j) * D;  // v^r_j at v_j + r * J * D
@@ -299,26 +307,29 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
                  walks_back && lanes.active, false, gs);
 #pragma unroll
     for (int d = 0; d < kD; ++d) gv_sum[d] = 0;
-    for_each_row<kD>(
-        src, lanes, b, rows, D, vectors, [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
-          const auto ij = [&](int64_t k) { return ((b * st.nkeep + k) * I + i) * J + lanes.j; };
-          if (valid) st.g_logits[ij(last)] = 0;
-          acc_t logit = 0, c = 0;
-          for (int64_t r = 0; r < R; ++r) {
-            if (r > 0) {
-              acc_t v_prev[kD];
-              load_capsule(v_j + (r - 1) * J * D, D, valid, state_vectors, v_prev);
-              logit += capsule_dot(u, v_prev);
-            }
-            if (r < st.first_r) continue;
-            c = row_softmax(lanes, valid, dims.leaky, logit);
-            if (valid) st.coupling[ij(r - st.first_r)] = c;
-          }
-          if (walks_back) {
-            const acc_t g = walk_back_row(lanes, valid, u, gs, c, acc_t(0), gv_sum);
-            if (valid) st.g_logits[ij(last - 1)] = g;
-          }
-        });
+    // (Each row's index at k = 0 once, then a step per k: fewer registers, which the strided
+    // votes' addresses need.)
+    for_each_row<kD>(src, lanes, b, rows, D, vectors,
+                     [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
+                       const int64_t ij0 = (b * st.nkeep * I + i) * J + lanes.j;
+                       const auto ij = [&](int64_t k) { return ij0 + k * I * J; };
+                       if (valid) st.g_logits[ij(last)] = 0;
+                       acc_t logit = 0, c = 0;
+                       for (int64_t r = 0; r < R; ++r) {
+                         if (r > 0) {
+                           acc_t v_prev[kD];
+                           load_capsule(v_j + (r - 1) * J * D, D, valid, state_vectors, v_prev);
+                           logit += capsule_dot(u, v_prev);
+                         }
+                         if (r < st.first_r) continue;
+                         c = row_softmax(lanes, valid, dims.leaky, logit);
+                         if (valid) st.coupling[ij(r - st.first_r)] = c;
+                       }
+                       if (walks_back) {
+                         const acc_t g = walk_back_row(lanes, valid, u, gs, c, acc_t(0), gv_sum);
+                         if (valid) st.g_logits[ij(last - 1)] = g;
+                       }
+                     });
     if (walks_back) store_part(lanes, gv_sum, item, D, J * D, partial);
   });
 }
@@ -336,7 +347,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
   const int64_t I = dims.I, J = dims.J, k_r = r - st.first_r;
   const int D = static_cast<int>(dims.D);
   const CapsuleLanes lanes(J, threadIdx.x % kWarpSize);
-  const bool vectors = vector_capsules(src.row(0, 0), D);
+  const bool vectors = vector_capsules(src.votes, src.rows, D);
   for_each_warp_part(dims.B, I, parts, [&](int64_t b, int64_t item, RowRange rows) {
     const acc_t* c_b = st.coupling + (b * st.nkeep + k_r) * I * J;
     const acc_t* g_next_b = st.g_logits + (b * st.nkeep + k_r) * I * J;  // G^r = dL/db^{r+1}

@@ -13,6 +13,7 @@
 //   em_test [quick | tsan]   (tsan: every kernel once on one small shape, for a ThreadSanitizer
 //   build)
 #include "emu.h"
+#include "strided.h"
 
 #include <algorithm>
 #include <cmath>
@@ -117,6 +118,7 @@ struct Results {
   std::vector<A> stats;
   std::vector<S> pose, a_out;
   std::vector<A> g_V, g_a, g_beta;  // g_beta (2, J), summed over b
+  int64_t gaps_written = 0;         // (emu_run)
 };
 
 template <typename S, typename A>
@@ -148,14 +150,17 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
   return o;
 }
 
-// splits: the row ranges per element.
+// splits: the row ranges per element. The votes read in place from `layout` (strided.h), and the
+// vote gradient written at the same strides into a NaN buffer, gathered into o.g_V (and
+// o.gaps_written, the values written between its rows).
 template <typename S, typename A>
 Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a,
                       const std::vector<S>& bu, const std::vector<S>& ba, const std::vector<A>& gp,
-                      const std::vector<A>& ga, double eps, int64_t splits) {
+                      const std::vector<A>& ga, double eps, int64_t splits, RowLayout layout) {
   const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters;
   const EmDims dims{B, I, J, H, R, cs.final_lambda};
-  const MemoryVotes<S, A> src{V.data(), I, JH};
+  const StridedRows<S> laid_out = strided_rows(B, I, JH, layout, &V);
+  const MemoryVotes<S, A> src{laid_out.data(), laid_out.rows};
   const EmuLaunch launch{cs.grid, kBlockThreads};
   Results<S, A> o;
   o.stats = nans<A>(B * R * dims.stats_block());
@@ -173,15 +178,17 @@ Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector
        mass = nans<A>(B * J), g_mass = nans<A>(B * J);
   auto partial_cols = nans<A>(B * splits * (2 * JH + J)),
        partial_mass = nans<A>(B * splits * R * J);
-  o.g_V = nans<A>(B * I * JH);
+  StridedRows<A> g_V = strided_rows<A>(B, I, JH, layout);
   o.g_a = nans<A>(B * I);
   auto gb = nans<A>(B * 2 * J);
   const EmBackwardWorkspace<A> ws{
       R_hist.data(),  g_R.data(),  norm.data(),   g_mu.data(),         g_var.data(),
       g_logit.data(), mass.data(), g_mass.data(), partial_cols.data(), partial_mass.data()};
-  const EmGrads<A> out{o.g_V.data(), o.g_a.data(), gb.data()};
+  const EmGrads<A> out{g_V.data(), g_V.rows, o.g_a.data(), gb.data()};
   run_em_backward(launch, src, a.data(), bu.data(), static_cast<const A*>(o.stats.data()),
                   gp.data(), ga.data(), dims, static_cast<A>(eps), splits, ws, out);
+  o.g_V = g_V.gathered();
+  o.gaps_written = g_V.gaps_written();
   o.g_beta.assign(2 * J, A(0));
   for (int64_t n = 0; n < B; ++n)
     for (int64_t k = 0; k < 2 * J; ++k) o.g_beta[k] += gb[n * 2 * J + k];
@@ -217,37 +224,47 @@ void test_case(const Case& cs, const char* tname, double tol) {
   // rows where I is small).
   std::vector<int64_t> split_counts{1};
   if (const int64_t more = (cs.B + cs.I) % 4 + 1; more > 1) split_counts.push_back(more);
-  for (const int64_t splits : split_counts) {
-    const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits);
-    const std::string p = std::string(tname) + " splits=" + std::to_string(splits) + " ";
-    judge(p + "stats", got.stats, want.stats, truth.stats, tol);
-    judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
-    judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
-    judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
-    judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
-    judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
-    // No NaN anywhere unless one was planted in the input.
-    if (sp != "nan") {
-      bool bad = false;
-      for (auto x : got.stats) bad |= !std::isfinite(double(x));
-      for (auto x : got.g_V) bad |= !std::isfinite(double(x));
-      for (auto x : got.g_a) bad |= !std::isfinite(double(x));
-      for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
-      if (bad) {
-        std::printf("  FAIL %s: non-finite output\n", p.c_str());
+  // The votes contiguous, and input-capsule-major as torch.einsum leaves them, rows an odd number
+  // of values apart from one value into the storage (strided.h).
+  for (const int64_t splits : split_counts)
+    for (const RowLayout layout : {RowLayout{0, 0}, RowLayout{1, 1}}) {
+      const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits, layout);
+      const std::string p = std::string(tname) + " splits=" + std::to_string(splits) +
+                            (layout.gap > 0 ? " strided " : " ");
+      if (got.gaps_written != 0) {
+        std::printf("  FAIL %s: %ld values written between the rows of grad_votes\n", p.c_str(),
+                    long(got.gaps_written));
         ++failures;
       }
+      judge(p + "stats", got.stats, want.stats, truth.stats, tol);
+      judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
+      judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
+      judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
+      judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
+      judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
+      // No NaN anywhere unless one was planted in the input.
+      if (sp != "nan") {
+        bool bad = false;
+        for (auto x : got.stats) bad |= !std::isfinite(double(x));
+        for (auto x : got.g_V) bad |= !std::isfinite(double(x));
+        for (auto x : got.g_a) bad |= !std::isfinite(double(x));
+        for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
+        if (bad) {
+          std::printf("  FAIL %s: non-finite output\n", p.c_str());
+          ++failures;
+        }
+      }
     }
-  }
 }
 
 // em_routing_pose: votes V_ij = P_i W_ij (4x4) computed inside the kernels (PoseVotes), the
 // backward over the batch in chunks of `chunk` elements (run_pose_backward, as the op runs it), and
 // the vote gradient contracted into grad_pose and grad_weight. S is the accumulation type too,
-// so the CPU code can be given the same votes the kernels compute.
+// so the CPU code can be given the same votes the kernels compute. The poses read in place from
+// `layout` (strided.h), grad_pose written at the same strides.
 template <typename S>
 void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, int64_t splits,
-                    unsigned grid, double tol) {
+                    unsigned grid, double tol, RowLayout layout = {0, 0}) {
   constexpr int64_t H = kPoseSize;
   const int64_t JH = J * H;
   const double eps = 1e-6;
@@ -260,7 +277,8 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < I; ++i)
       for (int64_t jh = 0; jh < JH; ++jh)
-        V[(b * I + i) * JH + jh] = PoseVotes<S, S>{pose.data(), weight.data(), I, J}(b, i, jh);
+        V[(b * I + i) * JH + jh] =
+            PoseVotes<S, S>{pose.data(), packed_rows(I, H), weight.data(), J}(b, i, jh);
   const auto want = cpu_run<S, S>(cs, V, a, bu, ba, gp, ga, eps);
   const auto truth =
       cpu_run<S, long double>(cs, V, a, bu, ba, cast<long double>(gp), cast<long double>(ga), eps);
@@ -285,7 +303,8 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   const auto [true_g_pose, true_g_weight] = contract(truth.g_V);
 
   const EmDims dims{B, I, J, H, iters, 1.0};
-  const PoseVotes<S, S> src{pose.data(), weight.data(), I, J};
+  const StridedRows<S> laid_out = strided_rows(B, I, H, layout, &pose);
+  const PoseVotes<S, S> src{laid_out.data(), laid_out.rows, weight.data(), J};
   auto stats = nans<S>(B * iters * dims.stats_block()), pose_out = nans<S>(B * JH),
        a_out = nans<S>(B * J);
   auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J),
@@ -305,19 +324,20 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
                                   g_mu.data(),        g_var.data(),  g_logit.data(),
                                   chunk_mass.data(),  g_mass.data(), partial_cols.data(),
                                   partial_mass.data()};
-  auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_pose = nans<S>(B * I * H),
-       g_weight = nans<S>(I * J * H);
-  run_pose_backward(launch, pose.data(), weight.data(), a.data(), bu.data(),
+  auto g_a = nans<S>(B * I), g_beta = nans<S>(B * 2 * J), g_weight = nans<S>(I * J * H);
+  StridedRows<S> grad_pose = strided_rows<S>(B, I, H, layout);
+  run_pose_backward(launch, laid_out.data(), laid_out.rows, weight.data(), a.data(), bu.data(),
                     static_cast<const S*>(stats.data()), gp.data(), ga.data(), dims, S(eps), splits,
-                    chunk, ws, g_V.data(), g_pose.data(), g_a.data(), g_weight.data(),
-                    g_beta.data());
+                    chunk, ws, g_V.data(), grad_pose.rows, grad_pose.data(), g_a.data(),
+                    g_weight.data(), g_beta.data());
+  const std::vector<S> g_pose = grad_pose.gathered();
   std::vector<S> g_beta_sum(2 * J, S(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];
-  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") +
-                        " pose B=" + std::to_string(B) + " I=" + std::to_string(I) +
-                        " J=" + std::to_string(J) + " chunk=" + std::to_string(chunk) +
-                        " splits=" + std::to_string(splits) + " ";
+  const std::string p =
+      std::string(sizeof(S) == 8 ? "double" : "float") + (layout.gap > 0 ? " strided" : "") +
+      " pose B=" + std::to_string(B) + " I=" + std::to_string(I) + " J=" + std::to_string(J) +
+      " chunk=" + std::to_string(chunk) + " splits=" + std::to_string(splits) + " ";
   judge(p + "stats", stats, want.stats, truth.stats, tol);
   judge(p + "pose", pose_out, want.pose, truth.pose, tol);
   judge(p + "a_out", a_out, want.a_out, truth.a_out, tol);
@@ -325,6 +345,11 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   judge(p + "grad_weight", g_weight, want_g_weight, true_g_weight, tol);
   judge(p + "grad_a_in", g_a, want.g_a, truth.g_a, tol);
   judge(p + "grad_betas", g_beta_sum, want.g_beta, truth.g_beta, tol);
+  if (grad_pose.gaps_written() != 0) {
+    std::printf("  FAIL %s: %ld values written between the rows of grad_pose\n", p.c_str(),
+                long(grad_pose.gaps_written()));
+    ++failures;
+  }
 }
 
 int main(int argc, char** argv) {
@@ -388,6 +413,9 @@ int main(int argc, char** argv) {
     if (tsan && chunk > 2) break;
     for (int64_t splits : {int64_t(1), chunk + 1}) {
       test_pose_case<double>(5, 9, 4, 3, chunk, splits, 2, 1e-12);
+      // Poses input-capsule-major (as einsum or permute leave them), 3 values apart, from one
+      // value into the storage.
+      test_pose_case<double>(5, 9, 4, 3, chunk, splits, 2, 1e-12, RowLayout{3, 1});
       if (mode == "full") test_pose_case<float>(5, 9, 4, 3, chunk, splits, 2, 2e-5);
     }
   }

@@ -14,10 +14,12 @@
 // tsan: one shape in double, fused and split launches, every kernel once: small enough for a
 // ThreadSanitizer build (each emulated CUDA thread is a thread it follows).
 #include "emu.h"
+#include "strided.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -135,13 +137,13 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes,
 // state.
 // split.warp_rows: the warp-rows kernels (votes read from memory), split.cluster_forward /
 // cluster_backward: the cluster kernels, each without the workspaces it does not use (nullptr: a
-// read of one would crash); the cluster backward writes grad_votes instead of the state, and
-// check_vote_grad is not called.
+// read of one would crash); the cluster backward writes grad_votes (rows at grad_rows) instead of
+// the state, and check_vote_grad is not called.
 template <typename S, typename Source, typename GradT, typename CheckVoteGrad>
 void check_kernels(const char* label, const Case& cs, const RowSplit& split, const Source& src,
                    const std::vector<double>& bias_d, const std::vector<double>& grad_v_d,
-                   const Expected& want, double eps, double tol, GradT* grad_votes,
-                   CheckVoteGrad&& check_vote_grad) {
+                   const Expected& want, double eps, double tol, const CapsuleStrides& grad_rows,
+                   GradT* grad_votes, CheckVoteGrad&& check_vote_grad) {
   using A = typename Source::acc_type;
   const int64_t B = cs.B, I = cs.I, J = cs.J, D = cs.D, JD = J * D, R = cs.iters;
   const RoutingDims dims{B, I, J, D, R, cs.leaky};
@@ -186,20 +188,35 @@ void check_kernels(const char* label, const Case& cs, const RowSplit& split, con
   std::fill(logits.begin(), logits.end(), std::numeric_limits<A>::quiet_NaN());
   run_routing_backward(launch, src, grad_v.data(), static_cast<const A*>(s_hist.data()), dims,
                        A(eps), split, st, bws, state ? partial.data() : nullptr,
-                       grad_bias_items.data(), grad_votes);
+                       grad_bias_items.data(), grad_rows, grad_votes);
   compare(label, "grad_bias_items", grad_bias_items, want.grad_bias_items, tol);
   if (state) check_vote_grad(st);
 }
 
 // Votes read from memory in type V, their gradient written in V (V = S as dynamic_routing, or
 // V = the accumulation dtype as dense_capsules), outputs in S; by the block kernels and, where the
-// capsules fit them, the warp-rows kernels.
+// capsules fit them, the warp-rows kernels. With a layout, the votes read in place from it
+// (strided.h), their gradient written at the same strides into a NaN buffer of its own, which
+// must keep its gaps NaN.
 template <typename S, typename V>
 void check_memory_votes(const char* case_label, const Case& cs, const std::vector<double>& votes,
                         const std::vector<double>& bias, const std::vector<double>& grad_v,
-                        const Expected& want, double eps, double tol) {
+                        const Expected& want, double eps, double tol,
+                        std::optional<RowLayout> layout = std::nullopt) {
   using A = acc_of<S>;
+  const int64_t JD = cs.J * cs.D;
   const std::vector<V> votes_v = cast<V>(votes);
+  const RowLayout rows = layout.value_or(RowLayout{0, 0});
+  const StridedRows<V> laid_out = strided_rows(cs.B, cs.I, JD, rows, &votes_v);
+  const char* grad_name = std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)";
+  const auto check_grad = [&](const std::string& label, const StridedRows<V>& grad) {
+    compare(label.c_str(), grad_name, grad.gathered(), want.grad_votes, tol);
+    if (grad.gaps_written() != 0) {
+      std::printf("FAIL %s %s: %ld values written between the rows\n", label.c_str(), grad_name,
+                  long(grad.gaps_written()));
+      ++failures;
+    }
+  };
   // The block kernels, the warp rows, and (they ignore the splits: once) the cluster forward with
   // the warp rows' backward, then both directions on clusters (8 and 16 blocks; as many clusters
   // as the forward alone gets, so some loop over the elements).
@@ -210,31 +227,42 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
     if ((split.warp_rows && !fit) || (split.cluster_forward && cs.splits != 1)) break;
     if (tsan_mode && split.cluster_forward && !split.cluster_backward) continue;
     const std::string label =
-        std::string(case_label) + (split.cluster_backward  ? " clusters"
-                                   : split.cluster_forward ? " cluster forward"
-                                   : split.warp_rows       ? " warp rows"
-                                                           : "");
+        std::string(case_label) +
+        (split.cluster_backward  ? " clusters"
+         : split.cluster_forward ? " cluster forward"
+         : split.warp_rows       ? " warp rows"
+                                 : "") +
+        (layout ? " rows gap=" + std::to_string(rows.gap) + " offset=" + std::to_string(rows.offset)
+                : "");
     Case launch_cs = cs;
     if (split.cluster_forward && (tsan_mode || !std::is_same_v<S, double>)) launch_cs.grid = 1;
-    // The cluster backward writes the vote gradient over the votes, as dense_capsules asks.
+    // Contiguous, the cluster backward writes the vote gradient over the votes, as dense_capsules
+    // asks.
     std::vector<V> votes_then_grad = votes_v;
-    check_kernels<S>(
-        label.c_str(), launch_cs, split,
-        MemoryVotes<V, A>{votes_then_grad.data(), cs.I, cs.J * cs.D}, bias, grad_v, want, eps, tol,
-        split.cluster_backward ? votes_then_grad.data() : nullptr, [&](const BackwardState<A>& st) {
-          if (votes.empty()) return;
-          std::vector<V> grad_votes = nans<V>(votes.size());
-          emu_launch(2, kBlockThreads, write_vote_grad_rows_kernel<V, A>, st, cs.B,
-                     grad_votes.data());
-          compare(label.c_str(),
-                  std::is_same_v<V, S> ? "grad_votes" : "grad_votes (accumulation dtype)",
-                  grad_votes, want.grad_votes, tol);
-        });
-    if (split.cluster_backward && !votes.empty())
-      compare(
-          label.c_str(),
-          std::is_same_v<V, S> ? "grad_votes (over the votes)" : "grad_votes (accumulation dtype)",
-          votes_then_grad, want.grad_votes, tol);
+    StridedRows<V> cluster_grad = strided_rows<V>(cs.B, cs.I, JD, rows);
+    const MemoryVotes<V, A> src =
+        layout ? MemoryVotes<V, A>{laid_out.data(), laid_out.rows}
+               : MemoryVotes<V, A>{votes_then_grad.data(), packed_rows(cs.I, JD)};
+    check_kernels<S>(label.c_str(), launch_cs, split, src, bias, grad_v, want, eps, tol, src.rows,
+                     !split.cluster_backward ? nullptr
+                     : layout                ? cluster_grad.data()
+                                             : votes_then_grad.data(),
+                     [&](const BackwardState<A>& st) {
+                       if (votes.empty()) return;
+                       StridedRows<V> grad = strided_rows<V>(cs.B, cs.I, JD, rows);
+                       emu_launch(2, kBlockThreads, write_vote_grad_rows_kernel<V, A>, st, cs.B,
+                                  grad.rows, grad.data());
+                       check_grad(label, grad);
+                     });
+    if (split.cluster_backward && !votes.empty()) {
+      if (layout)
+        check_grad(label + " (cluster)", cluster_grad);
+      else
+        compare(label.c_str(),
+                std::is_same_v<V, S> ? "grad_votes (over the votes)"
+                                     : "grad_votes (accumulation dtype)",
+                votes_then_grad, want.grad_votes, tol);
+    }
   }
 }
 
@@ -255,6 +283,14 @@ void check_case(const Case& cs, double tol) {
 
   const Expected from_votes = cpu_routing(cs, votes, bias, grad_v, eps);
   check_memory_votes<S, S>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
+  // The einsum layout read in place (strided.h): with one range (the cluster kernels too) rows
+  // 16-byte aligned where J * D values are (the vector loads), with 2 rows an odd number of values
+  // apart (aligned base, misaligned rows), with 3 also from one value into the storage. Not with 7
+  // ranges nor in float32 (float64 and the 16-bit types cover the loads): the full run's time.
+  if (cs.splits <= 3 && !std::is_same_v<S, float>)
+    check_memory_votes<S, S>(
+        label, cs, votes, bias, grad_v, from_votes, eps, tol,
+        RowLayout{cs.splits == 1 ? int64_t(16 / sizeof(S)) : 1, cs.splits == 3 ? 1 : 0});
   // dense_capsules: votes (and their gradient) in the accumulation dtype.
   if constexpr (!std::is_same_v<S, A>)
     check_memory_votes<S, A>(label, cs, votes, bias, grad_v, from_votes, eps, tol);
