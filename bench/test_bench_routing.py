@@ -38,7 +38,7 @@ def test_fwd_bwd(benchmark, op, impl, device):
         pytest.skip(f"capsroute has no {device.type} kernel for {op} in this build")
     case = rb.Case(op=op, **CASE)
     inputs, grad = rb.make_inputs(op, case, torch.float32, device, seed=0)
-    step = rb.fwd_bwd_step(rb.get_impl(op, impl), inputs, grad, iters=3)
+    step = rb.fwd_bwd_step(rb.get_impl(case, impl), inputs, grad, iters=3)
 
     def run():
         rb.clear_grads(inputs)

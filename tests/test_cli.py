@@ -409,7 +409,7 @@ def test_max_batch_in_report_and_table(monkeypatch):
     }
     bench.add_max_batches(
         report,
-        ["capsnet"],
+        [bench.Case("capsnet", "1x28x28", 32)],
         ["capsroute", "eager", "compiled"],
         device=torch.device("cpu"),
         dtype=torch.float32,

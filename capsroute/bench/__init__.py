@@ -9,8 +9,8 @@ uses them:
   timing       the steps, the timer, peak memory and the out-of-memory helpers
   floor        the floor model and the bandwidth / peak probes it divides by
   measure      what op and model benches share: each impl in turn, warm-up, checks against eager, ratios
-  op_bench     the routing ops' cases (bench_case)
-  model_bench  a whole training step of a model (bench_model_case) and --max-batch (model_max_batch)
+  op_bench     the routing ops' cases (bench_case) and the conv ops' --max-batch (op_max_batch)
+  model_bench  a whole training step of a model (bench_model_case) and its --max-batch (model_max_batch)
   runner       run_benchmarks: the run, its metadata and notes
   report       the table and the JSON's path
   plot         the figures (also `capsroute plot`)
@@ -19,6 +19,8 @@ uses them:
 
 from .cases import (
     ALL_OPS,
+    CONV_OPS,
+    CONV_SHAPES,
     DTYPES,
     EM_OPS,
     IMPLS,
@@ -26,6 +28,7 @@ from .cases import (
     OPS,
     SHAPES,
     Case,
+    ConvShape,
     capsroute_supports,
     get_impl,
     make_cases,
@@ -35,21 +38,23 @@ from .cases import (
 )
 from .cli import add_arguments, run
 from .floor import floor_model, floor_ms, measure_bandwidth, measure_peak_tflops
+from .measure import find_max_batch
 from .model_bench import (
     bench_model_case,
     compile_crash,
-    find_max_batch,
     make_model,
     model_max_batch,
     train_step,
 )
-from .op_bench import bench_case
+from .op_bench import bench_case, cpu_max_batch, op_max_batch
 from .report import default_out, format_table, report_path
 from .runner import add_max_batches, run_benchmarks
 from .timing import clear_grads, fwd_bwd_step, fwd_step, peak_memory_mb, synchronize, time_samples
 
 __all__ = [
     "ALL_OPS",
+    "CONV_OPS",
+    "CONV_SHAPES",
     "DTYPES",
     "EM_OPS",
     "IMPLS",
@@ -57,6 +62,7 @@ __all__ = [
     "OPS",
     "SHAPES",
     "Case",
+    "ConvShape",
     "add_arguments",
     "add_max_batches",
     "bench_case",
@@ -64,6 +70,7 @@ __all__ = [
     "capsroute_supports",
     "clear_grads",
     "compile_crash",
+    "cpu_max_batch",
     "default_out",
     "find_max_batch",
     "floor_model",
@@ -78,6 +85,7 @@ __all__ = [
     "measure_bandwidth",
     "measure_peak_tflops",
     "model_max_batch",
+    "op_max_batch",
     "op_name",
     "parse_shape",
     "peak_memory_mb",

@@ -4,6 +4,8 @@ case's random inputs and implementations."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -12,6 +14,7 @@ import torch
 
 import capsroute
 from capsroute import reference
+from capsroute.nn import ConvCapsules
 
 OPS = {  # op -> the short name that `--op` also accepts
     "dynamic_routing": "dynamic",
@@ -20,12 +23,21 @@ OPS = {  # op -> the short name that `--op` also accepts
     "em_routing_pose": "em-pose",
 }
 EM_OPS = ("em_routing", "em_routing_pose")
+CONV_OPS = {  # convolutional capsule layers: their shapes are ConvShape grids (CONV_SHAPES)
+    "conv_em_routing": "conv-em",
+    "conv_dynamic_routing": "conv-dynamic",
+}
 MODEL_OPS = {  # a whole training step of a model of capsroute.models; the short name is the same
     "capsnet": "capsnet",
     "matrixcapsnet": "matrixcapsnet",
 }
-ALL_OPS = {**OPS, **MODEL_OPS}
-IMPLS = ("capsroute", "eager", "compiled")
+ALL_OPS = {**OPS, **CONV_OPS, **MODEL_OPS}
+IMPLS = ("capsroute", "eager", "compiled", "per-window")
+# Impls of some ops only: per-window is nn.ConvCapsules(routing="window") (unfold +
+# em_routing_pose), the fused layer conv_em_routing replaces. It routes each window on its own,
+# another function than the op's: it is not checked against eager.
+OP_IMPLS = {"per-window": ("conv_em_routing",)}
+UNCHECKED_IMPLS = ("per-window",)
 # The layouts of the first input (votes, u) the ops with a layout dimension are timed in; every
 # implementation of a case gets the same tensors. The other ops run on contiguous inputs.
 LAYOUTS = ("contiguous", "einsum")
@@ -52,6 +64,50 @@ DEFAULT_BATCHES = {
         None: [32, 128, 512, 2048],
     },
 }
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """A convolutional capsule layer: an H x W grid of C_in capsule types of Din values, K x K
+    windows at `stride` with `padding`, C_out types of D values out (conv EM: D = Din = 16, 4x4 poses)."""
+
+    H: int
+    W: int
+    C_in: int
+    C_out: int
+    D: int
+    Din: int
+    K: int
+    stride: int = 1
+    padding: int = 0
+
+    def out_hw(self) -> tuple[int, int]:
+        def side(n):
+            return (n + 2 * self.padding - self.K) // self.stride + 1
+
+        return side(self.H), side(self.W)
+
+
+CONV_SHAPES = {  # bench/README.md, "Conv ops"
+    "mcn-conv1": ConvShape(12, 12, 8, 16, 16, 16, K=3, stride=2),  # MatrixCapsNet ConvCaps1
+    "mcn-conv2": ConvShape(5, 5, 16, 16, 16, 16, K=3, stride=1),  # MatrixCapsNet ConvCaps2
+    "conv-image": ConvShape(64, 64, 32, 32, 16, 16, K=3),  # image scale
+    "segcaps": ConvShape(64, 64, 8, 8, 16, 16, K=5, padding=2),  # SegCaps-like (conv dynamic)
+}
+DEFAULT_CONV_SHAPES = {
+    "conv_em_routing": ["mcn-conv1", "mcn-conv2", "conv-image"],
+    "conv_dynamic_routing": ["conv-image", "segcaps"],
+}
+CONV_BATCHES = {  # None: a conv shape given as HxW:...
+    "cpu": {"mcn-conv1": [16], "mcn-conv2": [16], "conv-image": [1], "segcaps": [2], None: [2]},
+    "cuda": {
+        "mcn-conv1": [128, 512],
+        "mcn-conv2": [128, 512],
+        "conv-image": [1, 4],
+        "segcaps": [4, 16],
+        None: [8],
+    },
+}
 MODEL_BATCHES = {"cpu": [16], "cuda": [32, 128, 512]}
 MODEL_SHAPE_NAME = "1x28x28"  # model ops train on MNIST-sized images
 DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"], "em": ["em-class", "em-conv"]}
@@ -68,17 +124,20 @@ WEIGHT_STD = 0.05  # dense_capsules weight ~ N(0, 0.05^2); u = squash(N(0, 1)) l
 @dataclass(frozen=True)
 class Case:
     op: str
-    shape_name: str  # "mnist", "large" or "I,J,D,Din"
+    shape_name: str  # "mnist", "large", "I,J,D,Din", a CONV_SHAPES name or "HxW:..."
     B: int
-    I: int
-    J: int
-    D: int
-    Din: int
+    I: int = 0
+    J: int = 0
+    D: int = 0
+    Din: int = 0
     layout: str = "contiguous"  # LAYOUTS
+    conv: ConvShape | None = None  # the conv ops' shape (I, J, D, Din are then 0)
 
     def shape(self) -> dict:
         if self.op in MODEL_OPS:
             return {"B": self.B, "model": self.op}
+        if self.conv is not None:
+            return {"B": self.B, **dataclasses.asdict(self.conv)}
         if self.op in EM_OPS:
             return {"B": self.B, "I": self.I, "J": self.J, "H": self.D}
         s = {"B": self.B, "I": self.I, "J": self.J, "D": self.D}
@@ -93,9 +152,19 @@ class Case:
 
 
 def parse_shape(spec: str) -> tuple[str, dict]:
-    """'mnist' | 'large' | 'I,J,D,Din' (Din may be left out: 8) -> (name, dict(I, J, D, Din))."""
+    """'mnist' | 'large' | 'I,J,D,Din' (Din may be left out: 8) -> (name, dict(I, J, D, Din));
+    a CONV_SHAPES name or 'HxW:C_in,C_out,D,Din,K[,stride[,padding]]' -> (name, dict(conv=ConvShape))."""
     if spec in SHAPES:
         return spec, dict(SHAPES[spec])
+    if spec in CONV_SHAPES:
+        return spec, {"conv": CONV_SHAPES[spec]}
+    conv = re.fullmatch(r"(\d+)x(\d+):(\d+(,\d+){4,6})", spec)
+    if conv:
+        sizes = [int(conv[1]), int(conv[2])] + [int(p) for p in conv[3].split(",")]
+        shape = ConvShape(*sizes)
+        if min(sizes[:7]) < 1 or shape.stride < 1 or min(shape.out_hw()) < 1:
+            raise argparse.ArgumentTypeError(f"conv shape {spec!r}: no output position")
+        return spec, {"conv": shape}
     parts = (
         [int(p) for p in re.split(r"[,x]", spec)]
         if re.fullmatch(r"\d+([,x]\d+){2,3}", spec)
@@ -103,7 +172,8 @@ def parse_shape(spec: str) -> tuple[str, dict]:
     )
     if not parts or min(parts) < 1:
         raise argparse.ArgumentTypeError(
-            f"shape must be one of {', '.join(SHAPES)} or I,J,D[,Din]; got {spec!r}"
+            f"shape must be one of {', '.join([*SHAPES, *CONV_SHAPES])}, I,J,D[,Din] or "
+            f"HxW:C_in,C_out,D,Din,K[,stride[,padding]]; got {spec!r}"
         )
     if len(parts) == 3:
         parts.append(8)
@@ -123,26 +193,35 @@ def op_name(name: str) -> str:
 
 
 def make_cases(ops, shapes, batches, device_type: str, layouts=("contiguous",)) -> list[Case]:
-    """shapes: parse_shape results, or None for each op's default shapes. Model ops (MODEL_OPS) have
-    no shape (MNIST-sized images): shapes do not apply to them, batches (else MODEL_BATCHES) do.
+    """shapes: parse_shape results, or None for each op's default shapes; the conv ops (CONV_OPS)
+    take the conv shapes of the list, the others the rest. Model ops (MODEL_OPS) have no shape
+    (MNIST-sized images): shapes do not apply to them, batches (else MODEL_BATCHES) do.
     layouts (LAYOUTS): a case per layout for the ops of LAYOUT_OPS, contiguous only for the rest."""
     cases = []
     for op in ops:
         if op in MODEL_OPS:
             for B in batches or MODEL_BATCHES[device_type]:
-                cases.append(Case(op, MODEL_SHAPE_NAME, B, 0, 0, 0, 0))
+                cases.append(Case(op, MODEL_SHAPE_NAME, B))
             continue
         if shapes is None:
-            names = DEFAULT_SHAPES["em" if op in EM_OPS else device_type]
+            if op in CONV_OPS:
+                names = DEFAULT_CONV_SHAPES[op]
+            else:
+                names = DEFAULT_SHAPES["em" if op in EM_OPS else device_type]
             op_shapes = [parse_shape(name) for name in names]
         else:
-            op_shapes = shapes
+            op_shapes = [(n, dims) for n, dims in shapes if ("conv" in dims) == (op in CONV_OPS)]
+            if not op_shapes:
+                kind = "conv shape (HxW:...)" if op in CONV_OPS else "shape I,J,D[,Din]"
+                raise argparse.ArgumentTypeError(f"{op} needs a {kind}; none was given")
         for name, dims in op_shapes:
-            if op == "em_routing_pose" and dims["D"] != 16:
-                raise argparse.ArgumentTypeError(
-                    f"em_routing_pose needs 4x4 poses (H = 16), got shape {name}"
-                )
-            bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
+            pose = dims["conv"].D == dims["conv"].Din == 16 if "conv" in dims else dims["D"] == 16
+            if op in ("em_routing_pose", "conv_em_routing") and not pose:
+                raise argparse.ArgumentTypeError(f"{op} needs 4x4 poses (H = 16), got shape {name}")
+            if op in CONV_OPS:
+                bs = batches or CONV_BATCHES[device_type].get(name if name in CONV_SHAPES else None)
+            else:
+                bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
             for B in bs:
                 for layout in layouts if op in LAYOUT_OPS else ("contiguous",):
                     cases.append(Case(op, name, B, **dims, layout=layout))
@@ -174,6 +253,20 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
     elif op == "dense_capsules":
         u = reference.squash(randn(case.B, case.I, case.Din, cast=False)).to(dtype)
         inputs = (u, randn(case.I, case.J, case.D, case.Din, std=WEIGHT_STD))
+    elif op == "conv_dynamic_routing":
+        c = case.conv
+        u = reference.squash(randn(case.B, c.H, c.W, c.C_in, c.Din, cast=False)).to(dtype)
+        std = (c.K * c.K * c.Din) ** -0.5  # ConvDynamicCapsules' initialisation
+        inputs = (u, randn(c.K, c.K, c.C_in, c.C_out, c.D, c.Din, std=std))
+    elif op == "conv_em_routing":
+        c = case.conv
+        inputs = (
+            randn(case.B, c.H, c.W, c.C_in, 16),
+            torch.rand(case.B, c.H, c.W, c.C_in, generator=gen, device=device).to(dtype),
+            randn(c.K, c.K, c.C_in, c.C_out, 4, 4, std=0.5),
+            randn(c.C_out, std=0.5),
+            randn(c.C_out, std=0.5),
+        )  # pose, a_in, weight, beta_u, beta_a
     elif op in EM_OPS:
         activations = (
             torch.rand(case.B, case.I, generator=gen, device=device).to(dtype),
@@ -192,20 +285,63 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
     inputs = (lay_out(inputs[0], case.layout), *inputs[1:])
     for t in inputs:
         t.requires_grad_(True)
+    if case.conv is not None:
+        out = (case.B, *case.conv.out_hw(), case.conv.C_out)
+        if op == "conv_em_routing":  # gradients of (pose, a_out)
+            return inputs, (randn(*out, 16), randn(*out))
+        return inputs, randn(*out, case.conv.D)
     if op in EM_OPS:  # gradients of (pose, a_out)
         return inputs, (randn(case.B, case.J, case.D), randn(case.B, case.J))
     return inputs, randn(case.B, case.J, case.D)
 
 
-def get_impl(op: str, impl: str) -> Callable:
+def impls_for(op: str, impls) -> list[str]:
+    """The impls of `impls` that `op` has (OP_IMPLS)."""
+    return [i for i in impls if op in OP_IMPLS.get(i, (op,))]
+
+
+def get_impl(case: Case, impl: str) -> Callable:
     """The function to time, called as fn(*inputs, iters). 'compiled' gives a fresh torch.compile wrapper."""
-    if impl == "capsroute":
-        return getattr(capsroute, op)
-    if impl == "eager":
-        return getattr(reference, op)
-    if impl == "compiled":
-        return torch.compile(getattr(reference, op))
-    raise ValueError(f"unknown impl {impl!r}")
+    if impl == "per-window":
+        return per_window_conv_em(case.conv)
+    fn = {"capsroute": capsroute, "eager": reference, "compiled": reference}[impl]
+    fn = getattr(fn, case.op)
+    if case.conv is not None:
+        fn = functools.partial(fn, stride=case.conv.stride, padding=case.conv.padding)
+    return torch.compile(fn) if impl == "compiled" else fn
+
+
+def per_window_conv_em(conv: ConvShape) -> Callable:
+    """nn.ConvCapsules(routing="window") (unfold, then em_routing_pose per window; fused backend) run
+    with conv_em_routing's inputs as its parameters: fn(pose, a_in, weight, beta_u, beta_a, iters).
+    Its weight rows are (ky, kx, c), as the op's (K, K, C_in, C_out, 4, 4) weight flattens."""
+    with torch.device("meta"):  # its parameters are replaced at every call
+        layer = ConvCapsules(conv.C_in, conv.C_out, conv.K, conv.stride, routing="window")
+
+    def fn(pose, a_in, weight, beta_u, beta_a, iters):
+        layer.iters = iters
+        params = {"weight": weight.flatten(0, 2), "beta_u": beta_u, "beta_a": beta_a}
+        return torch.func.functional_call(layer, params, (pose, a_in))
+
+    return fn
+
+
+def unavailable_impls(case: Case, device: torch.device) -> dict[str, str]:
+    """{impl: why it cannot run this case here}: no capsroute kernel for the op (or for the
+    per-window layer's em_routing_pose) on the device; per-window with padding."""
+    why = {}
+    if not capsroute_supports(case.op, device):
+        why["capsroute"] = no_kernel(device, [case.op])
+    if case.op in OP_IMPLS["per-window"]:
+        if not capsroute_supports("em_routing_pose", device):
+            why["per-window"] = no_kernel(device, ["em_routing_pose"])
+        elif case.conv.padding:
+            why["per-window"] = "nn.ConvCapsules has no padding"
+    return why
+
+
+def no_kernel(device: torch.device, ops) -> str:
+    return f"capsroute has no {device.type.upper()} kernel for {'/'.join(ops)} in this build"
 
 
 def capsroute_supports(op: str, device: torch.device) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from .._runinfo import device_name, git_commit, resolve_device, write_json_atomic
 from .cases import (
+    CONV_SHAPES,
     DTYPES,
     IMPLS,
     LAYOUT_OPS,
@@ -21,7 +22,8 @@ from .cases import (
     op_name,
     parse_shape,
 )
-from .model_bench import MAX_BATCH_CAP
+from .measure import MAX_BATCH_CAP
+from .op_bench import MAX_BATCH_BUDGET_GB
 from .report import default_out, format_table, report_path, unique_path
 from .runner import run_benchmarks
 
@@ -42,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser):
         type=op_name,
         default=list(OPS),
         help=f"ops to run, by name or short name: {op_list()}; capsnet and matrixcapsnet time a whole "
-        "training step of the model (default: the four routing ops)",
+        "training step of the model (default: the four routing ops; the conv and model ops run when named)",
     )
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument(
@@ -50,9 +52,11 @@ def add_arguments(p: argparse.ArgumentParser):
         nargs="+",
         type=parse_shape,
         default=None,
-        metavar="NAME|I,J,D[,Din]",
-        help=f"named shapes: {', '.join(SHAPES)} (for EM ops D is the pose size H); default: mnist on "
-        "CPU, mnist and large on CUDA for the dynamic-routing ops, em-class and em-conv for EM",
+        metavar="NAME|I,J,D[,Din]|HxW:C_in,C_out,D,Din,K[,stride[,padding]]",
+        help=f"named shapes: {', '.join(SHAPES)} (for EM ops D is the pose size H); conv ops: "
+        f"{', '.join(CONV_SHAPES)} or HxW:...; default: mnist on CPU, mnist and large on CUDA for the "
+        "dynamic-routing ops, em-class and em-conv for EM, mcn-conv1 mcn-conv2 conv-image for conv EM, "
+        "conv-image segcaps for conv dynamic",
     )
     p.add_argument(
         "--batch",
@@ -60,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser):
         type=_positive,
         default=None,
         help="batch sizes for every shape and model op (default: 32 on CPU (8 for large); 32 128 512 2048 "
-        "on CUDA; model ops: 16 on CPU, 32 128 512 on CUDA)",
+        "on CUDA; model ops: 16 on CPU, 32 128 512 on CUDA; conv ops: bench/README.md)",
     )
     p.add_argument(
         "--layout",
@@ -95,8 +99,17 @@ def add_arguments(p: argparse.ArgumentParser):
         const=MAX_BATCH_CAP,
         default=None,
         metavar="CAP",
-        help="CUDA, model ops: also find the largest power-of-two batch (up to CAP, default "
-        f"{MAX_BATCH_CAP}) for which one training step of each impl fits in GPU memory",
+        help="also find the largest power-of-two batch (up to CAP, default "
+        f"{MAX_BATCH_CAP}) for which each impl fits: model ops on CUDA (a training step in GPU memory, "
+        "tried); conv ops (forward+backward per shape): on CUDA tried, on the CPU extrapolated from the "
+        "peaks at B = 1, 2 against --max-batch-budget",
+    )
+    p.add_argument(
+        "--max-batch-budget",
+        type=float,
+        default=MAX_BATCH_BUDGET_GB,
+        metavar="GB",
+        help=f"the CPU memory budget (GiB) of --max-batch for conv ops (default {MAX_BATCH_BUDGET_GB:g})",
     )
     p.add_argument(
         "--inference", action="store_true", help="also time the forward under torch.no_grad()"
@@ -159,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         on_case=save,
         max_batch=args.max_batch,
+        max_batch_budget_gb=args.max_batch_budget,
     )
     print(format_table(report))
     for msg in report["notes"]:

@@ -43,15 +43,54 @@ def measure_peak_tflops(
     return 2 * n**3 / (min(times) / 1e3) / 1e12
 
 
+def _route_flops(I: int, J: int, D: int, iters: int) -> int:
+    """Dynamic routing's flops per element: iters weighted sums and iters - 1 agreements."""
+    return 2 * I * J * D * (2 * iters - 1)
+
+
+def _em_flops(I: int, J: int, H: int, iters: int) -> int:
+    """EM routing's flops per element: per iteration the mean (2 I J H) and variance (3 I J H) of
+    the M-step, and but for the last, the E-step's log densities (4 I J H)."""
+    return I * J * H * (5 * iters + 4 * (iters - 1))
+
+
+def conv_elements(case: Case) -> tuple[int, int]:
+    """(input elements, output elements) of a conv op's call: conv EM reads pose (16 values) and
+    a_in per input capsule, the weight and the two betas, and writes pose and a_out; conv dynamic
+    reads u and the weight and writes v."""
+    c = case.conv
+    capsules, parents = (
+        case.B * c.H * c.W * c.C_in,
+        case.B * c.out_hw()[0] * c.out_hw()[1] * c.C_out,
+    )
+    if case.op == "conv_em_routing":
+        return capsules * 17 + c.K * c.K * c.C_in * c.C_out * 16 + 2 * c.C_out, parents * 17
+    return capsules * c.Din + c.K * c.K * c.C_in * c.C_out * c.D * c.Din, parents * c.D
+
+
 def floor_model(case: Case, itemsize: int, iters: int) -> dict:
     """Bytes that must move and flops that must be done by one call (bench/README.md, "The floor")."""
     B, I, J, D, Din = case.B, case.I, case.J, case.D, case.Din
-    route = 2 * I * J * D * (2 * iters - 1)
+    route = _route_flops(I, J, D, iters)
     out = B * J * D * itemsize
-    if case.op in EM_OPS:
-        # per iteration: the mean (2 I J H) and variance (3 I J H) of the M-step, and but for the
-        # last, the E-step's log densities (4 I J H); pose @ weight adds 2 * 64 per (i, j).
-        em = I * J * D * (5 * iters + 4 * (iters - 1))
+    if case.conv is not None:
+        # one window (K K C_in children, C_out parents) per output position; the votes are
+        # GEMMs: conv EM a 4x4 @ 4x4 product per (child, parent), conv dynamic a (D, Din) @ Din
+        # per (window offset, child type, parent type)
+        c = case.conv
+        positions = B * c.out_hw()[0] * c.out_hw()[1]
+        children = c.K * c.K * c.C_in
+        if case.op == "conv_em_routing":
+            flops_fwd = positions * (
+                128 * children * c.C_out + _em_flops(children, c.C_out, 16, iters)
+            )
+        else:
+            votes = 2 * children * c.C_out * c.D * c.Din
+            flops_fwd = positions * (votes + _route_flops(c.C_in, c.C_out, c.D, iters))
+        inp, out = (n * itemsize for n in conv_elements(case))
+    elif case.op in EM_OPS:
+        # pose @ weight adds 2 * 64 flops per (i, j) to em_routing's
+        em = _em_flops(I, J, D, iters)
         if case.op == "em_routing":
             inp, flops_fwd = (B * I * J * D + B * I) * itemsize, B * em
         else:

@@ -17,6 +17,7 @@ from .cases import IMPLS, Case
 from .timing import available_bytes, free_memory, is_oom, peak_memory_mb, synchronize, time_samples
 
 SAMPLE = 1 << 20  # elements of a tensor kept to check impls against eager
+MAX_BATCH_CAP = 2**15  # --max-batch without a value
 
 
 def sample(t: torch.Tensor, max_elems: int = SAMPLE) -> torch.Tensor:
@@ -54,7 +55,7 @@ def dynamo_stats() -> dict:
 
 def eager_first(impls) -> list[str]:
     """The impls in measuring order: eager first, its values being the reference the others are checked against."""
-    return sorted(impls, key=("eager", "capsroute", "compiled").index)
+    return sorted(impls, key=lambda impl: impl != "eager")
 
 
 def reset_dynamo() -> None:
@@ -237,10 +238,6 @@ def bench_impls(
     return records
 
 
-def no_kernel(device: torch.device, ops) -> str:
-    return f"capsroute has no {device.type.upper()} kernel for {'/'.join(ops)} in this build"
-
-
 def failure_reason(e: BaseException) -> str:
     """The 'skipped' reason for an exception raised while measuring."""
     if is_oom(e):
@@ -273,3 +270,34 @@ def add_ratios(records: list[dict]):
                 }
             )
         caps["ratios"] = ratios
+
+
+def find_max_batch(
+    step: Callable[[int], object],
+    cap: int = MAX_BATCH_CAP,
+    *,
+    free: Callable[[], None] = lambda: None,
+) -> tuple[int | None, list[tuple[int, bool]]]:
+    """The largest power of two b <= cap for which step(b) runs without running out of memory.
+
+    Tries b = 1, 2, 4, ... and stops at the first that raises an out-of-memory error (is_oom:
+    torch.OutOfMemoryError, MemoryError); free() runs after every try, whether it fit or not. Other
+    errors propagate. Returns (b, or None when even 1 does not fit; the tries as (b, fitted))."""
+    best, tries = None, []
+    b = 1
+    while b <= cap:
+        try:
+            step(b)
+            fitted = True
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            fitted = False
+            del e
+        free()
+        tries.append((b, fitted))
+        if not fitted:
+            break
+        best = b
+        b *= 2
+    return best, tries

@@ -15,19 +15,20 @@ from .._runinfo import dtype_name
 from ..losses import training_loss
 from ..models import build_model
 from ..nn import set_backend
-from .cases import Case, capsroute_supports
+from .cases import Case, capsroute_supports, no_kernel
 from .measure import (
+    MAX_BATCH_CAP,
     bench_impls,
+    find_max_batch,
     first_call,
     max_rel_err,
-    no_kernel,
     reset_dynamo,
     sample,
     time_inference,
     time_steps,
     warm_up,
 )
-from .timing import MiB, free_memory, is_oom, synchronize
+from .timing import MiB, free_memory, synchronize, tensor_bytes
 
 MODEL_IMAGE = (1, 28, 28)  # MNIST-sized images (C, H, W)
 MODEL_BACKENDS = {"capsroute": "fused", "eager": "reference", "compiled": "reference"}
@@ -37,7 +38,6 @@ MODEL_KERNELS = {
 }
 MODEL_LR = 1e-3  # Adam, as `capsroute train`
 SPREAD_MARGIN = 0.2  # MatrixCapsNet's spread loss at the start of its margin schedule
-MAX_BATCH_CAP = 2**15  # --max-batch without a value
 MODEL_TOL_FACTOR = (
     10  # model ops warn at 10x the routing ops' max_rel_err tolerance (1e-2 for float32)
 )
@@ -111,8 +111,15 @@ def train_step(fn, optimizer, images, labels, device: torch.device, amp=None):
     return step
 
 
-def model_supported(op: str, device: torch.device) -> bool:
-    return all(capsroute_supports(k, device) for k in MODEL_KERNELS[op])
+def model_unavailable(op: str, device: torch.device) -> dict[str, str]:
+    """{impl: why it cannot run here}: capsroute without a kernel its model needs on the device;
+    compiled where torch.compile is known to crash (compile_crash)."""
+    why = {}
+    if not all(capsroute_supports(k, device) for k in MODEL_KERNELS[op]):
+        why["capsroute"] = no_kernel(device, MODEL_KERNELS[op])
+    if (crash := compile_crash(op, device)) is not None:
+        why["compiled"] = crash
+    return why
 
 
 def compile_crash(op: str, device: torch.device, version: str = torch.__version__) -> str | None:
@@ -128,10 +135,6 @@ def compile_crash(op: str, device: torch.device, version: str = torch.__version_
             "in inductor's generated C++, seen with 2.11 and 2.13; 2.14.1 runs it)"
         )
     return None
-
-
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 # Generous estimates of a training step's working set per image (float32; the CPU guard only): 1.5-5x the
@@ -204,7 +207,7 @@ def bench_model_impl(
     # what is allocated before a step (and so not in peak_mb): parameters, Adam state, images and labels
     state = [t for st in optimizer.state.values() for t in st.values()]
     rec["state_mb"] = (
-        _tensor_bytes(model.parameters()) + _tensor_bytes(state) + _tensor_bytes((images, labels))
+        tensor_bytes(model.parameters()) + tensor_bytes(state) + tensor_bytes((images, labels))
     ) / MiB
     if inference:
         model.eval()
@@ -271,11 +274,6 @@ def bench_model_case(
             ref_snap=ref_snap,
         )
 
-    unavailable = {}
-    if not model_supported(case.op, device):
-        unavailable["capsroute"] = no_kernel(device, MODEL_KERNELS[case.op])
-    if (crash := compile_crash(case.op, device)) is not None:
-        unavailable["compiled"] = crash
     return bench_impls(
         case,
         impls,
@@ -283,42 +281,11 @@ def bench_model_case(
         base=base,
         estimate=lambda impl: model_estimated_bytes(case, impl, itemsize, params),
         make_inputs=lambda: make_model_inputs(case.B, device, dtype, seed),
-        unavailable=unavailable,
+        unavailable=model_unavailable(case.op, device),
         measure=measure,
         note=note,
         progress=progress,
     )
-
-
-def find_max_batch(
-    step: Callable[[int], object],
-    cap: int = MAX_BATCH_CAP,
-    *,
-    free: Callable[[], None] = lambda: None,
-) -> tuple[int | None, list[tuple[int, bool]]]:
-    """The largest power of two b <= cap for which step(b) runs without running out of memory.
-
-    Tries b = 1, 2, 4, ... and stops at the first that raises an out-of-memory error (is_oom:
-    torch.OutOfMemoryError, MemoryError); free() runs after every try, whether it fit or not. Other
-    errors propagate. Returns (b, or None when even 1 does not fit; the tries as (b, fitted))."""
-    best, tries = None, []
-    b = 1
-    while b <= cap:
-        try:
-            step(b)
-            fitted = True
-        except Exception as e:  # noqa: BLE001
-            if not is_oom(e):
-                raise
-            fitted = False
-            del e
-        free()
-        tries.append((b, fitted))
-        if not fitted:
-            break
-        best = b
-        b *= 2
-    return best, tries
 
 
 def model_max_batch(

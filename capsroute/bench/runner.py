@@ -14,11 +14,11 @@ import torch
 import capsroute
 
 from .._runinfo import cpu_id, cpu_model, device_name, dtype_name, git_commit
-from .cases import IMPLS, MODEL_OPS, Case
+from .cases import CONV_OPS, IMPLS, MODEL_OPS, Case, impls_for, unavailable_impls
 from .floor import measure_bandwidth, measure_peak_tflops
 from .measure import failure_reason
-from .model_bench import MODEL_TOL_FACTOR, bench_model_case, model_max_batch, model_supported
-from .op_bench import bench_case
+from .model_bench import MODEL_TOL_FACTOR, bench_model_case, model_max_batch, model_unavailable
+from .op_bench import MAX_BATCH_BUDGET_GB, bench_case, op_max_batch
 from .timing import free_memory
 
 
@@ -37,10 +37,12 @@ def run_benchmarks(
     progress: bool = True,
     on_case: Callable[[dict], None] | None = None,
     max_batch: int | None = None,
+    max_batch_budget_gb: float = MAX_BATCH_BUDGET_GB,
 ) -> dict:
     """Runs the cases and returns the report (the JSON document). on_case(report) is called after each case.
-    max_batch (CUDA, model ops): after the cases, search each model op's and impl's largest power-of-two
-    batch up to this cap (model_max_batch) into report["max_batch"] and each matching record's "max_batch"."""
+    max_batch: after the cases, search the largest power-of-two batch up to this cap of each impl of
+    each model op (CUDA; model_max_batch) and conv op shape (op_max_batch; on the CPU within
+    max_batch_budget_gb) into report["max_batch"] and each matching record's "max_batch"."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is optional for library use
@@ -97,25 +99,15 @@ def run_benchmarks(
             f"the CPU; timings are unreliable, and biased against eager/compiled (many short parallel "
             f"regions suffer most from oversubscription). Try --threads 1 or an idle machine."
         )
-    model_ops = list(dict.fromkeys(case.op for case in cases if case.op in MODEL_OPS))
     if max_batch is not None:
-        if device.type != "cuda":
-            record_note(
-                f"--max-batch is CUDA-only (it searches for the largest batch that fits in GPU memory); "
-                f"not run on {device.type}"
-            )
-            max_batch = None
-        elif not model_ops:
-            record_note(
-                "--max-batch applies to the model ops (capsnet, matrixcapsnet) only; none was asked for"
-            )
-            max_batch = None
+        searches = max_batch_searches(cases, device, record_note)
+        report["max_batch_budget_gb"] = max_batch_budget_gb if device.type == "cpu" else None
     for n, case in enumerate(cases):
         if case.op in MODEL_OPS:
             # one seed per model op (not per case): every batch size trains the same initial weights
             recs = bench_model_case(
                 case,
-                impls,
+                impls_for(case.op, impls),
                 dtype=dtype,
                 iters=iters,
                 device=device,
@@ -164,13 +156,14 @@ def run_benchmarks(
     if max_batch is not None:
         add_max_batches(
             report,
-            model_ops,
+            searches,
             impls,
             device=device,
             dtype=dtype,
             iters=iters,
             seed=seed,
             cap=max_batch,
+            budget_gb=max_batch_budget_gb,
             note=record_note,
             progress=bar,
             on_case=on_case,
@@ -182,9 +175,31 @@ def run_benchmarks(
     return report
 
 
+def max_batch_searches(cases: list[Case], device: torch.device, note) -> list[Case]:
+    """What --max-batch searches: each model op (CUDA only) and each conv op's shape, as a Case (its B
+    unused); notes what it leaves out."""
+    searches, cpu_models = {}, []
+    for case in cases:
+        if case.op in MODEL_OPS and device.type != "cuda":
+            cpu_models.append(case.op)
+        elif case.op in MODEL_OPS or case.op in CONV_OPS:
+            searches.setdefault((case.op, case.shape_name), case)
+    for op in dict.fromkeys(cpu_models):
+        note(
+            f"--max-batch of the model ops is CUDA-only (it tries training steps until one runs out of "
+            f"GPU memory); not run for {op} on {device.type}"
+        )
+    if not searches and not cpu_models:
+        note(
+            "--max-batch applies to the model ops (capsnet, matrixcapsnet) and the conv ops only; "
+            "none was asked for"
+        )
+    return list(searches.values())
+
+
 def add_max_batches(
     report: dict,
-    ops,
+    searches: list[Case],
     impls,
     *,
     device: torch.device,
@@ -192,38 +207,55 @@ def add_max_batches(
     iters: int,
     seed: int,
     cap: int,
+    budget_gb: float = MAX_BATCH_BUDGET_GB,
     note: Callable[[str], None] = print,
     progress=None,
     on_case: Callable[[dict], None] | None = None,
 ):
-    """--max-batch: model_max_batch for each model op and impl, into report["max_batch"] (a list) and the
-    "max_batch" / "max_batch_capped" fields of the op's and impl's records (every batch size)."""
+    """--max-batch: for each search (max_batch_searches) and impl, model_max_batch (model ops) or
+    op_max_batch (conv ops), into report["max_batch"] (a list) and the "max_batch" /
+    "max_batch_capped" fields of the matching records (same op, shape and impl; every batch size)."""
     report["max_batch"] = []
-    for op in ops:
-        for impl in sorted(impls, key=IMPLS.index):
+    for case in searches:
+        for impl in sorted(impls_for(case.op, impls), key=IMPLS.index):
             if progress is not None:
-                progress.set_postfix_str(f"--max-batch {op} {impl}")
-            if impl == "capsroute" and not model_supported(op, device):
+                progress.set_postfix_str(f"--max-batch {case.op} {case.shape_name} {impl}")
+            model = case.op in MODEL_OPS
+            if impl in (
+                model_unavailable(case.op, device) if model else unavailable_impls(case, device)
+            ):
                 continue
             try:
-                found = model_max_batch(
-                    op, impl, device=device, dtype=dtype, iters=iters, seed=seed, cap=cap
-                )
+                if model:
+                    found = model_max_batch(
+                        case.op, impl, device=device, dtype=dtype, iters=iters, seed=seed, cap=cap
+                    )
+                else:
+                    found = op_max_batch(
+                        case,
+                        impl,
+                        device=device,
+                        dtype=dtype,
+                        iters=iters,
+                        seed=seed,
+                        cap=cap,
+                        budget_gb=budget_gb,
+                    )
             except Exception as e:  # noqa: BLE001  (an error other than OOM: OOMs are the search)
                 found = {
-                    "op": op,
+                    "op": case.op,
                     "impl": impl,
                     "dtype": dtype_name(dtype),
                     "max_batch": None,
                     "cap": cap,
                     "error": failure_reason(e),
                 }
-                note(f"--max-batch {op} {impl}: {found['error']}")
+                note(f"--max-batch {case.op} {impl}: {found['error']}")
                 del e
                 free_memory(device)
             report["max_batch"].append(found)
             for r in report["results"]:
-                if (r["op"], r["impl"]) == (op, impl):
+                if (r["op"], r.get("shape_name"), r["impl"]) == (case.op, case.shape_name, impl):
                     r["max_batch"] = found["max_batch"]
                     r["max_batch_capped"] = found.get("capped", False)
             if on_case is not None:

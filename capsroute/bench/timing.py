@@ -180,3 +180,7 @@ def available_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
