@@ -12,7 +12,7 @@
 #                                             minimal timings of each path; the CUDA test suite
 #   call-2  memcheck racecheck initcheck synccheck   the four sanitizers over the workload
 #   call-3  sweep bench                       the float64 sweep at GPU sizes; the full benchmark
-#   call-4  bench-em tests-scale              the EM benchmark; I = 16384
+#   call-4  bench-em tests-scale bench-conv   the EM benchmark; I = 16384; the conv ops
 #   call-5  bench-models train-capsnet        model steps; training resumes in later calls
 # Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
 # the first builds instead (150 s). The budgets are two to three times what each stage took on the
@@ -33,6 +33,9 @@
 #   memcheck (120), racecheck (120), initcheck (120), synccheck (120)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
+#   bench-conv (130)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
+#                         impl, at MatrixCapsNet's conv layers (B = 512), image scale (B = 1) and
+#                         SegCaps-like (B = 16); not yet measured on a GPU: the budget is a guess
 #   train-MODEL[-fashion|-multimnist] (the rest of the call)
 #
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
@@ -61,10 +64,10 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
   [tests]=150 [tests-scale]=150 [sweep]=150 [memcheck]=120 [racecheck]=120
   [initcheck]=120 [synccheck]=120 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
-  [bench-models]=300)
+  [bench-models]=300 [bench-conv]=130)
 # The calls of a GPU session, in value order (the header's plan).
 calls=("build doctor bench-minimal tests" "memcheck racecheck initcheck synccheck" "sweep bench"
-       "bench-em tests-scale" "bench-models train-capsnet")
+       "bench-em tests-scale bench-conv" "bench-models train-capsnet")
 # The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
 stages=()
 for arg in "${@:-call-1}"; do
@@ -244,6 +247,10 @@ for k in "${!stages[@]}"; do
       gpu_bench . --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --plot || status=1 ;;
     bench-models)
       gpu_bench . --op capsnet matrixcapsnet --max-batch --plot || status=1 ;;
+    bench-conv)  # every impl; conv EM's CUDA path is the CPU kernel on host copies (docs/ops.md)
+      gpu_bench conv --op conv-em --shape mcn-conv1 mcn-conv2 --batch 512 || status=1
+      gpu_bench conv --op conv-em conv-dynamic --shape conv-image --batch 1 || status=1
+      gpu_bench conv --op conv-dynamic --shape segcaps --batch 16 || status=1 ;;
     train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)
       spec=${stage#train-}; model=${spec%%-*}; dataset=mnist
       case $spec in *-fashion) dataset=fashion-mnist ;; *-multimnist) dataset=multimnist ;; esac
