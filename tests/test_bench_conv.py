@@ -130,7 +130,7 @@ def test_cpu_max_batch(estimates, measured, cap, want):
         probed.append(b)
         return measured[b]
 
-    found = bench.cpu_max_batch(None, estimates.get, measure, cap=cap, budget_mb=100)
+    found = bench.cpu_max_batch(estimates.get, measure, cap=cap, budget_mb=100)
     assert {k: found[k] for k in want} == want
     assert probed == sorted(measured)
 

@@ -218,13 +218,6 @@ def op_max_batch(
     on CUDA, tried (find_max_batch) in GPU memory; on the CPU, within budget_gb, extrapolated (see
     cpu_max_batch) rather than tried, so that nothing near the budget is allocated on a shared machine."""
     t0 = time.perf_counter()
-    fn = get_impl(case, impl)
-
-    def step(b):
-        inputs, grad = make_inputs(case.op, replace(case, B=b), dtype, device, seed)
-        fwd_bwd_step(fn, inputs, grad, iters)()
-        synchronize(device)
-
     found = {
         "op": case.op,
         "shape_name": case.shape_name,
@@ -234,6 +227,13 @@ def op_max_batch(
         "cap": cap,
     }
     if device.type == "cuda":
+        fn = get_impl(case, impl)  # compiled: recompiles with a dynamic batch, as model_max_batch
+
+        def step(b):
+            inputs, grad = make_inputs(case.op, replace(case, B=b), dtype, device, seed)
+            fwd_bwd_step(fn, inputs, grad, iters)()
+            synchronize(device)
+
         best, tries = find_max_batch(step, cap, free=lambda: free_memory(device))
         found.update(
             max_batch=best, capped=bool(tries and tries[-1][1]), tries=[b for b, _ in tries]
@@ -242,9 +242,8 @@ def op_max_batch(
         itemsize = torch.empty((), dtype=dtype).element_size()
         found.update(
             cpu_max_batch(
-                case,
                 lambda b: estimated_bytes(replace(case, B=b), impl, itemsize) / MiB,
-                lambda b: measured_mb(case, fn, b, dtype=dtype, iters=iters, seed=seed),
+                lambda b: measured_mb(case, impl, b, dtype=dtype, iters=iters, seed=seed),
                 cap=cap,
                 budget_mb=budget_gb * 1024,
             )
@@ -253,9 +252,14 @@ def op_max_batch(
     return found
 
 
-def measured_mb(case: Case, fn, B: int, *, dtype, iters: int, seed: int) -> float:
-    """MiB that one forward+backward of fn at batch B holds at its peak: its inputs and output
-    gradients, and the peak of the call above them (peak_memory_mb, after a first call)."""
+def measured_mb(case: Case, impl: str, B: int, *, dtype, iters: int, seed: int) -> float:
+    """MiB that one forward+backward of an impl at batch B holds at its peak on the CPU: its inputs
+    and output gradients, and the peak of the call above them (peak_memory_mb, after a first call).
+    compiled: a static compile of its own, as the timed cases have (inductor's dynamic-batch
+    recompile of the reference conv dynamic failed an assertion on torch 2.14.1)."""
+    if impl == "compiled":
+        reset_dynamo()
+    fn = get_impl(case, impl)
     inputs, grad = make_inputs(case.op, replace(case, B=B), dtype, torch.device("cpu"), seed)
     step = fwd_bwd_step(fn, inputs, grad, iters)
     before = lambda: clear_grads(inputs)  # noqa: E731
@@ -266,7 +270,6 @@ def measured_mb(case: Case, fn, B: int, *, dtype, iters: int, seed: int) -> floa
 
 
 def cpu_max_batch(
-    case: Case,
     estimate_mb: Callable[[int], float],
     measure_mb: Callable[[int], float],
     *,

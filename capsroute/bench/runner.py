@@ -244,6 +244,7 @@ def add_max_batches(
             except Exception as e:  # noqa: BLE001  (an error other than OOM: OOMs are the search)
                 found = {
                     "op": case.op,
+                    "shape_name": case.shape_name,
                     "impl": impl,
                     "dtype": dtype_name(dtype),
                     "max_batch": None,
