@@ -207,13 +207,13 @@ def test_model_bench_writes_json(model_run):
             1,
             0,
         )  # the whole model
-    assert any("--max-batch is CUDA-only" in n for n in report["notes"])
+    assert any("--max-batch of the model ops is CUDA-only" in n for n in report["notes"])
 
 
 @pytest.mark.slow  # model_run compiles both models: a minute or more
 def test_model_bench_table_and_plot(model_run):
     op, _, out, stdout = model_run
-    assert "--max-batch is CUDA-only" in stdout
+    assert "--max-batch of the model ops is CUDA-only" in stdout
     head = next(line for line in stdout.splitlines() if line.startswith("op "))
     assert head.split()[-1] == "img/s" and "max B" not in head
     rows = [line.split() for line in stdout.splitlines() if line.startswith(op + " ")]
