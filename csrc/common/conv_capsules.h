@@ -112,8 +112,8 @@ class ConvVoteOperands {
   at::Tensor votes(const at::Tensor& windows) const {
     const int64_t count = windows.size(1);
     at::Tensor votes = at::empty({count, d_.C_in, d_.C_out, d_.D}, windows.options());
-    at::Tensor by_type = votes.view({count, d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
-    at::bmm_out(by_type, windows, weight_t_);
+    at::Tensor votes_by_type = by_type(votes);
+    at::bmm_out(votes_by_type, windows, weight_t_);
     return votes;
   }
 
@@ -153,9 +153,9 @@ class ConvVoteOperands {
   }
 
  private:
-  // (count, C_in, C_out, D) -> (C_in, count, C_out*D), a view.
-  at::Tensor by_type(const at::Tensor& grad_votes) const {
-    return grad_votes.view({grad_votes.size(0), d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
+  // (count, C_in, C_out, D) votes or vote gradient -> (C_in, count, C_out*D), a view.
+  at::Tensor by_type(const at::Tensor& votes) const {
+    return votes.view({votes.size(0), d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
   }
 
   // A strided view of u_t (or of `of`, its shape) over the chunk's windows: the whole windows
