@@ -49,21 +49,26 @@ struct PositionChunk {
 };
 
 // The workspace of a chunk, in bytes of the accumulation dtype: its windows, votes, vote gradient
-// and window gradient. 32 MiB stays in an H100's L2 between the GEMM and the routing that reads it.
+// and window gradient. At most 32 MiB, which stays in an H100's L2 between the GEMM and the
+// routing that reads it, and at most half of what the op keeps anyway (s_hist and v), so that the
+// workspace does not set the peak memory of a small problem.
 constexpr int64_t kConvChunkBytes = int64_t(32) << 20;
 
-// Output positions per chunk (CAPSROUTE_CONV_CHUNK=N forces N, for the tests).
-inline int64_t conv_chunk_positions(const ConvCapsuleDims& d, int64_t acc_bytes) {
+// Output positions per chunk of a routing of `iters` iterations (CAPSROUTE_CONV_CHUNK=N forces N,
+// for the tests).
+inline int64_t conv_chunk_positions(const ConvCapsuleDims& d, int64_t iters, int64_t acc_bytes) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_CONV_CHUNK")) return *forced;
   const int64_t per_position =
       acc_bytes * d.C_in * (2 * d.window() + 2 * d.C_out * d.D) + acc_bytes * d.C_out * d.D;
-  return std::max<int64_t>(1, kConvChunkBytes / per_position);
+  const int64_t kept = acc_bytes * d.B * d.Ho() * d.Wo() * (iters + 1) * d.C_out * d.D;
+  return std::max<int64_t>(1, std::min(kConvChunkBytes, kept / 2) / per_position);
 }
 
 // Calls body(chunk) for consecutive chunks that cover every output position, in order.
 template <typename Body>
-void for_each_position_chunk(const ConvCapsuleDims& d, int64_t acc_bytes, Body&& body) {
-  const int64_t positions = conv_chunk_positions(d, acc_bytes);
+void for_each_position_chunk(const ConvCapsuleDims& d, int64_t iters, int64_t acc_bytes,
+                             Body&& body) {
+  const int64_t positions = conv_chunk_positions(d, iters, acc_bytes);
   const int64_t per_image = d.Ho() * d.Wo();
   if (positions >= per_image) {
     const int64_t images = positions / per_image;
@@ -201,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_forward(
     const ConvVoteOperands operands(u, weight, d, acc);
     const at::Tensor v_rows = v.view({-1, d.C_out, d.D}), c_rows = c.view({-1, d.C_in, d.C_out});
     const at::Tensor s_rows = s_hist.view({-1, iters, d.C_out, d.D});
-    for_each_position_chunk(d, at::elementSize(acc), [&](const PositionChunk& chunk) {
+    for_each_position_chunk(d, iters, at::elementSize(acc), [&](const PositionChunk& chunk) {
       const RoutingDims dims{chunk.count, d.C_in, d.C_out, d.D, iters, leaky};
       add_distinct_path(paths, route(operands.votes(operands.windows(chunk)), bias_acc, dims,
                                      s_rows.narrow(0, chunk.first, chunk.count),
@@ -234,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward(
   at::Tensor grad_bias = at::zeros({d.C_out, d.D}, acc_options);
   std::string paths;
   if (grad_v.size(0) > 0) {
-    for_each_position_chunk(d, at::elementSize(acc), [&](const PositionChunk& chunk) {
+    for_each_position_chunk(d, iters, at::elementSize(acc), [&](const PositionChunk& chunk) {
       const RoutingDims dims{chunk.count, d.C_in, d.C_out, d.D, iters, leaky};
       const at::Tensor windows = operands.windows(chunk);
       at::Tensor votes = operands.votes(windows);
