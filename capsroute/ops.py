@@ -410,6 +410,9 @@ def _register_autograd(
         if isinstance(output, tuple):
             ctx.mark_non_differentiable(*output[num_differentiable:])
             state = output[-1]
+            # Autograd would otherwise pass zeros the size of the couplings and the saved state as
+            # their gradients, which the backward drops.
+            ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, state)
         ctx.options = options
         ctx.reference = lambda *ts: reference_fn(*ts, *options)
@@ -417,6 +420,8 @@ def _register_autograd(
     def backward(ctx, *grads):
         *tensors, state = ctx.saved_tensors
         grads = grads[:num_differentiable]
+        if all(g is None for g in grads):
+            return (*(None for _ in tensors), *(None for _ in ctx.options))
         if torch.is_grad_enabled():
             grads_in = _reference_vjp(ctx, tensors, grads)
         else:
