@@ -47,11 +47,12 @@ class DeconvCapsules(_CapsuleLayer):
     Why not the two alternatives:
     - Materialising the votes with conv_transpose2d and routing them with
       capsroute.dynamic_routing: the same function, but the votes tensor (B, H', W', C_in, C_out,
-      D) is stored for the backward pass, C_out * D / Din times the zero-inserted input (at the
-      shape of SegCapsNet's last up layer, 8x the input grid's memory; 64x for SegCaps' 8 types of
-      32D). On the fused op the votes are computed a chunk of positions at a time and never stored;
-      what is kept is the zero-inserted input, s^2 times the input (4x at stride 2), about the
-      size of the output capsules.
+      D) is stored for the backward pass, C_out * D / Din times the zero-inserted grid (8x in
+      SegCaps' first up layer, 8 types of 32D in and out; 2x in SegCapsNet's default layers). On
+      the fused op the votes are computed a chunk of positions at a time and never stored; what is
+      kept is the zero-inserted grid, s^2 times the input (4x at stride 2). Measured at SegCaps' first up
+      layer (32 x 32 -> 64 x 64, 8 types of 32D in and out, K = 4, forward and backward, one CPU
+      thread): 44 MiB of peak memory per image against 101 MiB, in three quarters of the time.
     - upsampling="nearest" (SegCaps' "resize"): each child capsule copied into an s x s block,
       then the same routing with "same" padding. A different function: every output phase sees
       tied sums of one kernel's taps (a transposed convolution with constrained weights), no
