@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .models import CapsNetOutput, CNNOutput, MatrixCapsNetOutput
+from .segcaps import SegCapsNetOutput, segmentation_loss
 
 
 def margin_loss(
@@ -63,7 +64,8 @@ def sigmoid_loss(logits: Tensor, labels: Tensor) -> Tensor:
 def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> Tensor:
     """The objective of each model of capsroute.models, from its output: CapsNet, margin loss plus
     the scaled reconstruction loss (images: the reconstruction targets, (N, k, H, W) for k
-    objects); MatrixCapsNet, spread loss with `margin` (see spread_margin); CNN, sigmoid loss."""
+    objects); MatrixCapsNet, spread loss with `margin` (see spread_margin); CNN, sigmoid loss;
+    SegCapsNet, segcaps.segmentation_loss against the masks (images)."""
     if isinstance(out, CapsNetOutput):
         return margin_loss(out.lengths.float(), labels) + reconstruction_loss(
             out.reconstructions, images
@@ -72,6 +74,8 @@ def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> T
         return spread_loss(out.activations.float(), labels, margin)
     if isinstance(out, CNNOutput):
         return sigmoid_loss(out.logits.float(), labels)
+    if isinstance(out, SegCapsNetOutput):  # images: the masks (N, classes, H, W)
+        return segmentation_loss(out.lengths, images)
     raise TypeError(f"no training loss for {type(out).__name__}")
 
 

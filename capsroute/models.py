@@ -19,6 +19,7 @@ from .nn import (
     PrimaryCapsules,
     PrimaryMatrixCapsules,
 )
+from .segcaps import SegCapsNet
 
 
 class CapsNetOutput(NamedTuple):
@@ -248,6 +249,7 @@ class CNN(nn.Module):
 
 
 MODELS = {"capsnet": CapsNet, "matrixcapsnet": MatrixCapsNet, "cnn": CNN}
+MODELS["segcapsnet"] = SegCapsNet  # capsroute.segcaps: segments MultiMNIST pairs (multimnist-seg)
 
 
 def parse_model_config(items: list[str]) -> dict:
@@ -277,6 +279,8 @@ def model_for_run(args: dict) -> nn.Module:
     if args["model"] in ("capsnet", "cnn"):
         pairs = args["dataset"] == "multimnist"
         config.setdefault("image_size", multimnist.SIZE if pairs else multimnist.DIGIT_SIZE)
+    if args["model"] == "segcapsnet":
+        config.setdefault("classes", 10)  # one segmentation capsule type per digit class
     return build_model(args["model"], args["backend"], config)
 
 

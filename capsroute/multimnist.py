@@ -13,6 +13,7 @@ separately, so a pair carries its two labels and its two shifted digits as well.
   checksum(pairs)                          SHA256 of every pair's bytes, to compare test sets across runs
   pair_correct(scores, labels)             the top-k classes are exactly the k labels
   bounding_box_overlap(digits)             overlap of the two digits' ink bounding boxes
+  class_masks(labels, digits)              per-class segmentation masks: each digit's pixels under its class
 
 A pair is a pure function of (seed, index): its random numbers come from a counter-based hash
 (splitmix64) of the seed and the index, so any subset of pairs is generated directly, in any order,
@@ -220,7 +221,24 @@ def bounding_box_overlap(digits: Tensor) -> Tensor:
     return (height * width).float() / areas.min(1).values.float()
 
 
+# Segmentation masks (the multimnist-seg task): a digit's pixels are those of at least half
+# intensity in its shifted image, 128..255 of uint8 (> 0.5 as float_pairs gives them).
+MASK_THRESHOLD = 0.5
+
+
+def class_masks(labels: Tensor, digits: Tensor, classes: int = 10) -> Tensor:
+    """(B, classes, H, W) float masks of pairs (labels (B, 2), digits (B, 2, H, W) in [0, 1]):
+    mask c is 1 on the pixels of the pair's digit of class c (digit > MASK_THRESHOLD), 0
+    elsewhere and for the classes not in the pair. Where the two digits overlap a pixel is in
+    both classes' masks, though the composite shows only the brighter digit there."""
+    B, k, H, W = digits.shape
+    masks = digits.new_zeros(B, classes, H, W)
+    masks[torch.arange(B)[:, None], labels] = (digits > MASK_THRESHOLD).to(digits.dtype)
+    return masks
+
+
 __all__ = [
+    "MASK_THRESHOLD",
     "MAX_PAIRS_PER_DIGIT",
     "MNIST_TEST_CHECKSUM",
     "MultiMNIST",
@@ -230,6 +248,7 @@ __all__ = [
     "TEST_SEED",
     "bounding_box_overlap",
     "checksum",
+    "class_masks",
     "pair_correct",
     "random_words",
     "test_pairs",

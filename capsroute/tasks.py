@@ -2,8 +2,9 @@
 
   ImageTask   MNIST or Fashion-MNIST: an image, its label; the image is its reconstruction target
   PairTask    MultiMNIST: two overlapping digits, both labels, each digit alone as its target
+  SegmentationTask  MultiMNIST pairs with per-class pixel masks as targets (multimnist-seg)
 
-Both give the training batches (images, labels, reconstruction targets), the test batches, the
+Each gives the training batches (images, labels, reconstruction targets), the test batches, the
 network's labels at test time, the test metrics of their own, the figures' inputs and their fields
 of the run record. `load_task(args)` reads and checks the data and builds the task of --dataset.
 """
@@ -13,14 +14,47 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
 from torch import Tensor
 
 from . import data, multimnist
 from ._command import CommandError
 from .models import CapsNet
+from .segcaps import pixel_correct, segmentation_metrics, segmentation_sums
 
 
-class ImageTask:
+class _Task:
+    """What the trainer asks every task, as classification tasks answer it."""
+
+    test_sums_length = 1  # values of test_sums
+
+    def correct(self, out, labels: Tensor, targets: Tensor) -> Tensor:
+        """(N,): 1 for each sample the network got right (MultiMNIST: both labels), or the
+        fraction of it (segmentation: of its pixels); the accuracy is their mean."""
+        return multimnist.pair_correct(out.scores, labels)
+
+    def test_sums(self, model, out, targets: Tensor, labels: Tensor) -> Tensor:
+        """(k,) float64 sums over a test batch that test_metrics turns into metrics."""
+        return torch.as_tensor(
+            self.squared_error(model, out, targets), dtype=torch.float64, device=labels.device
+        ).reshape(1)
+
+    def test_metrics(self, model, sums: list[float], seen: int) -> dict:
+        return self.reconstruction_metrics(model, sums[0], seen)
+
+    def squared_error(self, model, out, targets: Tensor) -> Tensor | float:
+        """The reconstructions' summed squared error that the test scores (0: none scored)."""
+        return 0.0
+
+    def reconstruction_metrics(self, model, squared_error: float, seen: int) -> dict:
+        return {}
+
+    def result_metrics(self, last: dict) -> dict:
+        """The last epoch's metrics that result.json adds to test_error and test_accuracy."""
+        return {}
+
+
+class ImageTask(_Task):
     """One image per sample: the first --train-subset / --test-subset images of the dataset."""
 
     samples = "images"
@@ -50,13 +84,6 @@ class ImageTask:
         """What the network is given at test time: nothing (it reconstructs its longest capsule)."""
         return None
 
-    def squared_error(self, model, out, targets: Tensor) -> Tensor | float:
-        """The reconstructions' summed squared error that the test scores (0: none scored)."""
-        return 0.0
-
-    def reconstruction_metrics(self, model, squared_error: float, seen: int) -> dict:
-        return {}
-
     def figure_inputs(self) -> dict:
         return self.figure_inputs_of(self.test_images, self.test_labels)
 
@@ -69,7 +96,7 @@ class ImageTask:
         return {}
 
 
-class PairTask:
+class PairTask(_Task):
     """MultiMNIST pairs of MNIST digits (capsroute.multimnist): --pairs-per-digit training pairs per
     training digit and the fixed test pairs, the first --test-subset of them."""
 
@@ -137,8 +164,43 @@ class PairTask:
         }
 
 
+class SegmentationTask(PairTask):
+    """multimnist-seg: the MultiMNIST pairs of PairTask, the targets their per-class pixel masks
+    (multimnist.class_masks, (N, 10, 36, 36)): which pixels belong to the digit of each class.
+    Scored per pixel (right when its predicted classes are exactly its true ones), and by Dice
+    and IoU per class over the test set (capsroute.segcaps.segmentation_metrics)."""
+
+    test_sums_length = 7 + 3 * 10  # segmentation_sums of 10 classes
+
+    def training_batches(self, batch_size: int, augment, **shard):
+        for images, labels, digits in super().training_batches(batch_size, augment, **shard):
+            yield images, labels, multimnist.class_masks(labels, digits)
+
+    def test_batch(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        images, labels, digits = super().test_batch(index)
+        return images, labels, multimnist.class_masks(labels, digits)
+
+    def test_labels_for(self, labels: Tensor) -> None:
+        return None
+
+    def correct(self, out, labels: Tensor, targets: Tensor) -> Tensor:
+        return pixel_correct(out.lengths, targets)
+
+    def test_sums(self, model, out, targets: Tensor, labels: Tensor) -> Tensor:
+        return segmentation_sums(out.lengths, targets)
+
+    def test_metrics(self, model, sums: list[float], seen: int) -> dict:
+        return segmentation_metrics(sums)
+
+    def result_metrics(self, last: dict) -> dict:
+        return {k: v for k, v in last.items() if k in segmentation_metrics([0.0] * 10)}
+
+
+TASKS = {"multimnist": PairTask, "multimnist-seg": SegmentationTask}
+
+
 def task_class(dataset: str) -> type[ImageTask] | type[PairTask]:
-    return PairTask if dataset == "multimnist" else ImageTask
+    return TASKS.get(dataset, ImageTask)
 
 
 def source_dataset(dataset: str) -> str:

@@ -1,8 +1,10 @@
-"""`capsroute train`: train CapsNet or MatrixCapsNet on MNIST or Fashion-MNIST, or CapsNet on MultiMNIST.
+"""`capsroute train`: train CapsNet or MatrixCapsNet on MNIST or Fashion-MNIST, CapsNet on MultiMNIST,
+or SegCapsNet to segment MultiMNIST pairs.
 
   capsroute train --model capsnet --data-dir DATA --epochs 30     (DATA: a folder with the IDX files)
   capsroute train --model capsnet --data-dir data --download       (fetches MNIST into data/mnist)
   capsroute train --dataset multimnist --data-dir DATA --pairs-per-digit 1 --epochs 1
+  capsroute train --model segcapsnet --dataset multimnist-seg --data-dir DATA --epochs 1
   torchrun --nproc-per-node 4 -m capsroute.train --model capsnet ...      (one process per GPU)
 
 Everything a run writes goes to --out (default runs/<model>-<dataset>): metrics.csv and
@@ -40,7 +42,6 @@ from ._runinfo import (
 )
 from .losses import spread_margin, training_loss
 from .models import model_for_run, parse_model_config
-from .multimnist import pair_correct
 from .tasks import load_task, source_dataset
 from .train_args import (
     AMP_DTYPES,
@@ -251,7 +252,7 @@ class Trainer:
                     sums += torch.stack(
                         [
                             loss.detach().double() * len(labels),
-                            pair_correct(out.scores, labels).sum().double(),
+                            self.task.correct(out, labels, targets).sum().double(),
                         ]
                     )
                 self.step += 1
@@ -304,34 +305,40 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Test loss and error (MultiMNIST: a pair is right when its two longest capsules are its two
-        labels). MultiMNIST CapsNet also: test_recon_error, the mean squared pixel error of each
-        digit's reconstruction from its own label's capsule against the digit alone."""
+        labels; multimnist-seg: the fraction of pixels right). MultiMNIST CapsNet also:
+        test_recon_error, the mean squared pixel error of each digit's reconstruction from its own
+        label's capsule against the digit alone; multimnist-seg: Dice and IoU (the task's
+        test_metrics)."""
         self.net.eval()
-        sums = torch.zeros(
-            3, dtype=torch.float64, device=self.device
-        )  # loss * n, correct, squared error
+        sums = 0  # loss * n, correct, then the task's test_sums
         seen = 0
         for batch in self._test_batches():
             images, labels, targets = self._on_device(batch)
             with self.autocast():
                 out = self.model(images, self.task.test_labels_for(labels))
                 loss = self.loss(out, targets, labels)
-            squared_error = self.task.squared_error(self.model, out, targets)
-            sums += torch.stack(
+            task_sums = self.task.test_sums(self.model, out, targets, labels)
+            sums = sums + torch.cat(
                 [
-                    loss.double() * len(labels),
-                    pair_correct(out.scores, labels).sum().double(),
-                    torch.as_tensor(squared_error, dtype=torch.float64, device=self.device),
+                    torch.stack(
+                        [
+                            loss.double() * len(labels),
+                            self.task.correct(out, labels, targets).sum().double(),
+                        ]
+                    ),
+                    task_sums.to(self.device, torch.float64),
                 ]
             )
             seen += len(labels)
-        loss_sum, correct, squared_error, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
+        if isinstance(sums, int):  # no test sample on this rank
+            sums = torch.zeros(2 + self.task.test_sums_length, dtype=torch.float64)
+        loss_sum, correct, *task_sums, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
         accuracy = correct / max(seen, 1)
         return {
             "test_loss": loss_sum / max(seen, 1),
             "test_accuracy": accuracy,
             "test_error": 1 - accuracy,
-            **self.task.reconstruction_metrics(self.model, squared_error, seen),
+            **self.task.test_metrics(self.model, task_sums, seen),
         }
 
     def fit(self) -> dict | None:
@@ -487,6 +494,7 @@ class Trainer:
             "images_per_sec": sum(m["images_per_sec"] for m in self.history) / len(self.history),
             "test_error": last["test_error"],
             "test_accuracy": last["test_accuracy"],
+            **self.task.result_metrics(last),
             "date": time.strftime("%Y-%m-%d"),
         }
         if self.ddp.main:

@@ -26,6 +26,7 @@ from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PAIR_MODELS = ("capsnet", "cnn")  # the networks that take MultiMNIST's 36x36 pairs
+SEGMENTATION = {"segcapsnet": "multimnist-seg"}  # segmentation networks and their one dataset
 # The trainer seeds each epoch and step from --seed; those seeds must fit in 64 bits.
 MAX_SEED = 2**31 - 1
 # A resumed run keeps its own options except these: taken from the new command line always (they
@@ -69,9 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dataset",
-        choices=sorted([*data.DATASETS, "multimnist"]),
+        choices=sorted([*data.DATASETS, "multimnist", "multimnist-seg"]),
         default="mnist",
-        help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.multimnist)",
+        help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.multimnist); "
+        "multimnist-seg: the same pairs with each digit's pixels as per-class masks (segcapsnet)",
     )
     p.add_argument(
         "--data-dir",
@@ -275,6 +277,16 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.dataset == "multimnist" and args.model not in PAIR_MODELS:
         raise CommandError(
             f"--dataset multimnist trains {' or '.join(PAIR_MODELS)}, not {args.model}"
+        )
+    segmented = SEGMENTATION.get(args.model)
+    if (args.dataset in SEGMENTATION.values() or segmented) and args.dataset != segmented:
+        model = (
+            next(m for m, d in SEGMENTATION.items() if d == args.dataset) if not segmented else None
+        )
+        raise CommandError(
+            f"--dataset {args.dataset} trains {model}, not {args.model}"
+            if model
+            else f"--model {args.model} segments --dataset {segmented}, not {args.dataset}"
         )
     if args.evaluate and args.resume is None:
         raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")

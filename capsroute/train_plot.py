@@ -7,8 +7,9 @@
   pairs.png           MultiMNIST runs, Sabour et al. 2017, fig. 5: test pairs (top), the reconstructions
                       from the two longest capsules in red and green (middle), and the reconstruction
                       from the longest capsule of a class that is not in the pair (bottom)
-The last three need a CapsNet (the network with a decoder); MultiMNIST runs draw pairs.png in
-place of reconstructions.png.
+  masks.png           SegCapsNet runs (multimnist-seg): test pairs, their true masks and the predicted ones
+The reconstruction figures need a CapsNet (the network with a decoder); MultiMNIST runs draw
+pairs.png in place of reconstructions.png.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from . import data
 from ._command import CommandError
 from ._runinfo import short_commit
 from .models import CapsNet, model_for_run
-from .multimnist import SIZE, MultiMNIST
+from .multimnist import SIZE, MultiMNIST, class_masks
+from .segcaps import SegCapsNet
 from .tasks import source_dataset, task_class
 from .train_args import load_checkpoint
 
@@ -164,6 +166,43 @@ def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -
     return path
 
 
+@torch.no_grad()
+def plot_masks(model: SegCapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -> Path:
+    """Test pairs (top), their true masks (middle: the first label's digit red, the second's green)
+    and the predicted ones (bottom: the lengths of the same two classes' capsules in red and green,
+    the longest of the other eight classes in blue), each pixel's colour its probabilities."""
+    model.eval()
+    images, labels, digits = pairs.float_pairs(np.arange(count))
+    masks = class_masks(labels, digits)
+    lengths = model(images).lengths.float()
+    rows = torch.arange(count)[:, None]
+    others = lengths.clone()
+    others[rows, labels] = 0
+    fig = _new_figure((count * 1.0, 3.6))
+    axes = fig.subplots(3, count, squeeze=False)
+    for k in range(count):
+        _show(axes[0, k], images[k, 0])
+        axes[0, k].set_title("L:({},{})".format(*labels[k].tolist()), fontsize="small")
+        true = torch.stack([*masks[k, labels[k]], torch.zeros(SIZE, SIZE)], -1)
+        predicted = torch.stack([*lengths[k, labels[k]], others[k].amax(0)], -1).clamp(0, 1)
+        for row, rgb in ((1, true), (2, predicted)):
+            axes[row, k].imshow(rgb.numpy())
+            axes[row, k].set_axis_off()
+        found = (lengths[k] > 0.5).flatten(1).sum(1)
+        top = found.topk(2).indices.tolist()
+        right = set(top) == set(labels[k].tolist())
+        axes[2, k].set_title(
+            "P:({},{})".format(*top), fontsize="small", color="black" if right else "red"
+        )
+    fig.suptitle(
+        "top: test pairs (L: labels); middle: true masks, first label red, second green; bottom:\n"
+        "predicted (same classes red, green; other classes blue; P: the two classes with most pixels)",
+        fontsize="medium",
+    )
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def _load_model(run_dir: Path):
     state = load_checkpoint(run_dir / "checkpoint.pt")
     args = state["args"]
@@ -217,9 +256,12 @@ def plot_run(
         if not (run_dir / "checkpoint.pt").exists():
             return written
         model, args = _load_model(run_dir)
-        if isinstance(model, CapsNet):
+        if isinstance(model, (CapsNet, SegCapsNet)):
             inputs = _figure_inputs(args)
             images, pairs = inputs.get("images"), inputs.get("pairs")
+    if isinstance(model, SegCapsNet) and pairs is not None:
+        model = copy.deepcopy(model).float().cpu()
+        written.append(plot_masks(model, pairs, out / "masks.png"))
     if isinstance(model, CapsNet):
         model = copy.deepcopy(model).float().cpu()
         if pairs is not None:
