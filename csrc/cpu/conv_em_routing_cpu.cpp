@@ -42,6 +42,7 @@ struct ConvEmLayout {
   const scalar_t* pose;   // (B, H, W, C_in, 16)
   const scalar_t* a_in;   // (B, H, W, C_in)
   const acc_t* weight_t;  // (K, K, C_in, 16, Jp): weight[ky, kx, c, o, h] at h Jp + o
+  acc_t* log_prior;       // (windows, iters - 1, C_out): em_log_prior of each E-step's parents
 
   int64_t windows() const { return d.B * Ho * Wo; }
   int64_t child(int64_t b, int64_t iy, int64_t ix, int64_t c) const {
@@ -113,13 +114,20 @@ struct ConvEmLayout {
   int64_t e_table(int64_t t) const { return t * kETable * Jp; }
   int64_t m_table(int64_t t) const { return ((d.iters - 1) * kETable + t * kMTable) * Jp; }
 
+  // The log priors of window n's parents after M-step t (once per window: 17 logs a parent).
+  void set_log_priors(const acc_t* stats, int64_t n, int64_t t) const {
+    for (int64_t o = 0; o < d.C_out; ++o)
+      log_prior[(n * (d.iters - 1) + t) * d.C_out + o] =
+          em_log_prior(logit(stats, n, t, o), variance(stats, n, t, o), kPoseSize);
+  }
+
   void build_e_table(const acc_t* stats, int64_t n, int64_t t, acc_t* tables) const {
     acc_t* E = tables + e_table(t);
     std::fill(E, E + kETable * Jp, acc_t(0));
     std::fill(E + d.C_out, E + Jp, -std::numeric_limits<acc_t>::infinity());
+    std::copy_n(log_prior + (n * (d.iters - 1) + t) * d.C_out, d.C_out, E);
     for (int64_t o = 0; o < d.C_out; ++o) {
       const acc_t *mu = mean(stats, n, t, o), *var = variance(stats, n, t, o);
-      E[o] = em_log_prior(logit(stats, n, t, o), var, kPoseSize);
       for (int64_t h = 0; h < kPoseSize; ++h) {
         E[(1 + h) * Jp + o] = mu[h];
         E[(1 + kPoseSize + h) * Jp + o] = 1 / (2 * var[h]);
@@ -181,14 +189,17 @@ struct Lanes {
 
   // The votes V_h = sum_k P[r 4 + k] Wt[k 4 + col], h = r 4 + col.
   C10_ALWAYS_INLINE void votes(const acc_t* P, const acc_t* Wt, V* out) const {
+    V w[kPoseSize];
+#pragma GCC unroll 16
+    for (int h = 0; h < kPoseSize; ++h) w[h] = at(Wt, h);
+#pragma GCC unroll 16
     for (int r = 0; r < 4; ++r) {
       const V p0(P[r * 4]), p1(P[r * 4 + 1]), p2(P[r * 4 + 2]), p3(P[r * 4 + 3]);
-      for (int col = 0; col < 4; ++col) {
-        V v = p0 * at(Wt, col);
-        v = at::vec::fmadd(p1, at(Wt, 4 + col), v);
-        v = at::vec::fmadd(p2, at(Wt, 8 + col), v);
-        out[r * 4 + col] = at::vec::fmadd(p3, at(Wt, 12 + col), v);
-      }
+#pragma GCC unroll 16
+      for (int col = 0; col < 4; ++col)
+        out[r * 4 + col] = at::vec::fmadd(
+            p3, w[12 + col],
+            at::vec::fmadd(p2, w[8 + col], at::vec::fmadd(p1, w[4 + col], p0 * w[col])));
     }
   }
 
@@ -198,6 +209,7 @@ struct Lanes {
   // ln a_j + ln p_ij under E-step table E.
   C10_ALWAYS_INLINE V log_posterior(const V* votes, const acc_t* E) const {
     V s[4] = {V(acc_t(0)), V(acc_t(0)), V(acc_t(0)), V(acc_t(0))};
+#pragma GCC unroll 16
     for (int h = 0; h < kPoseSize; ++h) {
       const V diff = votes[h] - at(E, 1 + h);
       s[h % 4] = at::vec::fmadd(diff * diff, at(E, 1 + kPoseSize + h), s[h % 4]);
@@ -213,6 +225,7 @@ struct Lanes {
   // g_r under M-step table M.
   C10_ALWAYS_INLINE V assignment_grad(const V* votes, const acc_t* M) const {
     V s[4] = {V(acc_t(0)), V(acc_t(0)), V(acc_t(0)), V(acc_t(0))};
+#pragma GCC unroll 16
     for (int h = 0; h < kPoseSize; ++h) {
       const V diff = votes[h] - at(M, 1 + h);
       s[h % 4] = at::vec::fmadd(
@@ -285,46 +298,52 @@ void window_m_step(const ConvEmLayout<scalar_t, acc_t>& L, int64_t n, int64_t t,
   acc_t* mass = sums;
   acc_t* mu = sums + Jp;         // (16, Jp)
   acc_t* var = sums + Jp + row;  // (16, Jp)
-  std::fill(sums, sums + Jp + 2 * row, acc_t(0));
   acc_t P[kPoseSize];
-  V vts[kPoseSize];
-  // First pass: the votes, r = R a, the masses and sum r V.
-  L.for_each_window_child(
-      n, [&](int64_t e, int64_t i, int64_t ky, int64_t kx, int64_t c, int64_t iy, int64_t ix) {
-        if (i < 0) return;
-        L.load_pose(i, P);
-        const V a(L.activation(i));
-        const acc_t z = t > 0 ? log_norm[(t - 1) * L.children() + i] : acc_t(0);
-        const acc_t initial = L.initial(iy, ix);
-        const acc_t* Wt = L.weight_at(ky, kx, c);
-        for (int64_t off = 0; off < Jp; off += W) {
-          lanes.votes(P, Wt + off, vts);
-          const V re = (t == 0 ? V(initial) : lanes.assignment(vts, E + off, z)) * a;
+  V vts[kPoseSize], acc[kPoseSize];  // the sums of a vector of parents, kept in registers
+  for (int64_t off = 0; off < Jp; off += W) {
+    // First pass: the votes, r = R a, the masses and sum r V.
+    V m(acc_t(0));
+    for (V& x : acc) x = V(acc_t(0));
+    L.for_each_window_child(
+        n, [&](int64_t e, int64_t i, int64_t ky, int64_t kx, int64_t c, int64_t iy, int64_t ix) {
+          if (i < 0) return;
+          L.load_pose(i, P);
+          lanes.votes(P, L.weight_at(ky, kx, c) + off, vts);
+          const acc_t a = L.activation(i);
+          const V R = t == 0 ? V(L.initial(iy, ix))
+                             : lanes.assignment(vts, E + off, log_norm[(t - 1) * L.children() + i]);
+          const V re = R * V(a);
           re.store(r + e * Jp + off);
-          (V::loadu(mass + off) + re).store(mass + off);
+          m += re;
+#pragma GCC unroll 16
           for (int h = 0; h < kPoseSize; ++h) {
             vts[h].store(votes + (e * kPoseSize + h) * Jp + off);
-            at::vec::fmadd(re, vts[h], lanes.at(mu + off, h)).store(mu + h * Jp + off);
+            acc[h] = at::vec::fmadd(re, vts[h], acc[h]);
           }
-        }
-      });
-  for (int64_t off = 0; off < Jp; off += W) {
-    const V inv = V(acc_t(1)) / (V::loadu(mass + off) + V(eps));
-    for (int h = 0; h < kPoseSize; ++h) (lanes.at(mu + off, h) * inv).store(mu + h * Jp + off);
+        });
+    m.store(mass + off);
+    const V inv = V(acc_t(1)) / (m + V(eps));
+#pragma GCC unroll 16
+    for (int h = 0; h < kPoseSize; ++h) vts[h] = acc[h] * inv;  // the means
+    // Second pass for the variance: sum r (V - mu)^2 is exact where sum r V^2 - m mu^2 cancels.
+    for (V& x : acc) x = V(acc_t(0));
+    L.for_each_window_child(n,
+                            [&](int64_t e, int64_t i, int64_t, int64_t, int64_t, int64_t, int64_t) {
+                              if (i < 0) return;
+                              const V re = V::loadu(r + e * Jp + off);
+                              const acc_t* Ve = votes + e * row + off;
+#pragma GCC unroll 16
+                              for (int h = 0; h < kPoseSize; ++h) {
+                                const V diff = lanes.at(Ve, h) - vts[h];
+                                acc[h] = at::vec::fmadd(re * diff, diff, acc[h]);
+                              }
+                            });
+#pragma GCC unroll 16
+    for (int h = 0; h < kPoseSize; ++h) {
+      vts[h].store(mu + h * Jp + off);
+      acc[h].store(var + h * Jp + off);
+    }
   }
-  // Second pass for the variance: sum r (V - mu)^2 is exact where sum r V^2 - m mu^2 cancels.
-  L.for_each_window_child(
-      n, [&](int64_t e, int64_t i, int64_t, int64_t, int64_t, int64_t, int64_t) {
-        if (i < 0) return;
-        for (int64_t off = 0; off < Jp; off += W) {
-          const V re = V::loadu(r + e * Jp + off);
-          const acc_t* Ve = votes + e * row + off;
-          for (int h = 0; h < kPoseSize; ++h) {
-            const V diff = lanes.at(Ve, h) - lanes.at(mu + off, h);
-            at::vec::fmadd(re * diff, diff, lanes.at(var + off, h)).store(var + h * Jp + off);
-          }
-        }
-      });
   const acc_t lam = em_lambda(L.d.final_lambda, t);
   acc_t* st = stats + L.parent(n, t, 0, kStatsRow);
   for (int64_t o = 0; o < J; ++o) {
@@ -337,6 +356,7 @@ void window_m_step(const ConvEmLayout<scalar_t, acc_t>& L, int64_t n, int64_t t,
     }
     st[2 * J * kPoseSize + o] = lam * (static_cast<acc_t>(beta_a[o]) - cost);
   }
+  if (t < L.d.iters - 1) L.set_log_priors(stats, n, t);
 }
 
 // The forward's routing: statistics of every window and iteration into stats (B, Ho, Wo, iters,
@@ -376,7 +396,8 @@ template <typename scalar_t>
 ConvEmLayout<scalar_t, at::opmath_type<scalar_t>> layout_of(const ConvEmDims& d,
                                                             const at::Tensor& pose,
                                                             const at::Tensor& weight_t,
-                                                            const at::Tensor& a_in) {
+                                                            const at::Tensor& a_in,
+                                                            at::Tensor& log_prior) {
   using acc_t = at::opmath_type<scalar_t>;
   return {d,
           d.Ho(),
@@ -384,7 +405,8 @@ ConvEmLayout<scalar_t, at::opmath_type<scalar_t>> layout_of(const ConvEmDims& d,
           weight_t.size(-1),
           pose.const_data_ptr<scalar_t>(),
           a_in.const_data_ptr<scalar_t>(),
-          weight_t.const_data_ptr<acc_t>()};
+          weight_t.const_data_ptr<acc_t>(),
+          log_prior.mutable_data_ptr<acc_t>()};
 }
 
 int64_t vector_lanes(at::ScalarType t) {
@@ -406,13 +428,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_em_routing_cpu(
   const at::TensorOptions acc = pose.options().dtype(acc_dtype(pose.scalar_type()));
   at::Tensor stats = at::empty({d.B, Ho, Wo, iters, d.C_out, kStatsRow}, acc);
   at::Tensor log_norm = at::empty({iters - 1, d.B, d.H, d.W, d.C_in}, acc);
+  at::Tensor log_prior = at::empty({d.B * Ho * Wo, iters - 1, d.C_out}, acc);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, pose.scalar_type(), "conv_em_routing_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        route(layout_of<scalar_t>(d, pose, weight_t, a_in), beta_u.const_data_ptr<scalar_t>(),
-              beta_a.const_data_ptr<scalar_t>(), eps, stats.mutable_data_ptr<acc_t>(),
-              log_norm.mutable_data_ptr<acc_t>());
+        route(layout_of<scalar_t>(d, pose, weight_t, a_in, log_prior),
+              beta_u.const_data_ptr<scalar_t>(), beta_a.const_data_ptr<scalar_t>(), eps,
+              stats.mutable_data_ptr<acc_t>(), log_norm.mutable_data_ptr<acc_t>());
       });
   const at::Tensor last = stats.select(3, iters - 1).flatten(3);  // (B, Ho, Wo, C_out 33)
   const int64_t JH = d.C_out * kPoseSize;
@@ -476,36 +499,47 @@ struct ConvEmBackward {
     const acc_t* E = last ? nullptr : tables + L.e_table(t);
     const acc_t* M = last ? nullptr : tables + L.m_table(t + 1);
     acc_t P[kPoseSize];
-    V vts[kPoseSize];
-    L.for_each_window_child(
-        n, [&](int64_t, int64_t i, int64_t ky, int64_t kx, int64_t c, int64_t iy, int64_t ix) {
-          if (i < 0) return;
-          L.load_pose(i, P);
-          const V a(L.activation(i));
-          const acc_t initial = L.initial(iy, ix);
-          const acc_t* Wt = L.weight_at(ky, kx, c);
-          for (int64_t off = 0; off < Jp; off += W) {
-            ln.votes(P, Wt + off, vts);
-            const V R = t == 0 ? V(initial) : ln.assignment(vts, E_prev + off, z(t - 1, i));
-            at::vec::fmadd(R, a, V::loadu(mass + off)).store(mass + off);
-            if (last) continue;
-            // E-step t: g_L = R^{t+1} a (g_r^{t+1} - T^{t+1}); L = log prior - sum_h (V - mu)^2 /
-            // (2 var), q = (V - mu) / var.
-            const V g_L = ln.assignment(vts, E + off, z(t, i)) * a *
-                          (ln.assignment_grad(vts, M + off) - V(weighted_sum(t + 1, i)));
-            at::vec::fmadd(g_L, V::loadu(one_minus_sigmoid + off), V::loadu(g_logit + off))
-                .store(g_logit + off);
-            const V half_g_L = V(acc_t(0.5)) * g_L;
-            for (int h = 0; h < kPoseSize; ++h) {
-              const V diff = vts[h] - ln.at(E + off, 1 + h);
-              const V inv_var = V(acc_t(2)) * ln.at(E + off, 1 + kPoseSize + h);
-              const V q = diff * inv_var;
-              at::vec::fmadd(g_L, q, ln.at(g_mu + off, h)).store(g_mu + h * Jp + off);
-              at::vec::fmadd(half_g_L * inv_var, q * diff - V(acc_t(1)), ln.at(g_var + off, h))
-                  .store(g_var + h * Jp + off);
-            }
-          }
-        });
+    V vts[kPoseSize], sum_mu[kPoseSize], sum_var[kPoseSize];  // a vector of parents', in registers
+    for (int64_t off = 0; off < Jp; off += W) {
+      V sum_mass(acc_t(0)), sum_logit = V::loadu(g_logit + off);
+#pragma GCC unroll 16
+      for (int h = 0; h < kPoseSize; ++h) {
+        sum_mu[h] = ln.at(g_mu + off, h);
+        sum_var[h] = ln.at(g_var + off, h);
+      }
+      const V one_minus_s = V::loadu(one_minus_sigmoid + off);
+      L.for_each_window_child(n, [&](int64_t, int64_t i, int64_t ky, int64_t kx, int64_t c,
+                                     int64_t iy, int64_t ix) {
+        if (i < 0) return;
+        L.load_pose(i, P);
+        ln.votes(P, L.weight_at(ky, kx, c) + off, vts);
+        const V a(L.activation(i));
+        const V R = t == 0 ? V(L.initial(iy, ix)) : ln.assignment(vts, E_prev + off, z(t - 1, i));
+        sum_mass = at::vec::fmadd(R, a, sum_mass);
+        if (last) return;
+        // E-step t: g_L = R^{t+1} a (g_r^{t+1} - T^{t+1}); L = log prior - sum_h (V - mu)^2 /
+        // (2 var), q = (V - mu) / var.
+        const V g_L = ln.assignment(vts, E + off, z(t, i)) * a *
+                      (ln.assignment_grad(vts, M + off) - V(weighted_sum(t + 1, i)));
+        sum_logit = at::vec::fmadd(g_L, one_minus_s, sum_logit);
+        const V half_g_L = V(acc_t(0.5)) * g_L;
+#pragma GCC unroll 16
+        for (int h = 0; h < kPoseSize; ++h) {
+          const V diff = vts[h] - ln.at(E + off, 1 + h);
+          const V inv_var = V(acc_t(2)) * ln.at(E + off, 1 + kPoseSize + h);
+          const V q = diff * inv_var;
+          sum_mu[h] = at::vec::fmadd(g_L, q, sum_mu[h]);
+          sum_var[h] = at::vec::fmadd(half_g_L * inv_var, q * diff - V(acc_t(1)), sum_var[h]);
+        }
+      });
+      sum_mass.store(mass + off);
+      sum_logit.store(g_logit + off);
+#pragma GCC unroll 16
+      for (int h = 0; h < kPoseSize; ++h) {
+        sum_mu[h].store(g_mu + h * Jp + off);
+        sum_var[h].store(g_var + h * Jp + off);
+      }
+    }
     const acc_t lam = em_lambda(d.final_lambda, t);
     acc_t g_mu_o[kPoseSize], g_var_o[kPoseSize];
     for (int64_t o = 0; o < J; ++o) {
@@ -565,9 +599,9 @@ struct ConvEmBackward {
 
   // Child (b, iy, ix, c)'s vote gradients, summed over the iterations, contracted into its pose
   // gradient (returned in g_P) and the weight gradient g_W (K, K, C_in, 16, Jp); T^0 (which no
-  // E-step needs); returns its a_in gradient. Scratch: g_P_lanes of 16 vectors.
+  // E-step needs); returns its a_in gradient.
   acc_t child_grads(int64_t b, int64_t iy, int64_t ix, int64_t c, acc_t* g_P, acc_t* g_W,
-                    WindowTables<acc_t>& tables, V* g_P_lanes) const {
+                    WindowTables<acc_t>& tables) const {
     const ConvEmDims& d = L.d;
     const int64_t i = L.child(b, iy, ix, c), Jp = L.Jp;
     const Lanes<acc_t> ln = lanes();
@@ -575,7 +609,8 @@ struct ConvEmBackward {
     const acc_t initial = L.initial(iy, ix);
     acc_t P[kPoseSize];
     L.load_pose(i, P);
-    std::fill(g_P_lanes, g_P_lanes + kPoseSize, V(acc_t(0)));
+    V g_P_lanes[kPoseSize];
+    for (V& x : g_P_lanes) x = V(acc_t(0));
     V first_sum(0);
     V vts[kPoseSize], g_V[kPoseSize];
     L.for_each_covering_window(b, iy, ix, [&](int64_t n, int64_t ky, int64_t kx) {
@@ -584,14 +619,15 @@ struct ConvEmBackward {
       acc_t* g_Wt = g_W + (Wt - L.weight_t);
       for (int64_t off = 0; off < Jp; off += W) {
         ln.votes(P, Wt + off, vts);
-        std::fill(g_V, g_V + kPoseSize, V(acc_t(0)));
+        for (V& x : g_V) x = V(acc_t(0));
         for (int64_t t = 0; t < d.iters; ++t) {
           const acc_t* E = t > 0 ? T + L.e_table(t - 1) + off : nullptr;
           const acc_t* M = T + L.m_table(t) + off;
           const V R = t == 0 ? V(initial) : ln.assignment(vts, E, z(t - 1, i));
           const V r = R * a;
           const V g_r = ln.assignment_grad(vts, M);
-          // M-step t: g_V += r (g_mu / M + 2 g_var / M (V - mu)).
+// M-step t: g_V += r (g_mu / M + 2 g_var / M (V - mu)).
+#pragma GCC unroll 16
           for (int h = 0; h < kPoseSize; ++h) {
             const V diff = vts[h] - ln.at(M, 1 + h);
             const V coef = at::vec::fmadd(V(acc_t(2)) * ln.at(M, 1 + 2 * kPoseSize + h), diff,
@@ -604,22 +640,29 @@ struct ConvEmBackward {
           }
           // E-step t - 1: g_V -= g_L (V - mu) / var.
           const V g_L = r * (g_r - V(weighted_sum(t, i)));
+#pragma GCC unroll 16
           for (int h = 0; h < kPoseSize; ++h) {
             const V diff = vts[h] - ln.at(E, 1 + h);
             g_V[h] = g_V[h] - g_L * V(acc_t(2)) * ln.at(E, 1 + kPoseSize + h) * diff;
           }
         }
-        // V = P Wt: g_P += g_V Wt^T (per lane, summed over the lanes at the end), g_Wt += P^T g_V.
+// V = P Wt: g_P += g_V Wt^T (per lane, summed over the lanes at the end), g_Wt += P^T g_V.
+#pragma GCC unroll 16
         for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 16
           for (int k = 0; k < 4; ++k) {
             V sum = g_P_lanes[r * 4 + k];
+#pragma GCC unroll 16
             for (int col = 0; col < 4; ++col)
               sum = at::vec::fmadd(g_V[r * 4 + col], ln.at(Wt + off, k * 4 + col), sum);
             g_P_lanes[r * 4 + k] = sum;
           }
+#pragma GCC unroll 16
         for (int k = 0; k < 4; ++k)
+#pragma GCC unroll 16
           for (int col = 0; col < 4; ++col) {
             V sum = ln.at(g_Wt + off, k * 4 + col);
+#pragma GCC unroll 16
             for (int r = 0; r < 4; ++r)
               sum = at::vec::fmadd(V(P[r * 4 + k]), g_V[r * 4 + col], sum);
             sum.store(g_Wt + (k * 4 + col) * Jp + off);
@@ -657,6 +700,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
   const at::Tensor stats = stats_in.to(acc).contiguous();
   const int64_t windows = d.B * Ho * Wo;
   at::Tensor log_norm = at::empty({iters - 1, d.B, d.H, d.W, d.C_in}, acc_options);
+  at::Tensor log_prior = at::empty({windows, iters - 1, J}, acc_options);
   at::Tensor coeffs = at::empty({windows, iters, J, kStatsRow}, acc_options);
   at::Tensor sums = at::empty({iters, d.B, d.H, d.W, d.C_in}, acc_options);
   at::Tensor grad_beta_items = at::zeros({windows, 2, J}, acc_options);
@@ -668,10 +712,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
       at::kHalf, at::kBFloat16, pose.scalar_type(), "conv_em_routing_backward_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
         using V = Vec<acc_t>;
-        const ConvEmLayout<scalar_t, acc_t> L = layout_of<scalar_t>(d, pose, weight_t, a_in);
+        const ConvEmLayout<scalar_t, acc_t> L =
+            layout_of<scalar_t>(d, pose, weight_t, a_in, log_prior);
         const acc_t* st = stats.const_data_ptr<acc_t>();
         acc_t* z = log_norm.mutable_data_ptr<acc_t>();
-        // The E-steps' log-sum-exps, from the saved statistics.
+        // The E-steps' log priors and log-sum-exps, from the saved statistics.
+        at::parallel_for(0, windows, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t n = begin; n < end; ++n)
+            for (int64_t t = 0; t + 1 < iters; ++t) L.set_log_priors(st, n, t);
+        });
         for (int64_t t = 0; t + 1 < iters; ++t) log_normalisers(L, t, st, z);
         const ConvEmBackward<scalar_t, acc_t> backward{L,
                                                        beta_u.const_data_ptr<scalar_t>(),
@@ -693,7 +742,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
         }
         at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
           WindowTables<acc_t> tables(L.max_cover(), Wo, L.table_size());
-          std::vector<V> g_P_lanes(kPoseSize);
           for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
             acc_t* g_W = grad_weight_parts.mutable_data_ptr<acc_t>() + chunk * weight_t.numel();
             for (int64_t row = chunk * rows / chunks; row < (chunk + 1) * rows / chunks; ++row) {
@@ -702,8 +750,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
                 for (int64_t c = 0; c < d.C_in; ++c) {
                   const int64_t i = L.child(b, iy, ix, c);
                   acc_t g_P[kPoseSize];
-                  const acc_t g_a =
-                      backward.child_grads(b, iy, ix, c, g_P, g_W, tables, g_P_lanes.data());
+                  const acc_t g_a = backward.child_grads(b, iy, ix, c, g_P, g_W, tables);
                   grad_a_in.mutable_data_ptr<scalar_t>()[i] = static_cast<scalar_t>(g_a);
                   scalar_t* out = grad_pose.mutable_data_ptr<scalar_t>() + i * kPoseSize;
                   for (int64_t h = 0; h < kPoseSize; ++h) out[h] = static_cast<scalar_t>(g_P[h]);
