@@ -4,8 +4,9 @@ its reference and the layers built on either compute in the same dtypes.
 
 - EM routing divides by variances of small pose differences: its inputs are cast to float32 and
   it runs with autocast off, as torch runs softmax and norms.
-- Dynamic routing (dense and convolutional capsules too) takes its inputs in the autocast dtype, as torch runs
-  matmul (their kernels accumulate in float32 whatever the storage dtype).
+- Dynamic routing (dense and convolutional capsules too) and the attention routings take their
+  inputs in the autocast dtype, as torch runs matmul (their kernels accumulate in float32 whatever
+  the storage dtype).
 
 As in torch's own rules, float64 tensors and tensors on another device type are left alone.
 """
@@ -15,7 +16,13 @@ import functools
 import torch
 
 IN_FLOAT32 = ("em_routing", "em_routing_pose", "conv_em_routing")
-IN_AUTOCAST_DTYPE = ("dynamic_routing", "dense_capsules", "conv_dynamic_routing")
+IN_AUTOCAST_DTYPE = (
+    "dynamic_routing",
+    "dense_capsules",
+    "conv_dynamic_routing",
+    "self_attention_routing",
+    "inverted_attention_routing",
+)
 DEVICE_TYPES = ("cpu", "cuda")
 
 

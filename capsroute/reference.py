@@ -85,6 +85,79 @@ def dense_capsules(
     )
 
 
+def squash_exp(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
+    """Efficient-CapsNet's squash (1 - exp(-n)) s / n, n = sqrt(|s|^2 + eps), over `dim`."""
+    n = torch.sqrt((s * s).sum(dim, keepdim=True) + eps)
+    return (-torch.expm1(-n) * s / n).to(s.dtype)
+
+
+SQUASHES = {"sabour": squash, "efficient": squash_exp}
+
+
+@like_op("self_attention_routing")
+def self_attention_routing_coupling(
+    votes: Tensor,
+    *,
+    coupling_bias: Tensor | None = None,
+    squash: str = "efficient",
+    eps: float = 1e-8,
+) -> tuple[Tensor, Tensor]:
+    """Returns (v (B, J, D), coupling c (B, I, J)): docs/ops.md, self_attention_routing."""
+    D = votes.shape[-1]
+    total = votes.sum(1)  # (B, J, D): every vote for j
+    logits = torch.einsum("bijd,bjd->bij", votes, total) / math.sqrt(D)
+    c = torch.softmax(logits, dim=-1)
+    if coupling_bias is not None:
+        c = c + coupling_bias
+    s = torch.einsum("bij,bijd->bjd", c, votes)
+    return SQUASHES[squash](s, eps=eps), c
+
+
+def self_attention_routing(
+    votes: Tensor,
+    *,
+    coupling_bias: Tensor | None = None,
+    squash: str = "efficient",
+    eps: float = 1e-8,
+) -> Tensor:
+    return self_attention_routing_coupling(
+        votes, coupling_bias=coupling_bias, squash=squash, eps=eps
+    )[0]
+
+
+@like_op("inverted_attention_routing")
+def inverted_attention_routing_coupling(
+    votes: Tensor,
+    iters: int = 3,
+    *,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[Tensor, Tensor]:
+    """Returns (v (B, J, D), final coupling c (B, I, J)): docs/ops.md, inverted_attention_routing."""
+    B, I, J, D = votes.shape
+    c = votes.new_full((B, I, J), 1.0 / J)
+    for r in range(iters):
+        s = torch.einsum("bij,bijd->bjd", c, votes)
+        v = torch.nn.functional.layer_norm(s, (D,), norm_weight, norm_bias, eps)
+        if r < iters - 1:
+            c = torch.softmax(torch.einsum("bijd,bjd->bij", votes, v) / math.sqrt(D), dim=-1)
+    return v, c
+
+
+def inverted_attention_routing(
+    votes: Tensor,
+    iters: int = 3,
+    *,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    return inverted_attention_routing_coupling(
+        votes, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
+    )[0]
+
+
 def _em_m_step(
     R: Tensor, a_in: Tensor, votes: Tensor, beta_u: Tensor, beta_a: Tensor, lam: float, eps: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -81,4 +81,27 @@ TORCH_LIBRARY(capsroute, m) {
   m.def(
       "_conv_dynamic_routing_backward(Tensor grad_v, Tensor u, Tensor weight, Tensor s_hist,"
       " int stride, int padding, bool leaky, bool detach, float eps) -> (Tensor, Tensor, Tensor)");
+
+  // Efficient-CapsNet's self-attention routing: a uniformly coupled pass, then couplings
+  // softmax_j(<u_ij, sum_k u_kj> / sqrt(D)) + coupling_bias (I, J); squash "efficient" or "sabour".
+  // Returns (v (B, J, D), coupling c (B, I, J), s_hist (B, 2, J, D) in the accumulation dtype).
+  m.def(
+      "self_attention_routing(Tensor votes, Tensor? coupling_bias, str squash, float eps)"
+      " -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_votes, grad_coupling_bias (I, J)).
+  m.def(
+      "_self_attention_routing_backward(Tensor grad_v, Tensor votes, Tensor? coupling_bias,"
+      " Tensor s_hist, str squash, float eps) -> (Tensor, Tensor)");
+
+  // Inverted dot-product attention routing (Tsai et al. 2020): uniform couplings, then
+  // softmax_j(<u_ij, v_j> / sqrt(D)) of the previous pass's v; v = LayerNorm(s) with optional
+  // affine norm_weight, norm_bias (D,). Returns (v (B, J, D), final coupling c (B, I, J), s_hist
+  // (B, iters, J, D) in the accumulation dtype).
+  m.def(
+      "inverted_attention_routing(Tensor votes, Tensor? norm_weight, Tensor? norm_bias, int iters,"
+      " float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_votes, grad_norm_weight (D,), grad_norm_bias (D,)).
+  m.def(
+      "_inverted_attention_routing_backward(Tensor grad_v, Tensor votes, Tensor? norm_weight,"
+      " Tensor? norm_bias, Tensor s_hist, float eps) -> (Tensor, Tensor, Tensor)");
 }
