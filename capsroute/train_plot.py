@@ -7,8 +7,8 @@
   pairs.png           MultiMNIST runs, Sabour et al. 2017, fig. 5: test pairs (top), the reconstructions
                       from the two longest capsules in red and green (middle), and the reconstruction
                       from the longest capsule of a class that is not in the pair (bottom)
-The last three need a CapsNet (the network with a decoder); MultiMNIST runs draw pairs.png in
-place of reconstructions.png.
+The last three need a network with a decoder (CapsNet, EfficientCapsNet); MultiMNIST runs draw
+pairs.png in place of reconstructions.png.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from matplotlib.ticker import LogFormatter, MaxNLocator
 from . import data
 from ._command import CommandError
 from ._runinfo import short_commit
-from .models import CapsNet, model_for_run
+from .models import DecoderCapsNet, model_for_run
 from .multimnist import SIZE, MultiMNIST
 from .tasks import source_dataset, task_class
 from .train_args import load_checkpoint
@@ -80,7 +80,9 @@ def _show(ax, image: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def plot_reconstructions(model: CapsNet, images: torch.Tensor, path: Path, count: int = 16) -> Path:
+def plot_reconstructions(
+    model: DecoderCapsNet, images: torch.Tensor, path: Path, count: int = 16
+) -> Path:
     model.eval()
     images = images[:count]
     out = model(images)
@@ -99,7 +101,7 @@ def plot_reconstructions(model: CapsNet, images: torch.Tensor, path: Path, count
 
 
 @torch.no_grad()
-def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
+def plot_perturbations(model: DecoderCapsNet, image: torch.Tensor, path: Path) -> Path:
     model.eval()
     out = model(image[None])
     cls = out.lengths[0].argmax()
@@ -125,7 +127,7 @@ def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
 
 
 @torch.no_grad()
-def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -> Path:
+def plot_pairs(model: DecoderCapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -> Path:
     model.eval()
     images, labels, _ = pairs.float_pairs(np.arange(count))
     out = model(images)
@@ -217,10 +219,10 @@ def plot_run(
         if not (run_dir / "checkpoint.pt").exists():
             return written
         model, args = _load_model(run_dir)
-        if isinstance(model, CapsNet):
+        if isinstance(model, DecoderCapsNet):
             inputs = _figure_inputs(args)
             images, pairs = inputs.get("images"), inputs.get("pairs")
-    if isinstance(model, CapsNet):
+    if isinstance(model, DecoderCapsNet):
         model = copy.deepcopy(model).float().cpu()
         if pairs is not None:
             written.append(plot_pairs(model, pairs, out / "pairs.png"))
