@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import capsroute
 from capsroute import losses, reference
 from capsroute.models import EfficientCapsNet, EfficientCapsNetOutput
 from capsroute.nn import set_backend
@@ -13,9 +12,10 @@ from capsroute.nn_attention import InvertedAttentionCapsules, SelfAttentionCapsu
 from helpers import DEVICES
 from test_models import assert_backends_agree, both_backends
 
-# The fused attention routings come with branch attn-cpu; until it is merged, what runs them waits.
+# The CPU kernels of the attention routings come with branch attn-cpu; what runs them waits for it.
 needs_fused_attention = pytest.mark.skipif(
-    not hasattr(capsroute, "self_attention_routing"), reason="no fused attention routing yet"
+    not torch._C._dispatch_has_kernel_for_dispatch_key("capsroute::self_attention_routing", "CPU"),
+    reason="no CPU kernel of the attention routings yet",
 )
 
 

@@ -253,9 +253,10 @@ def test_figures_from_a_run(tmp_path, capsys):
     assert "no checkpoint.pt" in printed
 
 
-# The fused attention routings come with branch attn-cpu; until it is merged, what runs them waits.
+# The CPU kernels of the attention routings come with branch attn-cpu; what runs them waits for it.
 needs_fused_attention = pytest.mark.skipif(
-    not hasattr(capsroute, "self_attention_routing"), reason="no fused attention routing yet"
+    not torch._C._dispatch_has_kernel_for_dispatch_key("capsroute::self_attention_routing", "CPU"),
+    reason="no CPU kernel of the attention routings yet",
 )
 
 
