@@ -326,6 +326,11 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"--dataset multimnist trains {', '.join(PAIR_MODELS[:-1])} or {PAIR_MODELS[-1]}, "
             f"not {args.model}"
         )
+    if args.augment != "shift" and "shift" in given_options(args):
+        raise CommandError(
+            f"--shift {args.shift}: --augment {args.augment} shifts as its own generator does; "
+            f"leave --shift out, or pass --augment shift"
+        )
     if args.evaluate and args.resume is None:
         raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
     if args.out.exists() and not args.out.is_dir():

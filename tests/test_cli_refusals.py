@@ -94,6 +94,10 @@ BEFORE_DATA = [
     (["--decay-steps=-1"], "--decay-steps: must be a whole number >= 0, got '-1'"),
     (["--min-lr=-1e-5"], "--min-lr: must be a number >= 0, got '-1e-5'"),
     (["--augment", "flip"], "--augment: invalid choice: 'flip'"),
+    (
+        ["--model", "efficientcapsnet", "--shift", "3"],
+        "--shift 3: --augment efficientcapsnet shifts as its own generator does",
+    ),
     (["--weight-decay", "inf"], "--weight-decay: must be a number >= 0"),
     (["--seed=-1"], "--seed: must be a whole number in 0..2147483647"),
     (["--pairs-per-digit", "1001"], "--pairs-per-digit: must be a whole number in 1..1000"),
