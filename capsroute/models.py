@@ -226,6 +226,7 @@ class EfficientCapsNet(DecoderCapsNet):
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> EfficientCapsNetOutput:
         primary = self.primary(self.features(images))  # (N, channels[3], 1, 1)
+        # 16 capsules: the plain PyTorch squash in either backend (capsroute fuses only Sabour's)
         u = squash_exp(primary.reshape(len(primary), -1, self.primary_dim))
         return self.classify(self.classes(u), labels)
 

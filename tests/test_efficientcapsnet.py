@@ -12,12 +12,6 @@ from capsroute.nn_attention import InvertedAttentionCapsules, SelfAttentionCapsu
 from helpers import DEVICES
 from test_models import assert_backends_agree, both_backends
 
-# The CPU kernels of the attention routings come with branch attn-cpu; what runs them waits for it.
-needs_fused_attention = pytest.mark.skipif(
-    not torch._C._dispatch_has_kernel_for_dispatch_key("capsroute::self_attention_routing", "CPU"),
-    reason="no CPU kernel of the attention routings yet",
-)
-
 
 def squashed(*shape, device="cpu"):
     return reference.squash(torch.randn(*shape, dtype=torch.float64, device=device))
@@ -38,7 +32,6 @@ def with_random(make, name):
     return made
 
 
-@needs_fused_attention
 @pytest.mark.parametrize("squash", ["efficient", "sabour"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_self_attention_capsules_backends_agree(device, squash):
@@ -48,7 +41,6 @@ def test_self_attention_capsules_backends_agree(device, squash):
     assert_backends_agree(results)
 
 
-@needs_fused_attention
 @pytest.mark.parametrize("device", DEVICES)
 def test_self_attention_capsules_without_bias(device):
     results = both_backends(
@@ -58,7 +50,6 @@ def test_self_attention_capsules_without_bias(device):
     assert_backends_agree(results)
 
 
-@needs_fused_attention
 @pytest.mark.parametrize("iters,affine", [(1, True), (3, True), (2, False)])
 @pytest.mark.parametrize("device", DEVICES)
 def test_inverted_attention_capsules_backends_agree(device, iters, affine):
@@ -70,7 +61,6 @@ def test_inverted_attention_capsules_backends_agree(device, iters, affine):
     assert_backends_agree(results)
 
 
-@needs_fused_attention
 def test_self_attention_capsules_are_efficient_capsnets_routing():
     """One pass: couplings softmax_j(<u_ij, sum_k u_kj> / sqrt(D)) + bias, then the squash."""
     layer = with_random(lambda: SelfAttentionCapsules(4, 3, 2, 5), "coupling_bias")().double()
@@ -139,7 +129,6 @@ def test_efficientcapsnet_has_the_papers_161k_parameters():
     assert trainable(pairs) - trainable(pairs.decoder) == 161_824 - 128 * (81 - 25)
 
 
-@needs_fused_attention
 def test_efficientcapsnet_shapes_and_masking():
     torch.manual_seed(0)
     model = EfficientCapsNet().double()
@@ -167,7 +156,6 @@ def test_efficientcapsnet_refuses_other_sizes():
         EfficientCapsNet(primary_dim=3)
 
 
-@needs_fused_attention
 def test_efficientcapsnet_backends_agree():
     torch.manual_seed(0)
     images = torch.rand(2, 1, 28, 28, dtype=torch.float64)
@@ -177,7 +165,6 @@ def test_efficientcapsnet_backends_agree():
     assert_backends_agree(results, tol=1e-8)
 
 
-@needs_fused_attention
 def test_efficientcapsnet_under_autocast():
     torch.manual_seed(0)
     model = EfficientCapsNet()

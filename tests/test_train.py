@@ -253,13 +253,6 @@ def test_figures_from_a_run(tmp_path, capsys):
     assert "no checkpoint.pt" in printed
 
 
-# The CPU kernels of the attention routings come with branch attn-cpu; what runs them waits for it.
-needs_fused_attention = pytest.mark.skipif(
-    not torch._C._dispatch_has_kernel_for_dispatch_key("capsroute::self_attention_routing", "CPU"),
-    reason="no CPU kernel of the attention routings yet",
-)
-
-
 def efficientcapsnet_args(out: Path, *extra: str) -> list[str]:
     return [
         "--model",
@@ -274,7 +267,6 @@ def efficientcapsnet_args(out: Path, *extra: str) -> list[str]:
     ]
 
 
-@needs_fused_attention
 def test_efficientcapsnet_trains_by_its_recipe(tmp_path, capsys):
     """The options left out come from the paper's recipe (batch 16, Adam 5e-4 decayed by 0.97 an
     epoch, the official augmentation), those given win; a run stopped mid-epoch resumes to the
@@ -297,7 +289,6 @@ def test_efficientcapsnet_trains_by_its_recipe(tmp_path, capsys):
         assert torch.equal(tensor, checkpoint(resumed)["model"][name]), name
 
 
-@needs_fused_attention
 @pytest.mark.slow
 def test_efficientcapsnet_learns(tmp_path):
     """300 steps of 16 augmented images by the recipe: the loss falls and the network gets 80% of
@@ -310,7 +301,6 @@ def test_efficientcapsnet_learns(tmp_path):
     assert history[-1]["test_accuracy"] >= 0.8, history
 
 
-@needs_fused_attention
 def test_efficientcapsnet_on_multimnist_pairs(tmp_path):
     """The 36x36 graph on pairs: each digit reconstructed from its label's capsule."""
     extra = ["--dataset", "multimnist", "--train-subset", "64", "--pairs-per-digit", "1"]
