@@ -34,6 +34,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .augment import translate
+
 SPLITS = ("train", "test")
 
 # IDX element type codes (the third byte of the magic number) -> big-endian numpy dtype.
@@ -463,9 +465,9 @@ def shift_augment(
     images: (N, C, H, W), any dtype and device. Each image gets its own shifts dy and dx, drawn
     independently and uniformly from [-max_shift, max_shift]; all its channels move together:
     out[n, :, i, j] = images[n, :, i - dy, j - dx], 0 where that falls outside the image. This is
-    "pad by max_shift, then crop a random H x W window", done for the whole batch with two
-    gathers. The shifts are drawn on the generator's device (CPU without one), so the result is
-    a function of the generator's state whatever the images' device.
+    "pad by max_shift, then crop a random H x W window" (augment.translate). The shifts are drawn
+    on the generator's device (CPU without one), so the result is a function of the generator's
+    state whatever the images' device.
     """
     if images.dim() != 4:
         raise ValueError(
@@ -473,22 +475,14 @@ def shift_augment(
         )
     if max_shift < 0:
         raise ValueError(f"shift_augment: max_shift must be >= 0, got {max_shift}")
-    n, c, h, w = images.shape
-    m = max_shift
-    padded = images.new_zeros(n, c, h + 2 * m, w + 2 * m)
-    padded[:, :, m : m + h, m : m + w] = images
-    shifts = torch.randint(
-        -m,
-        m + 1,
-        (2, n),
+    dy, dx = torch.randint(
+        -max_shift,
+        max_shift + 1,
+        (2, len(images)),
         generator=generator,
         device=generator.device if generator is not None else "cpu",
     ).to(images.device)
-    # The crop window of image n starts at (m - dy, m - dx) in the padded image.
-    rows = (m - shifts[0])[:, None] + torch.arange(h, device=images.device)  # (N, H)
-    cols = (m - shifts[1])[:, None] + torch.arange(w, device=images.device)  # (N, W)
-    out = padded.gather(2, rows[:, None, :, None].expand(n, c, h, w + 2 * m))
-    return out.gather(3, cols[:, None, None, :].expand(n, c, h, w))
+    return translate(images, dy, dx)
 
 
 def num_batches(n: int, batch_size: int, *, drop_last: bool = False, world_size: int = 1) -> int:

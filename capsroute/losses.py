@@ -1,4 +1,4 @@
-"""Losses of the two capsule papers, and the sigmoid loss of the CNN baseline.
+"""Losses of the capsule papers, and the sigmoid loss of the CNN baseline.
 
 Labels are (N,) for one object per image or (N, k) for k objects of different classes (MultiMNIST, k = 2).
 """
@@ -6,8 +6,12 @@ Labels are (N,) for one object per image or (N, k) for k objects of different cl
 import torch.nn.functional as F
 from torch import Tensor
 
-from .models import CapsNetOutput, CNNOutput, MatrixCapsNetOutput
+from .models import CapsNetOutput, CNNOutput, EfficientCapsNetOutput, MatrixCapsNetOutput
 from .segcaps import SegCapsNetOutput, segmentation_loss
+
+# Efficient-CapsNet's weight of the mean squared pixel error (the official code's lmd_gen): on
+# 28x28 images 0.392 / 784 = 0.0005 of the summed error, CapsNet's weight.
+EFFICIENT_RECONSTRUCTION_WEIGHT = 0.392
 
 
 def margin_loss(
@@ -31,6 +35,15 @@ def reconstruction_loss(reconstructions: Tensor, images: Tensor, scale: float = 
     images (N, [k,] H, W): with k digits per image, each reconstruction against its own digit."""
     diff = reconstructions.float().flatten(1) - images.flatten(1).float()
     return scale * (diff * diff).sum(-1).mean()
+
+
+def mean_reconstruction_loss(
+    reconstructions: Tensor, images: Tensor, weight: float = EFFICIENT_RECONSTRUCTION_WEIGHT
+) -> Tensor:
+    """Efficient-CapsNet's reconstruction loss: `weight` times the mean squared pixel error over
+    every pixel of the k digits (Keras' mse; the official MultiMNIST code weighs each of its two
+    digits' errors by weight / 2), averaged over the batch. Shapes as reconstruction_loss."""
+    return reconstruction_loss(reconstructions, images, scale=weight / reconstructions[0].numel())
 
 
 def spread_loss(activations: Tensor, labels: Tensor, margin: float) -> Tensor:
@@ -64,8 +77,13 @@ def sigmoid_loss(logits: Tensor, labels: Tensor) -> Tensor:
 def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> Tensor:
     """The objective of each model of capsroute.models, from its output: CapsNet, margin loss plus
     the scaled reconstruction loss (images: the reconstruction targets, (N, k, H, W) for k
-    objects); MatrixCapsNet, spread loss with `margin` (see spread_margin); CNN, sigmoid loss;
-    SegCapsNet, segcaps.segmentation_loss against the masks (images)."""
+    objects); EfficientCapsNet, margin loss plus mean_reconstruction_loss; MatrixCapsNet, spread
+    loss with `margin` (see spread_margin); CNN, sigmoid loss; SegCapsNet,
+    segcaps.segmentation_loss against the masks (images)."""
+    if isinstance(out, EfficientCapsNetOutput):
+        return margin_loss(out.lengths.float(), labels) + mean_reconstruction_loss(
+            out.reconstructions, images
+        )
     if isinstance(out, CapsNetOutput):
         return margin_loss(out.lengths.float(), labels) + reconstruction_loss(
             out.reconstructions, images
@@ -80,7 +98,9 @@ def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> T
 
 
 __all__ = [
+    "EFFICIENT_RECONSTRUCTION_WEIGHT",
     "margin_loss",
+    "mean_reconstruction_loss",
     "present_classes",
     "reconstruction_loss",
     "sigmoid_loss",

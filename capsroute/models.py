@@ -1,10 +1,11 @@
-"""The two capsule networks of the papers, built from capsroute.nn layers, and a plain CNN baseline.
+"""The capsule networks of the papers, built from capsroute.nn layers, and a plain CNN baseline.
 
-Both take `backend="fused" | "reference"` (see capsroute.nn) and return a named tuple whose
+Each takes `backend="fused" | "reference"` (see capsroute.nn) and returns a named tuple whose
 `scores` (N, classes) rank the classes.
 """
 
 import ast
+import math
 from typing import NamedTuple
 
 import torch.nn.functional as F
@@ -19,6 +20,8 @@ from .nn import (
     PrimaryCapsules,
     PrimaryMatrixCapsules,
 )
+from .nn_attention import SelfAttentionCapsules, keras_truncated_normal_
+from .reference import squash_exp
 from .segcaps import SegCapsNet
 
 
@@ -32,7 +35,44 @@ class CapsNetOutput(NamedTuple):
         return self.lengths
 
 
-class CapsNet(nn.Module):
+class DecoderCapsNet(nn.Module):
+    """A capsule network with the masked decoder of Sabour et al. 2017: its class capsules'
+    lengths score the classes, and a decoder of `decoder` hidden widths (ReLU) and a sigmoid
+    output redraws the image from the capsules masked to the label's (training) or, without
+    labels, the longest one. Subclasses compute the class capsules, add the decoder after their
+    other layers (add_decoder) and return `classify(capsules, labels)`."""
+
+    Output = CapsNetOutput
+
+    def add_decoder(self, classes: int, class_dim: int, image_shape: tuple, decoder: tuple):
+        """The decoder from classes x class_dim capsules through the hidden widths `decoder` to
+        the pixels of image_shape (channels, height, width)."""
+        self.image_shape = image_shape
+        widths = (classes * class_dim, *decoder)
+        layers = [
+            m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU(inplace=True))
+        ]
+        pixels = image_shape[0] * image_shape[1] * image_shape[2]
+        self.decoder = nn.Sequential(*layers, nn.Linear(widths[-1], pixels), nn.Sigmoid())
+
+    def classify(self, capsules: Tensor, labels: Tensor | None):
+        """The output for the class capsules (N, classes, class_dim) and the labels."""
+        lengths = capsules.float().norm(dim=-1)
+        shown = labels if labels is not None else lengths.argmax(-1)
+        return self.Output(lengths, capsules, self.reconstruct(capsules, shown))
+
+    def reconstruct(self, capsules: Tensor, classes: Tensor) -> Tensor:
+        """The decoder's image from the capsule of `classes`, the others masked out: (N, pixels)
+        for classes (N,), (N, k, pixels) for classes (N, k), one image per class."""
+        mask = F.one_hot(classes, capsules.shape[1]).to(capsules.dtype)[
+            ..., None
+        ]  # (N, [k,] classes, 1)
+        if classes.dim() == 2:
+            capsules = capsules[:, None]
+        return self.decoder((capsules * mask).flatten(-2))
+
+
+class CapsNet(DecoderCapsNet):
     """CapsNet (Sabour et al. 2017): conv 256@9x9 (ReLU), 32 types of 8D primary capsules (9x9,
     stride 2), 10 class capsules of 16D by 3 iterations of dynamic routing (DenseCapsules), and a
     512-1024-pixels decoder that sees only the label's capsule when labels are given (training) and
@@ -72,7 +112,6 @@ class CapsNet(nn.Module):
         backend: str = "fused",
     ):
         super().__init__()
-        self.image_shape = (in_channels, image_size, image_size)
         self.conv = nn.Conv2d(in_channels, conv_channels, 9)
         self.primary = PrimaryCapsules(
             conv_channels, primary_types, primary_dim, kernel_size=9, stride=2, backend=backend
@@ -85,29 +124,112 @@ class CapsNet(nn.Module):
         self.classes = DenseCapsules(
             primary_types * grid * grid, primary_dim, classes, class_dim, iters, backend=backend
         )
-        widths = (classes * class_dim, *decoder)
-        layers = [
-            m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU(inplace=True))
-        ]
-        self.decoder = nn.Sequential(
-            *layers, nn.Linear(widths[-1], in_channels * image_size * image_size), nn.Sigmoid()
-        )
+        self.add_decoder(classes, class_dim, (in_channels, image_size, image_size), decoder)
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> CapsNetOutput:
-        capsules = self.classes(self.primary(F.relu(self.conv(images))))
-        lengths = capsules.float().norm(dim=-1)
-        shown = labels if labels is not None else lengths.argmax(-1)
-        return CapsNetOutput(lengths, capsules, self.reconstruct(capsules, shown))
+        return self.classify(self.classes(self.primary(F.relu(self.conv(images)))), labels)
 
-    def reconstruct(self, capsules: Tensor, classes: Tensor) -> Tensor:
-        """The decoder's image from the capsule of `classes`, the others masked out: (N, pixels)
-        for classes (N,), (N, k, pixels) for classes (N, k), one image per class."""
-        mask = F.one_hot(classes, capsules.shape[1]).to(capsules.dtype)[
-            ..., None
-        ]  # (N, [k,] classes, 1)
-        if classes.dim() == 2:
-            capsules = capsules[:, None]
-        return self.decoder((capsules * mask).flatten(-2))
+
+class EfficientCapsNetOutput(CapsNetOutput):
+    """CapsNetOutput of EfficientCapsNet, which trains with its paper's reconstruction weight
+    (capsroute.losses.training_loss)."""
+
+    __slots__ = ()
+
+
+# Efficient-CapsNet's two graphs in the official code, by image size: the stride of the third
+# convolution and the depthwise primary convolution's kernel and stride, which bring the last
+# feature map to 1x1 (MNIST, 28x28: 9x9 -> 1x1; MultiMNIST, 36x36: 6x6 -> 1x1).
+EFFICIENT_GRAPHS = {28: (1, 9, 1), 36: (2, 5, 2)}
+
+
+class EfficientCapsNet(DecoderCapsNet):
+    """Efficient-CapsNet (Mazzia et al. 2021), as its official code builds it: four valid
+    convolutions, each followed by ReLU and batch norm (5x5 32, 3x3 64, 3x3 64, 3x3 128 of stride
+    2), primary capsules from a depthwise convolution of the whole 9x9 map (one 9x9 filter per
+    channel: 128 values, 16 capsules of 8D, squashed by Efficient-CapsNet's squash), 10 class
+    capsules of 16D by self-attention routing (SelfAttentionCapsules), and CapsNet's masked
+    512-1024-pixels decoder. On 36x36 MultiMNIST pairs the third convolution has stride 2 and the
+    primary convolution is 5x5 of stride 2, as in the official MultiMNIST graph.
+
+    161,824 trainable parameters without the decoder, the paper's "161K" (the decoder is the
+    training's regulariser; batch norm's running means and variances are buffers, not counted);
+    1,573,168 with it. Initialised as the official Keras layers: he_normal convolutions and
+    hidden decoder layers, glorot_uniform depthwise and glorot_normal decoder output, zero biases;
+    batch norm with Keras' momentum (0.01 in torch's convention) and eps 1e-3.
+
+    Args:
+        classes: class capsules.
+        in_channels: channels of the input images.
+        image_size: 28 (MNIST, Fashion-MNIST) or 36 (MultiMNIST).
+        channels: widths of the four convolutions; the last is split into capsules.
+        primary_dim: values per primary capsule (channels[3] / primary_dim capsules).
+        class_dim: values per class capsule.
+        decoder: hidden widths of the decoder.
+        backend: "fused" or "reference" (see capsroute.nn).
+
+    forward(images, labels=None): as CapsNet's; returns EfficientCapsNetOutput.
+    """
+
+    Output = EfficientCapsNetOutput
+
+    def __init__(
+        self,
+        classes: int = 10,
+        in_channels: int = 1,
+        image_size: int = 28,
+        *,
+        channels: tuple[int, int, int, int] = (32, 64, 64, 128),
+        primary_dim: int = 8,
+        class_dim: int = 16,
+        decoder: tuple[int, ...] = (512, 1024),
+        backend: str = "fused",
+    ):
+        super().__init__()
+        if image_size not in EFFICIENT_GRAPHS:
+            raise ValueError(
+                f"image_size must be one of {', '.join(map(str, EFFICIENT_GRAPHS))} (the official "
+                f"graphs), got {image_size}"
+            )
+        if channels[3] % primary_dim:
+            raise ValueError(
+                f"primary_dim must divide the last convolution's {channels[3]} channels, "
+                f"got {primary_dim}"
+            )
+        third_stride, primary_kernel, primary_stride = EFFICIENT_GRAPHS[image_size]
+        layers = []
+        for (cin, cout), kernel, stride in zip(
+            zip((in_channels, *channels), channels), (5, 3, 3, 3), (1, 1, third_stride, 2)
+        ):
+            conv = nn.Conv2d(cin, cout, kernel, stride)
+            keras_truncated_normal_(conv.weight, math.sqrt(2 / (cin * kernel * kernel)))
+            nn.init.zeros_(conv.bias)
+            layers += [conv, nn.ReLU(inplace=True), nn.BatchNorm2d(cout, eps=1e-3, momentum=0.01)]
+        self.features = nn.Sequential(*layers)
+        self.primary = nn.Conv2d(
+            channels[3], channels[3], primary_kernel, primary_stride, groups=channels[3]
+        )
+        nn.init.xavier_uniform_(self.primary.weight)
+        nn.init.zeros_(self.primary.bias)
+        self.primary_dim = primary_dim
+        self.classes = SelfAttentionCapsules(
+            channels[3] // primary_dim, primary_dim, classes, class_dim, backend=backend
+        )
+        self.add_decoder(classes, class_dim, (in_channels, image_size, image_size), decoder)
+        *hidden, output = (m for m in self.decoder if isinstance(m, nn.Linear))
+        for linear in hidden:
+            keras_truncated_normal_(linear.weight, math.sqrt(2 / linear.in_features))
+        keras_truncated_normal_(  # glorot_normal
+            output.weight, math.sqrt(2 / (output.in_features + output.out_features))
+        )
+        for linear in (*hidden, output):
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, images: Tensor, labels: Tensor | None = None) -> EfficientCapsNetOutput:
+        primary = self.primary(self.features(images))  # (N, channels[3], 1, 1)
+        # 16 capsules: the plain PyTorch squash in either backend (capsroute fuses only Sabour's)
+        u = squash_exp(primary.reshape(len(primary), -1, self.primary_dim))
+        return self.classify(self.classes(u), labels)
 
 
 class MatrixCapsNetOutput(NamedTuple):
@@ -248,8 +370,15 @@ class CNN(nn.Module):
         return CNNOutput(self.classifier(self.features(images)))
 
 
-MODELS = {"capsnet": CapsNet, "matrixcapsnet": MatrixCapsNet, "cnn": CNN}
-MODELS["segcapsnet"] = SegCapsNet  # capsroute.segcaps: segments MultiMNIST pairs (multimnist-seg)
+MODELS = {
+    "capsnet": CapsNet,
+    "efficientcapsnet": EfficientCapsNet,
+    "matrixcapsnet": MatrixCapsNet,
+    "cnn": CNN,
+    "segcapsnet": SegCapsNet,  # capsroute.segcaps: segments MultiMNIST pairs (multimnist-seg)
+}
+# The networks sized for the dataset's images: 36x36 MultiMNIST pairs, else 28x28.
+PAIR_MODELS = ("capsnet", "efficientcapsnet", "cnn")
 
 
 def parse_model_config(items: list[str]) -> dict:
@@ -276,7 +405,7 @@ def model_for_run(args: dict) -> nn.Module:
     """The network of a run's arguments (vars of `capsroute train`'s, or a checkpoint's "args"): --model
     with --model-config, sized for the dataset's images (36x36 MultiMNIST pairs, else 28x28)."""
     config = parse_model_config(args["model_config"])
-    if args["model"] in ("capsnet", "cnn"):
+    if args["model"] in PAIR_MODELS:
         pairs = args["dataset"] == "multimnist"
         config.setdefault("image_size", multimnist.SIZE if pairs else multimnist.DIGIT_SIZE)
     if args["model"] == "segcapsnet":
@@ -290,6 +419,9 @@ __all__ = [
     "MODELS",
     "CapsNet",
     "CapsNetOutput",
+    "DecoderCapsNet",
+    "EfficientCapsNet",
+    "EfficientCapsNetOutput",
     "MatrixCapsNet",
     "MatrixCapsNetOutput",
     "build_model",

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import data, multimnist
 from ._command import CommandError
-from .models import CapsNet
+from .models import DecoderCapsNet
 from .segcaps import pixel_correct, segmentation_metrics, segmentation_sums
 
 
@@ -137,14 +137,14 @@ class PairTask(_Task):
         return labels
 
     def squared_error(self, model, out, targets: Tensor) -> Tensor | float:
-        if not isinstance(model, CapsNet):
+        if not isinstance(model, DecoderCapsNet):
             return 0.0
         return (out.reconstructions.float() - targets.flatten(2)).square().sum()
 
     def reconstruction_metrics(self, model, squared_error: float, seen: int) -> dict:
-        """test_recon_error (CapsNet): the mean squared pixel error of each digit's reconstruction
-        from its own label's capsule against the digit alone."""
-        if not isinstance(model, CapsNet):
+        """test_recon_error (the networks with a decoder): the mean squared pixel error of each
+        digit's reconstruction from its own label's capsule against the digit alone."""
+        if not isinstance(model, DecoderCapsNet):
             return {}
         return {"test_recon_error": squared_error / max(2 * seen * multimnist.SIZE**2, 1)}
 

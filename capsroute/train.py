@@ -1,7 +1,8 @@
-"""`capsroute train`: train CapsNet or MatrixCapsNet on MNIST or Fashion-MNIST, CapsNet on MultiMNIST,
-or SegCapsNet to segment MultiMNIST pairs.
+"""`capsroute train`: train CapsNet, EfficientCapsNet or MatrixCapsNet on MNIST or Fashion-MNIST,
+CapsNet or EfficientCapsNet on MultiMNIST, or SegCapsNet to segment MultiMNIST pairs.
 
   capsroute train --model capsnet --data-dir DATA --epochs 30     (DATA: a folder with the IDX files)
+  capsroute train --model efficientcapsnet --data-dir DATA        (its paper's recipe, below)
   capsroute train --model capsnet --data-dir data --download       (fetches MNIST into data/mnist)
   capsroute train --dataset multimnist --data-dir DATA --pairs-per-digit 1 --epochs 1
   capsroute train --model segcapsnet --dataset multimnist-seg --data-dir DATA --epochs 1
@@ -14,6 +15,11 @@ and at --max-steps), result.json at the end (the "train" record of bench/README.
 and data order (the order and the augmentation are functions of the seed, epoch and step); it may
 change --epochs, --max-steps, --device, --data-dir and --test-subset, and refuses other changes.
 Errors are one line (--debug shows the traceback).
+
+EfficientCapsNet trains by its paper's recipe (the official code's) unless the command gives these
+options: --batch-size 16 --epochs 150 --lr 5e-4 --lr-decay 0.97 --decay-steps 0 (one epoch)
+--min-lr 5e-5, with --augment efficientcapsnet on MNIST and Fashion-MNIST and --pairs-per-digit 10
+on MultiMNIST.
 """
 
 import argparse
@@ -30,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import __version__, data
+from . import __version__, augment, data
 from ._command import ArgumentParser, CommandError, refusing
 from ._runinfo import (
     command_line,
@@ -47,6 +53,7 @@ from .train_args import (
     AMP_DTYPES,
     HelpFormatter,
     add_arguments,
+    apply_recipe,
     check_arguments,
     checkpoint_args,
     resolve_run_dir,
@@ -97,6 +104,18 @@ class Distributed:
         return t.tolist()
 
 
+class FlooredExponentialLR(torch.optim.lr_scheduler.ExponentialLR):
+    """ExponentialLR that stops decaying at min_lr (Efficient-CapsNet's floor); min_lr = 0 is
+    ExponentialLR."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, gamma: float, min_lr: float = 0.0):
+        self.min_lr = min_lr
+        super().__init__(optimizer, gamma)
+
+    def get_lr(self) -> list[float]:
+        return [max(lr, self.min_lr) for lr in super().get_lr()]
+
+
 class StoppedBetweenSteps(KeyboardInterrupt):
     """Ctrl-C, taken after a whole training step."""
 
@@ -126,15 +145,17 @@ class Trainer:
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay
         )
-        # Exponential decay, applied smoothly every step: lr * decay ** (step / decay_steps).
-        self.scheduler = torch.optim.lr_scheduler.ExponentialLR(
-            self.optimizer, args.lr_decay ** (1 / args.decay_steps)
-        )
-        self.amp_dtype = AMP_DTYPES[args.amp]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype is torch.float16)
         self.steps_per_epoch = data.num_batches(
             self.train_size, args.batch_size, world_size=ddp.world_size
         )
+        # Exponential decay, applied smoothly every step: lr * decay ** (step / decay_steps), not
+        # below min_lr; decay_steps 0 is one epoch.
+        decay_steps = args.decay_steps or self.steps_per_epoch
+        self.scheduler = FlooredExponentialLR(
+            self.optimizer, args.lr_decay ** (1 / decay_steps), args.min_lr
+        )
+        self.amp_dtype = AMP_DTYPES[args.amp]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp_dtype is torch.float16)
         self.epoch, self.step_in_epoch, self.step = 0, 0, 0
         # This epoch's sums so far (loss * n, correct, n, seconds): kept in checkpoints so that a
         # resumed epoch reports the same metrics as an uninterrupted one.
@@ -179,12 +200,14 @@ class Trainer:
         )
 
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
-        if self.args.shift == 0:
+        if self.args.augment == "shift" and self.args.shift == 0:
             return images
         # A function of (seed, step) alone, so a resumed run augments exactly as an uninterrupted one.
         generator = torch.Generator().manual_seed(
             (self.args.seed * 1_000_003 + self.step) * 7919 + self.ddp.rank
         )
+        if self.args.augment == "efficientcapsnet":
+            return augment.efficient_capsnet(images, generator)
         return data.shift_augment(images, self.args.shift, generator=generator)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -522,8 +545,12 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Trains (or with --evaluate scores) as args say; raises CommandError to refuse."""
     state = resolve_run_dir(args)
+    recipe = apply_recipe(args) if state is None else {}
     check_arguments(args)  # everything that needs no data, before any data is read
     ddp = Distributed.from_env(resolve_device(args.device).type)
+    if recipe and ddp.main:
+        options = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in recipe.items())
+        print(f"{args.model} on {args.dataset}: its recipe gives {options}")
     try:
         return _train(args, ddp, state)
     finally:

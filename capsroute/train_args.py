@@ -3,6 +3,7 @@ data is read), and the checkpoint that `--resume` continues and `capsroute plot`
 
   add_arguments(parser)      the options; each value's range is checked as it is parsed
   check_arguments(args)      what needs several options: --model-config against --model, ...
+  apply_recipe(args)         a model's training recipe, for the options the command leaves out
   resolve_run_dir(args)      the run folder; with --resume, the checkpoint and the run's options
   load_checkpoint(path)      a checkpoint, loaded without running code (weights_only=True)
   checkpoint_args(args)      the options as a checkpoint stores them (plain types)
@@ -21,12 +22,29 @@ import torch
 
 from . import __version__, data, multimnist
 from ._command import CommandError, real_number, whole_number
-from .models import MODELS, parse_model_config
+from .models import MODELS, PAIR_MODELS, parse_model_config
 from .nn import BACKENDS
 
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-PAIR_MODELS = ("capsnet", "cnn")  # the networks that take MultiMNIST's 36x36 pairs
 SEGMENTATION = {"segcapsnet": "multimnist-seg"}  # segmentation networks and their one dataset
+AUGMENTATIONS = ("shift", "efficientcapsnet")
+# Efficient-CapsNet's recipe, the official code's config.json: batch 16, Adam 5e-4 decayed by 0.97
+# an epoch (here smoothly every step) down to 5e-5, 150 epochs, its MNIST generator's augmentation.
+# The paper trains no Fashion-MNIST network: that gets the MNIST recipe. Its MultiMNIST epoch is
+# 10 x 60,000 / 16 steps of generated pairs: 10 pairs per training digit.
+_EFFICIENT_CAPSNET = {
+    "batch_size": 16,
+    "epochs": 150,
+    "lr": 5e-4,
+    "lr_decay": 0.97,
+    "decay_steps": 0,
+    "min_lr": 5e-5,
+}
+RECIPES = {
+    ("efficientcapsnet", "mnist"): {**_EFFICIENT_CAPSNET, "augment": "efficientcapsnet"},
+    ("efficientcapsnet", "fashion-mnist"): {**_EFFICIENT_CAPSNET, "augment": "efficientcapsnet"},
+    ("efficientcapsnet", "multimnist"): {**_EFFICIENT_CAPSNET, "pairs_per_digit": 10},
+}
 # The trainer seeds each epoch and step from --seed; those seeds must fit in 64 bits.
 MAX_SEED = 2**31 - 1
 # A resumed run keeps its own options except these: taken from the new command line always (they
@@ -102,13 +120,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.96,
         help="multiplied into the learning rate every --decay-steps",
     )
-    p.add_argument("--decay-steps", type=positive, default=2000, help="steps per --lr-decay factor")
+    p.add_argument(
+        "--decay-steps",
+        type=whole_number(0),
+        default=2000,
+        help="steps per --lr-decay factor (0: one epoch)",
+    )
+    p.add_argument(
+        "--min-lr", type=real_number(0), default=0.0, help="the decay stops at this learning rate"
+    )
     p.add_argument("--weight-decay", type=real_number(0), default=0.0, help="Adam's L2 penalty")
     p.add_argument(
         "--shift",
         type=whole_number(0, multimnist.DIGIT_SIZE - 1),
         default=2,
         help="random shift augmentation in pixels (0: none); multimnist shifts each digit by up to 4",
+    )
+    p.add_argument(
+        "--augment",
+        choices=AUGMENTATIONS,
+        default="shift",
+        help="shift: --shift's random shift (Sabour et al.); efficientcapsnet: the official "
+        "Efficient-CapsNet MNIST generator's rotation, shift, squish and erasure "
+        "(capsroute.augment); multimnist pairs come shifted either way",
     )
     p.add_argument(
         "--margin-ramp-epochs",
@@ -271,12 +305,33 @@ def check_model_config(model: str, items: list[str]) -> dict:
     return parse_model_config(items)
 
 
+def apply_recipe(args: argparse.Namespace) -> dict:
+    """Sets the options of the model's training recipe on `args` (RECIPES[model, dataset]) where
+    the command line leaves them out (from Python: where they have their defaults); returns those
+    it set. A new run only: --resume keeps the run's own options."""
+    given = given_options(args)
+    recipe = {
+        key: value
+        for key, value in RECIPES.get((args.model, args.dataset), {}).items()
+        if key not in given
+    }
+    for key, value in recipe.items():
+        setattr(args, key, value)
+    return recipe
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """The checks that need several options (the single values are checked as they are parsed)."""
     check_model_config(args.model, args.model_config)
     if args.dataset == "multimnist" and args.model not in PAIR_MODELS:
         raise CommandError(
-            f"--dataset multimnist trains {' or '.join(PAIR_MODELS)}, not {args.model}"
+            f"--dataset multimnist trains {', '.join(PAIR_MODELS[:-1])} or {PAIR_MODELS[-1]}, "
+            f"not {args.model}"
+        )
+    if args.augment != "shift" and "shift" in given_options(args):
+        raise CommandError(
+            f"--shift {args.shift}: --augment {args.augment} shifts as its own generator does; "
+            f"leave --shift out, or pass --augment shift"
         )
     segmented = SEGMENTATION.get(args.model)
     if (args.dataset in SEGMENTATION.values() or segmented) and args.dataset != segmented:

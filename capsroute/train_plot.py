@@ -8,8 +8,8 @@
                       from the two longest capsules in red and green (middle), and the reconstruction
                       from the longest capsule of a class that is not in the pair (bottom)
   masks.png           SegCapsNet runs (multimnist-seg): test pairs, their true masks and the predicted ones
-The reconstruction figures need a CapsNet (the network with a decoder); MultiMNIST runs draw
-pairs.png in place of reconstructions.png.
+The reconstruction figures need a network with a decoder (CapsNet, EfficientCapsNet); MultiMNIST
+runs draw pairs.png in place of reconstructions.png.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from matplotlib.ticker import LogFormatter, MaxNLocator
 from . import data
 from ._command import CommandError
 from ._runinfo import short_commit
-from .models import CapsNet, model_for_run
+from .models import DecoderCapsNet, model_for_run
 from .multimnist import SIZE, MultiMNIST, class_masks
 from .segcaps import SegCapsNet
 from .tasks import source_dataset, task_class
@@ -82,7 +82,9 @@ def _show(ax, image: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def plot_reconstructions(model: CapsNet, images: torch.Tensor, path: Path, count: int = 16) -> Path:
+def plot_reconstructions(
+    model: DecoderCapsNet, images: torch.Tensor, path: Path, count: int = 16
+) -> Path:
     model.eval()
     images = images[:count]
     out = model(images)
@@ -101,7 +103,7 @@ def plot_reconstructions(model: CapsNet, images: torch.Tensor, path: Path, count
 
 
 @torch.no_grad()
-def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
+def plot_perturbations(model: DecoderCapsNet, image: torch.Tensor, path: Path) -> Path:
     model.eval()
     out = model(image[None])
     cls = out.lengths[0].argmax()
@@ -127,7 +129,7 @@ def plot_perturbations(model: CapsNet, image: torch.Tensor, path: Path) -> Path:
 
 
 @torch.no_grad()
-def plot_pairs(model: CapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -> Path:
+def plot_pairs(model: DecoderCapsNet, pairs: MultiMNIST, path: Path, count: int = 12) -> Path:
     model.eval()
     images, labels, _ = pairs.float_pairs(np.arange(count))
     out = model(images)
@@ -256,13 +258,13 @@ def plot_run(
         if not (run_dir / "checkpoint.pt").exists():
             return written
         model, args = _load_model(run_dir)
-        if isinstance(model, (CapsNet, SegCapsNet)):
+        if isinstance(model, (DecoderCapsNet, SegCapsNet)):
             inputs = _figure_inputs(args)
             images, pairs = inputs.get("images"), inputs.get("pairs")
     if isinstance(model, SegCapsNet) and pairs is not None:
         model = copy.deepcopy(model).float().cpu()
         written.append(plot_masks(model, pairs, out / "masks.png"))
-    if isinstance(model, CapsNet):
+    if isinstance(model, DecoderCapsNet):
         model = copy.deepcopy(model).float().cpu()
         if pairs is not None:
             written.append(plot_pairs(model, pairs, out / "pairs.png"))

@@ -427,3 +427,13 @@ def test_max_batch_in_report_and_table(monkeypatch):
     table = bench.format_table(report).splitlines()
     assert table[2].endswith("img/s  max B")
     assert [line.split()[-1] for line in table[4:]] == ["4096", "512", "none"] * 2
+
+
+def test_train_takes_efficientcapsnet(capsys):
+    """`capsroute train --model efficientcapsnet` is offered with its recipe's options."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "efficientcapsnet" in text and "--augment {shift,efficientcapsnet}" in text
+    assert "--min-lr" in text and "EfficientCapsNet trains by its paper's recipe" in text

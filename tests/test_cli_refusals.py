@@ -91,6 +91,13 @@ BEFORE_DATA = [
     (["--lr", "0"], "--lr: must be a number > 0"),
     (["--lr", "nan"], "--lr: must be a number > 0"),
     (["--lr-decay", "1.5"], "--lr-decay: must be a number > 0 and <= 1"),
+    (["--decay-steps=-1"], "--decay-steps: must be a whole number >= 0, got '-1'"),
+    (["--min-lr=-1e-5"], "--min-lr: must be a number >= 0, got '-1e-5'"),
+    (["--augment", "flip"], "--augment: invalid choice: 'flip'"),
+    (
+        ["--model", "efficientcapsnet", "--shift", "3"],
+        "--shift 3: --augment efficientcapsnet shifts as its own generator does",
+    ),
     (["--weight-decay", "inf"], "--weight-decay: must be a number >= 0"),
     (["--seed=-1"], "--seed: must be a whole number in 0..2147483647"),
     (["--pairs-per-digit", "1001"], "--pairs-per-digit: must be a whole number in 1..1000"),
@@ -113,6 +120,14 @@ BEFORE_DATA = [
         "cnn's channels must be a tuple of 3 whole numbers",
     ),
     (
+        ["--model", "efficientcapsnet", "--model-config", "channels=(32,64,64)"],
+        "efficientcapsnet's channels must be a tuple of 4 whole numbers",
+    ),
+    (
+        ["--model", "efficientcapsnet", "--model-config", "iters=3"],
+        "efficientcapsnet has no option 'iters'",
+    ),
+    (
         ["--model", "matrixcapsnet", "--model-config", "A=1.5"],
         "matrixcapsnet's A must be a whole number >= 1",
     ),
@@ -130,7 +145,7 @@ BEFORE_DATA = [
     ),
     (
         ["--dataset", "multimnist", "--model", "matrixcapsnet"],
-        "--dataset multimnist trains capsnet or cnn",
+        "--dataset multimnist trains capsnet, efficientcapsnet or cnn",
     ),
     (["--evaluate"], "--evaluate needs --resume RUN_DIR"),
 ]
@@ -505,6 +520,7 @@ NUMERIC_OPTIONS = [
     "--max-steps",
     "--lr-decay",
     "--decay-steps",
+    "--min-lr",
     "--weight-decay",
     "--shift",
     "--seed",
@@ -519,7 +535,11 @@ VALUES = st.one_of(
     st.sampled_from(["1e400", "-0", "0x10", "1_0", " 7 ", "(1,)", "True"]),
 )
 MODEL_KEYS = sorted(
-    {(model, key) for model in ("capsnet", "matrixcapsnet", "cnn") for key in model_options(model)}
+    {
+        (model, key)
+        for model in ("capsnet", "efficientcapsnet", "matrixcapsnet", "cnn")
+        for key in model_options(model)
+    }
 )
 
 
