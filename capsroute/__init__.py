@@ -25,6 +25,10 @@ from .ops import (
     dynamic_routing_coupling,
     em_routing,
     em_routing_pose,
+    inverted_attention_routing,
+    inverted_attention_routing_coupling,
+    self_attention_routing,
+    self_attention_routing_coupling,
     squash,
 )
 
@@ -66,6 +70,10 @@ __all__ = [
     "dynamic_routing_coupling",
     "em_routing",
     "em_routing_pose",
+    "inverted_attention_routing",
+    "inverted_attention_routing_coupling",
     "last_kernel_path",
+    "self_attention_routing",
+    "self_attention_routing_coupling",
     "squash",
 ]

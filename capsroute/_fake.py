@@ -186,3 +186,26 @@ def _(grad_v, u, weight, s_hist, stride, padding, leaky, detach, eps):
         torch.empty_like(weight, memory_format=torch.contiguous_format),
         u.new_empty(weight.shape[3], weight.shape[4]),
     )
+
+
+@torch.library.register_fake("capsroute::self_attention_routing")
+def _(votes, coupling_bias, squash, eps):
+    B, I, J, D = votes.shape
+    return _routing_outputs(votes, B, I, J, D, 2)
+
+
+@torch.library.register_fake("capsroute::_self_attention_routing_backward")
+def _(grad_v, votes, coupling_bias, s_hist, squash, eps):
+    return _votes_gradient(votes), votes.new_empty(votes.shape[1], votes.shape[2])
+
+
+@torch.library.register_fake("capsroute::inverted_attention_routing")
+def _(votes, norm_weight, norm_bias, iters, eps):
+    B, I, J, D = votes.shape
+    return _routing_outputs(votes, B, I, J, D, iters)
+
+
+@torch.library.register_fake("capsroute::_inverted_attention_routing_backward")
+def _(grad_v, votes, norm_weight, norm_bias, s_hist, eps):
+    D = votes.shape[3]
+    return _votes_gradient(votes), votes.new_empty(D), votes.new_empty(D)

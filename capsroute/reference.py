@@ -138,10 +138,10 @@ def inverted_attention_routing_coupling(
     B, I, J, D = votes.shape
     c = votes.new_full((B, I, J), 1.0 / J)
     for r in range(iters):
-        if r > 0:
-            c = torch.softmax(torch.einsum("bijd,bjd->bij", votes, v) / math.sqrt(D), dim=-1)
         s = torch.einsum("bij,bijd->bjd", c, votes)
         v = torch.nn.functional.layer_norm(s, (D,), norm_weight, norm_bias, eps)
+        if r < iters - 1:
+            c = torch.softmax(torch.einsum("bijd,bjd->bij", votes, v) / math.sqrt(D), dim=-1)
     return v, c
 
 

@@ -6,8 +6,11 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
+#include <string_view>
 
 #include "dims.h"
+#include "routing_rule.h"
 
 namespace capsroute {
 
@@ -298,6 +301,89 @@ inline void check_conv_dynamic_routing_backward_inputs(const at::Tensor& grad_v,
               "capsroute: grad_v and s_hist must be on ", u.device(), " with u, got ",
               grad_v.device(), " and ", s_hist.device());
   check_eps(eps);
+}
+
+// A shape as Python writes a tuple: (5, 3) or (4,).
+inline std::string shape_tuple(at::IntArrayRef shape) {
+  std::string text = "(";
+  for (size_t k = 0; k < shape.size(); ++k) text += (k ? ", " : "") + std::to_string(shape[k]);
+  return text + (shape.size() == 1 ? ",)" : ")");
+}
+
+// An optional parameter of the attention routings: on the device and in the dtype of votes, with
+// the given shape.
+inline void check_routing_parameter(const std::optional<at::Tensor>& t, const at::Tensor& votes,
+                                    at::IntArrayRef shape, const char* name, const char* layout) {
+  if (!t.has_value()) return;
+  check_same(*t, votes, name, "votes");
+  TORCH_CHECK(t->sizes() == shape, "capsroute: ", name, " must have shape ", layout, " = ",
+              shape_tuple(shape), ", got shape ", t->sizes());
+}
+
+// votes (B, I, J, D) of an attention routing.
+inline void check_attention_votes(const at::Tensor& votes) {
+  check_float_dtype(votes, "votes");
+  check_rank(votes, 4, "votes", "(B, I, J, D)");
+  TORCH_CHECK(votes.size(2) >= 1 && votes.size(3) >= 1,
+              "capsroute: votes must have J >= 1 outputs and D >= 1 dims, got shape ",
+              votes.sizes());
+}
+
+// self_attention_routing's squash argument as the nonlinearity of its last pass.
+inline Nonlinearity self_attention_squash(std::string_view squash) {
+  if (squash == "efficient") return Nonlinearity::squash_exp;
+  TORCH_CHECK(squash == "sabour", "capsroute: squash must be \"efficient\" or \"sabour\", got \"",
+              squash, "\"");
+  return Nonlinearity::squash;
+}
+
+// votes (B, I, J, D), coupling_bias (I, J)
+inline void check_self_attention_routing_inputs(const at::Tensor& votes,
+                                                const std::optional<at::Tensor>& coupling_bias,
+                                                std::string_view squash, double eps) {
+  check_attention_votes(votes);
+  check_routing_parameter(coupling_bias, votes, {votes.size(1), votes.size(2)}, "coupling_bias",
+                          "(I, J)");
+  self_attention_squash(squash);
+  check_eps(eps);
+}
+
+// s_hist (B, 2, J, D): s^0 and s^1.
+inline void check_self_attention_routing_backward_inputs(
+    const at::Tensor& grad_v, const at::Tensor& votes,
+    const std::optional<at::Tensor>& coupling_bias, const at::Tensor& s_hist,
+    std::string_view squash, double eps) {
+  check_self_attention_routing_inputs(votes, coupling_bias, squash, eps);
+  check_routing_backward_inputs(grad_v, s_hist, votes.size(0), votes.size(2), votes.size(3));
+  TORCH_CHECK(s_hist.size(1) == 2, "capsroute: s_hist must have shape (", votes.size(0), ", 2, ",
+              votes.size(2), ", ", votes.size(3), "), got ", s_hist.sizes());
+}
+
+// LayerNorm's eps is inside the square root of the variance: > 0 keeps a constant capsule finite.
+inline void check_layer_norm_eps(double eps) {
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "capsroute: eps must be finite and > 0, got ", eps);
+}
+
+// votes (B, I, J, D), norm_weight and norm_bias (D,)
+inline void check_inverted_attention_routing_inputs(const at::Tensor& votes,
+                                                    const std::optional<at::Tensor>& norm_weight,
+                                                    const std::optional<at::Tensor>& norm_bias,
+                                                    int64_t iters, double eps) {
+  check_attention_votes(votes);
+  check_routing_parameter(norm_weight, votes, {votes.size(3)}, "norm_weight", "(D,)");
+  check_routing_parameter(norm_bias, votes, {votes.size(3)}, "norm_bias", "(D,)");
+  TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
+  check_layer_norm_eps(eps);
+}
+
+inline void check_inverted_attention_routing_backward_inputs(
+    const at::Tensor& grad_v, const at::Tensor& votes, const std::optional<at::Tensor>& norm_weight,
+    const std::optional<at::Tensor>& norm_bias, const at::Tensor& s_hist, double eps) {
+  check_attention_votes(votes);
+  check_routing_parameter(norm_weight, votes, {votes.size(3)}, "norm_weight", "(D,)");
+  check_routing_parameter(norm_bias, votes, {votes.size(3)}, "norm_bias", "(D,)");
+  check_routing_backward_inputs(grad_v, s_hist, votes.size(0), votes.size(2), votes.size(3));
+  check_layer_norm_eps(eps);
 }
 
 inline at::ScalarType acc_dtype(at::ScalarType t) {

@@ -19,12 +19,13 @@ enum class LogitRule : int8_t {
   agree_with_mean,
 };
 
-// The output of a pass, v = f(s) per output capsule. The first three are radial, v = scale(|s|^2) s.
+// The output of a pass, v = f(s) per output capsule. The first three are radial:
+// v = scale(|s|^2) s.
 enum class Nonlinearity : int8_t {
   identity,
-  squash,       // Sabour et al.: |s|^2 / (1 + |s|^2) s / sqrt(|s|^2 + eps)
-  squash_exp,   // Efficient-CapsNet: (1 - exp(-n)) s / n, n = sqrt(|s|^2 + eps)
-  layer_norm,   // (s - mean(s)) / sqrt(var(s) + eps) * weight + bias, over the capsule's D values
+  squash,      // Sabour et al.: |s|^2 / (1 + |s|^2) s / sqrt(|s|^2 + eps)
+  squash_exp,  // Efficient-CapsNet: (1 - exp(-n)) s / n, n = sqrt(|s|^2 + eps)
+  layer_norm,  // (s - mean(s)) / sqrt(var(s) + eps) * weight + bias, over the capsule's D values
 };
 
 // A routing's rule. Tensors in the accumulation type; a null pointer is an absent parameter.
@@ -49,6 +50,36 @@ struct RoutingRule {
   // In the backward: dL/db^r carries into dL/db^{r-1} only where the logits accumulate.
   CAPSROUTE_HD bool carries_logit_gradient() const { return logits == LogitRule::accumulate; }
 };
+
+// self_attention_routing as a rule of kSelfAttentionPasses passes: pass 0 couples uniformly and
+// keeps s^0 = sum_k u_kj / J as it is, so pass 1's logits scale <u_ij, s^0> = <u_ij, sum_k u_kj> /
+// sqrt(D) with scale = J / sqrt(D). squash: Nonlinearity::squash_exp ("efficient") or squash.
+constexpr int64_t kSelfAttentionPasses = 2;
+
+template <typename acc_t>
+CAPSROUTE_HD RoutingRule<acc_t> self_attention_rule(int64_t J, int64_t D, Nonlinearity squash,
+                                                    const acc_t* coupling_bias) {
+  RoutingRule<acc_t> rule;
+  rule.logits = LogitRule::agree_with_mean;
+  rule.nonlinearity = squash;
+  rule.logit_scale = acc_t(J) / acc_sqrt(acc_t(D));
+  rule.coupling_bias = coupling_bias;
+  return rule;
+}
+
+// inverted_attention_routing: the logits of pass r > 0 are <u_ij, v^{r-1}_j> / sqrt(D), replaced,
+// and every pass's output is a LayerNorm of s.
+template <typename acc_t>
+CAPSROUTE_HD RoutingRule<acc_t> inverted_attention_rule(int64_t D, const acc_t* norm_weight,
+                                                        const acc_t* norm_bias) {
+  RoutingRule<acc_t> rule;
+  rule.logits = LogitRule::replace;
+  rule.nonlinearity = Nonlinearity::layer_norm;
+  rule.logit_scale = acc_t(1) / acc_sqrt(acc_t(D));
+  rule.norm_weight = norm_weight;
+  rule.norm_bias = norm_bias;
+  return rule;
+}
 
 // Efficient-CapsNet's squash: v = squash_exp_scale(q) s with q = |s|^2; 0 at q == 0 (also for
 // eps == 0, where the formula would read 0/0).
@@ -85,7 +116,8 @@ CAPSROUTE_HD SquashVjp<T> radial_vjp_coeffs(Nonlinearity f, T q, T eps) {
 
 // layer_norm of a capsule from its mean and (biased) variance over D: v_d = xhat_d w_d + b_d,
 // xhat_d = (s_d - mean) inv_std. Its VJP, with gx_d = w_d g_v_d:
-//   g_s_d = inv_std (gx_d - mean(gx) - xhat_d mean(gx xhat)),  g_w_d += g_v_d xhat_d,  g_b_d += g_v_d.
+//   g_s_d = inv_std (gx_d - mean(gx) - xhat_d mean(gx xhat)),
+//   g_w_d += g_v_d xhat_d,  g_b_d += g_v_d.
 template <typename T>
 CAPSROUTE_HD T layer_norm_inv_std(T var, T eps) {
   return T(1) / acc_sqrt(var + eps);
