@@ -82,18 +82,13 @@ struct Params {
   std::vector<double> coupling_bias, norm_weight, norm_bias;  // (I, J), (D,), (D,)
 };
 
+// The op's rule (routing_rule.h) with these parameters (empty: absent).
 template <typename acc_t>
 RoutingRule<acc_t> make_rule(const RuleCase& rc, const Shape& sh, const std::vector<acc_t>& cb,
                              const std::vector<acc_t>& w, const std::vector<acc_t>& nb) {
-  const double scale = rc.logits == LogitRule::agree_with_mean
-                           ? double(sh.J) / std::sqrt(double(sh.D))
-                           : 1.0 / std::sqrt(double(sh.D));
-  return {rc.logits,
-          rc.f,
-          acc_t(scale),
-          cb.empty() ? nullptr : cb.data(),
-          w.empty() ? nullptr : w.data(),
-          nb.empty() ? nullptr : nb.data()};
+  const auto data = [](const std::vector<acc_t>& p) { return p.empty() ? nullptr : p.data(); };
+  return rc.logits == LogitRule::agree_with_mean ? self_attention_rule(sh.J, sh.D, rc.f, data(cb))
+                                                 : inverted_attention_rule(sh.D, data(w), data(nb));
 }
 
 // ---- the reference: the rule's loop and its reverse mode, one element at a time, in double ----
