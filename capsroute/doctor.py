@@ -85,7 +85,8 @@ class OpCheck:
     small: dict  # label -> shape: odd sizes (J > 32 or D > 16 where the op has the warp rows)
     canonical: dict  # label -> shape: the canonical ones at a small batch
     timing: tuple  # (label, shape on the CPU, shape on CUDA): where it is timed against eager
-    family: str  # which CUDA paths it has: "squash", "routing", "dense", "em", "conv-em" or "conv"
+    # which CUDA paths it has: "squash", "routing", "dense", "em", "conv-em", "conv" or "attention"
+    family: str
 
     def shapes(self, quick: bool) -> dict:
         return self.small if quick else {**self.small, **self.canonical}
@@ -184,6 +185,35 @@ OPS = [
         ("segcaps 32x32 8->8", (2, 32, 32, 8, 8, 16, 16, 5), (16, 64, 64, 8, 8, 16, 16, 5)),
         "conv",
     ),
+    # Efficient-CapsNet's class capsules: 16 primary capsules vote for 10 of 16D.
+    OpCheck(
+        "self_attention_routing",
+        lambda s, d, t, g: (_randn(s, d, t, g), _randn(s[1:3], d, t, g, 0.1)),
+        lambda m, votes, coupling_bias: (
+            m.self_attention_routing(votes, coupling_bias=coupling_bias),
+        ),
+        1,
+        {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
+        {"effcaps B=2": (2, 16, 10, 16)},
+        ("effcaps", (256, 16, 10, 16), (4096, 16, 10, 16)),
+        "attention",
+    ),
+    OpCheck(
+        "inverted_attention_routing",
+        lambda s, d, t, g: (
+            _randn(s, d, t, g),
+            1 + _randn(s[3:], d, t, g, 0.1),
+            _randn(s[3:], d, t, g, 0.1),
+        ),
+        lambda m, votes, norm_weight, norm_bias: (
+            m.inverted_attention_routing(votes, norm_weight=norm_weight, norm_bias=norm_bias),
+        ),
+        1,
+        {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
+        {"mnist B=2": (2, 1152, 10, 16)},
+        ("mnist", (32, 1152, 10, 16), (512, 1152, 10, 16)),
+        "attention",
+    ),
 ]
 
 
@@ -239,6 +269,8 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
         # Chunks of 2 elements: the vote workspace reused across chunks.
         paths[-1] = KernelPath("auto chunk=2", {"CAPSROUTE_DENSE_CHUNK": "2"})
         return paths
+    if check.family == "attention":  # the dispatch chooses: any path is right
+        return [KernelPath("auto", {})]
     if check.family == "conv":
         paths = _routing_paths("conv-gemm+", clusters, lambda shape: shape[4:6])
         # Chunks of 7 positions: rows of an image, the workspace reused across chunks.

@@ -262,6 +262,26 @@ def conv_dynamic_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
     return u, weight, b
 
 
+def self_attention_inputs(shape, device="cpu", dtype=torch.float64, coupling_bias=True):
+    B, I, J, D = shape
+    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
+    bias = (
+        randn(I, J, dtype=dtype, device=device, scale=0.1, requires_grad=True)
+        if coupling_bias
+        else None
+    )
+    return votes, bias
+
+
+def inverted_attention_inputs(shape, device="cpu", dtype=torch.float64, weight=True, bias=True):
+    B, I, J, D = shape
+    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
+    w = randn(D, dtype=torch.float64, scale=0.1) + 1
+    w = w.to(device, dtype).requires_grad_() if weight else None
+    b = randn(D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
+    return votes, w, b
+
+
 def _em_tolerance(dtype):
     """EM routing divides by variances: float32 and low-precision storage lose a little more."""
     return TOLERANCE[dtype] * doctor.EM_TOLERANCE_FACTOR.get(dtype, 1)
@@ -488,6 +508,62 @@ CONV_DYNAMIC_ROUTING = OpSpec(
     ],
 )
 
+SELF_ATTENTION_ROUTING = OpSpec(
+    name="self_attention_routing",
+    fn=lambda votes, coupling_bias, **options: capsroute.self_attention_routing_coupling(
+        votes, coupling_bias=coupling_bias, **options
+    ),
+    ref=lambda votes, coupling_bias, **options: reference.self_attention_routing_coupling(
+        votes, coupling_bias=coupling_bias, **options
+    ),
+    make=self_attention_inputs,
+    defaults=dict(squash="efficient", eps=1e-8),
+    shapes=_shapes(ROUTING_SHAPES, [(4, 37, 10, 16)]),
+    input_names=("votes", "coupling_bias"),
+    output_names=("v", "c"),
+    grad_outputs=1,  # the coupling c is for inspection
+    tolerance=TOLERANCE.get,
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors,
+        out[2],
+        *sample.options.values(),
+    ),
+    gradcheck=[((2, 5, 3, 4), {}), ((2, 5, 3, 4), dict(squash="sabour"))],
+    opcheck=[((2, 7, 3, 4), {}), ((2, 7, 3, 4), dict(coupling_bias=False, squash="sabour"))],
+    capsule_dims=1,
+)
+
+INVERTED_ATTENTION_ROUTING = OpSpec(
+    name="inverted_attention_routing",
+    fn=lambda votes, norm_weight, norm_bias, **options: (
+        capsroute.inverted_attention_routing_coupling(
+            votes, norm_weight=norm_weight, norm_bias=norm_bias, **options
+        )
+    ),
+    ref=lambda votes, norm_weight, norm_bias, **options: (
+        reference.inverted_attention_routing_coupling(
+            votes, norm_weight=norm_weight, norm_bias=norm_bias, **options
+        )
+    ),
+    make=inverted_attention_inputs,
+    defaults=dict(iters=3, eps=1e-5),
+    shapes=_shapes(ROUTING_SHAPES, [(4, 37, 10, 16)]),
+    input_names=("votes", "norm_weight", "norm_bias"),
+    output_names=("v", "c"),
+    grad_outputs=1,
+    tolerance=TOLERANCE.get,
+    backward_args=lambda sample, out, grads: (
+        *grads,
+        *sample.tensors,
+        out[2],
+        sample.options["eps"],
+    ),
+    gradcheck=[((2, 5, 3, 4), {}), ((2, 5, 3, 4), dict(iters=2, weight=False, bias=False))],
+    opcheck=[((2, 7, 3, 4), {}), ((2, 7, 3, 4), dict(iters=1, weight=False))],
+    capsule_dims=1,
+)
+
 OP_DB = [
     SQUASH,
     DYNAMIC_ROUTING,
@@ -496,4 +572,6 @@ OP_DB = [
     EM_ROUTING_POSE,
     CONV_EM_ROUTING,
     CONV_DYNAMIC_ROUTING,
+    SELF_ATTENTION_ROUTING,
+    INVERTED_ATTENTION_ROUTING,
 ]

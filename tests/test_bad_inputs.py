@@ -78,6 +78,65 @@ def votes(*shape, **kw):
             r"bias must have shape \(J, D\)",
         ),
         (lambda d: capsroute.squash(randn(3, 4, device=d), eps=float("nan")), "eps must be finite"),
+        (
+            lambda d: capsroute.self_attention_routing(votes(2, 5, 3, device=d)),
+            r"votes must have shape \(B, I, J, D\)",
+        ),
+        (
+            lambda d: capsroute.self_attention_routing(
+                votes(device=d), coupling_bias=randn(3, 5, device=d)
+            ),
+            r"coupling_bias must have shape \(I, J\) = \(5, 3\), got shape \[3, 5\]",
+        ),
+        (
+            lambda d: capsroute.self_attention_routing(votes(device=d), squash="hinton"),
+            'squash must be "efficient" or "sabour", got "hinton"',
+        ),
+        (
+            lambda d: capsroute.self_attention_routing(votes(device=d), eps=-1.0),
+            "eps must be finite and >= 0",
+        ),
+        (lambda d: capsroute.self_attention_routing(votes(2, 5, 3, 0, device=d)), "D >= 1"),
+        (
+            lambda d: torch.ops.capsroute._self_attention_routing_backward(
+                randn(2, 3, 4, device=d),
+                votes(device=d),
+                None,
+                randn(2, 3, 3, 4, device=d),
+                "efficient",
+                1e-8,
+            ),
+            r"s_hist must have shape \(2, 2, 3, 4\)",
+        ),
+        (
+            lambda d: capsroute.inverted_attention_routing(votes(2, 5, 3, device=d)),
+            r"votes must have shape \(B, I, J, D\)",
+        ),
+        (
+            lambda d: capsroute.inverted_attention_routing(
+                votes(device=d), norm_weight=randn(3, device=d)
+            ),
+            r"norm_weight must have shape \(D,\) = \(4,\), got shape \[3\]",
+        ),
+        (
+            lambda d: capsroute.inverted_attention_routing(
+                votes(device=d), norm_bias=randn(1, 4, device=d)
+            ),
+            r"norm_bias must have shape \(D,\) = \(4,\), got shape \[1, 4\]",
+        ),
+        (
+            lambda d: capsroute.inverted_attention_routing(votes(device=d), iters=0),
+            "iters must be >= 1, got 0",
+        ),
+        (
+            lambda d: capsroute.inverted_attention_routing(votes(device=d), eps=0.0),
+            "eps must be finite and > 0",
+        ),
+        (
+            lambda d: capsroute.inverted_attention_routing(votes(device=d), eps=float("nan")),
+            "eps must be finite and > 0",
+        ),
+        (lambda d: capsroute.inverted_attention_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
     ],
 )
 def test_bad_input_raises_a_clear_error(device, call, message):
@@ -92,6 +151,10 @@ def test_device_mismatch():
         capsroute.dynamic_routing(votes(device="cuda"), bias=randn(3, 4))
     with pytest.raises(RuntimeError, match="weight is on"):
         capsroute.dense_capsules(randn(2, 5, 8, device="cuda"), randn(5, 3, 4, 8))
+    with pytest.raises(RuntimeError, match="coupling_bias is on"):
+        capsroute.self_attention_routing(votes(device="cuda"), coupling_bias=randn(5, 3))
+    with pytest.raises(RuntimeError, match="norm_weight is on"):
+        capsroute.inverted_attention_routing(votes(device="cuda"), norm_weight=randn(4))
 
 
 # ---- strides (docs/ops.md, "Layouts"): read in place, copied, or refused; never wrong ----
@@ -144,7 +207,10 @@ def test_overlapping_strides_from_expand(spec, device):
     (the broadcast values' gradients summed by autograd)."""
     sample = spec.draw(spec.shapes[torch.float64][0], device, torch.float64)
     first, *rest = sample.tensors
-    for dim in (0, 1, first.dim() - 1):
+    # A capsule of equal values is the LayerNorm's degenerate point: every deviation from the mean
+    # is 0, and the gradient of norm_weight rounding noise (test_attention_routing, D = 1).
+    capsule = () if spec.name == "inverted_attention_routing" else (first.dim() - 1,)
+    for dim in (0, 1, *capsule):
         one = first.detach().narrow(dim, 0, 1)
         expanded = one.expand(first.shape).requires_grad_()
         assert expanded.stride(dim) == 0

@@ -24,6 +24,8 @@ SHAPES = {
     "em_routing": (3, 37, 7, 16),
     "em_routing_pose": (3, 37, 7),
     "conv_em_routing": (2, 5, 5, 3, 4, 3),
+    "self_attention_routing": (3, 37, 7, 16),
+    "inverted_attention_routing": (3, 37, 7, 16),
 }
 # Ops whose CUDA path computes on host copies: they refuse a CUDA graph capture.
 HOST_COPY = ("conv_em_routing",)

@@ -126,7 +126,16 @@ def test_checks_catch_stale_names(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose"]
+    "name",
+    [
+        "squash",
+        "dynamic_routing",
+        "dense_capsules",
+        "em_routing",
+        "em_routing_pose",
+        "self_attention_routing",
+        "inverted_attention_routing",
+    ],
 )
 def test_op_docstrings_explain_every_argument(name):
     """help(capsroute.<op>) is enough to call it: every parameter is described."""

@@ -19,8 +19,19 @@ from op_db import CAPSULE_LAYOUTS, DTYPES, OP_DB, capsule_layout
 # read it in place and it is dense (docs/ops.md, "Layouts"); the rest return it contiguous. The
 # CUDA kernels of ROWS_ON_CUDA read votes in rows of J capsules, which the permute layout's are
 # not (J outermost): copied, their gradient comes back contiguous.
-GRADIENT_IN_INPUT_LAYOUT = ("dynamic_routing", "em_routing", "em_routing_pose")
-ROWS_ON_CUDA = ("dynamic_routing", "em_routing")
+GRADIENT_IN_INPUT_LAYOUT = (
+    "dynamic_routing",
+    "em_routing",
+    "em_routing_pose",
+    "self_attention_routing",
+    "inverted_attention_routing",
+)
+ROWS_ON_CUDA = (
+    "dynamic_routing",
+    "em_routing",
+    "self_attention_routing",
+    "inverted_attention_routing",
+)
 
 per_op = pytest.mark.parametrize("spec", OP_DB, ids=lambda spec: spec.name)
 
@@ -75,6 +86,9 @@ def test_opcheck(spec, device):
 
 @per_op
 def test_torch_compile_fullgraph(spec, device):
+    # loss below is one code object for every op: dynamo's cache of its compilations holds 8
+    # (recompile_limit), fewer than the ops, so each test starts from an empty one.
+    torch._dynamo.reset()
     shape, options = spec.opcheck[0]
     sample = spec.draw(shape, device, torch.float32, **options)
     cotangents = [

@@ -27,8 +27,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_cpu(
         AT_DISPATCH_FLOATING_TYPES(votes.scalar_type(), "conv_dynamic_routing_cpu", [&] {
           cpu::route_elements(votes.const_data_ptr<scalar_t>(), chunk_strides(dims),
                               bias_acc.defined() ? bias_acc.const_data_ptr<scalar_t>() : nullptr,
-                              dims, static_cast<scalar_t>(eps), s_hist.mutable_data_ptr<scalar_t>(),
-                              v.mutable_data_ptr<scalar_t>(), c.mutable_data_ptr<scalar_t>());
+                              RoutingRule<scalar_t>{}, dims, static_cast<scalar_t>(eps),
+                              s_hist.mutable_data_ptr<scalar_t>(), v.mutable_data_ptr<scalar_t>(),
+                              c.mutable_data_ptr<scalar_t>());
         });
         return std::string("cpu");
       });
@@ -46,9 +47,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward_cpu
         AT_DISPATCH_FLOATING_TYPES(votes.scalar_type(), "conv_dynamic_routing_backward_cpu", [&] {
           cpu::route_elements_backward(
               votes.const_data_ptr<scalar_t>(), chunk_strides(dims), g_v.const_data_ptr<scalar_t>(),
-              s_hist_chunk.const_data_ptr<scalar_t>(), dims, static_cast<scalar_t>(eps), detach,
-              grad_bias_items.mutable_data_ptr<scalar_t>(), grad_votes.mutable_data_ptr<scalar_t>(),
-              chunk_strides(dims));
+              s_hist_chunk.const_data_ptr<scalar_t>(), RoutingRule<scalar_t>{}, dims,
+              static_cast<scalar_t>(eps), detach,
+              cpu::ParameterGrads<scalar_t>{grad_bias_items.mutable_data_ptr<scalar_t>()},
+              grad_votes.mutable_data_ptr<scalar_t>(), chunk_strides(dims));
         });
         return std::string("cpu");
       });

@@ -218,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(
             for (int64_t n = n0; n < n0 + T; ++n) {
               cpu::route_forward<decltype(capsule_dim)::value>(
                   cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd(), dims.D}, b,
-                  dims, static_cast<acc_t>(eps), scratch,
+                  RoutingRule<acc_t>{}, dims, static_cast<acc_t>(eps), scratch,
                   s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
                   v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
                   c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
@@ -238,10 +238,11 @@ void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, a
   using State = cpu::BackwardState<acc_t>;
   const int64_t JD = dims.jd();
   for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
-    Backward backward(dims, eps, detach);
+    Backward backward(dims, RoutingRule<acc_t>{}, eps, detach);
     for (int64_t n = n0; n < n0 + T; ++n) {
       backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD, dims.D}, g_v + n * JD,
-                   s_hist + n * dims.iters * JD, grad_bias_items + n * JD,
+                   s_hist + n * dims.iters * JD,
+                   cpu::ParameterGrads<acc_t>{grad_bias_items + n * JD},
                    State(states + n * State::numel(dims), dims));
     }
   });
@@ -276,7 +277,7 @@ void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t
   const int64_t block =
       std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
   at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
-    const Backward backward(dims, eps, detach);
+    const Backward backward(dims, RoutingRule<acc_t>{}, eps, detach);
     std::vector<acc_t> G(block * B * JD), w_t(Din * JD);
     for (int64_t i0 = begin; i0 < end; i0 += block) {
       const int64_t rows = std::min(block, end - i0);

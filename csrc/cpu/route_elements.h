@@ -1,5 +1,6 @@
-// Dynamic routing of a batch of elements, each on its own votes, in parallel over the elements:
-// the loops of dynamic_routing's CPU kernel, shared with the ops that make their votes first
+// An agreement routing of a batch of elements, each on its own votes, in parallel over the
+// elements: the loops of the CPU kernels of dynamic_routing and the attention routings
+// (agreement_routing_cpu.cpp), shared with the ops that make their votes first
 // (conv_dynamic_routing routes a chunk of output positions at a time).
 #pragma once
 
@@ -14,19 +15,20 @@
 namespace capsroute {
 namespace cpu {
 
-// Routes elements [0, dims.B) of votes (B, I, J, D) at `strides` (each capsule contiguous):
-// v (B, J, D) and c (B, I, J) in out_t, s_hist (B, iters, J, D) in the accumulation type.
+// Routes elements [0, dims.B) of votes (B, I, J, D) at `strides` (each capsule contiguous) under
+// `rule`: v (B, J, D) and c (B, I, J) in out_t, s_hist (B, iters, J, D) in the accumulation type.
 template <typename vote_t, typename out_t, typename acc_t>
 void route_elements(const vote_t* votes, const CapsuleStrides& strides, const vote_t* bias,
-                    const RoutingDims& dims, acc_t eps, acc_t* s_hist, out_t* v, out_t* c) {
+                    const RoutingRule<acc_t>& rule, const RoutingDims& dims, acc_t eps,
+                    acc_t* s_hist, out_t* v, out_t* c) {
   dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
     at::parallel_for(0, dims.B, 1, [&](int64_t begin, int64_t end) {
       ForwardScratch<acc_t> scratch(dims);
       std::vector<vote_t> slab;
       for (int64_t n = begin; n < end; ++n) {
         route_forward<decltype(capsule_dim)::value>(
-            staged_element_votes(votes, strides, n, dims.I, dims.J, dims.D, slab), bias, dims, eps,
-            scratch, s_hist + n * dims.iters * dims.jd(), v + n * dims.jd(),
+            staged_element_votes(votes, strides, n, dims.I, dims.J, dims.D, slab), bias, rule, dims,
+            eps, scratch, s_hist + n * dims.iters * dims.jd(), v + n * dims.jd(),
             c + n * dims.I * dims.J);
       }
     });
@@ -34,16 +36,17 @@ void route_elements(const vote_t* votes, const CapsuleStrides& strides, const vo
 }
 
 // The backward of route_elements: given g_v (B, J, D) and s_hist, writes the vote gradient at
-// grad_strides and each element's bias gradient into grad_bias_items (B, J, D), for the caller
-// to sum in a fixed order.
+// grad_strides and each element's parameter gradients into the items of grad_items (B, ...), for
+// the caller to sum in a fixed order.
 template <typename vote_t, typename grad_t, typename acc_t>
 void route_elements_backward(const vote_t* votes, const CapsuleStrides& strides, const acc_t* g_v,
-                             const acc_t* s_hist, const RoutingDims& dims, acc_t eps, bool detach,
-                             acc_t* grad_bias_items, grad_t* grad_votes,
+                             const acc_t* s_hist, const RoutingRule<acc_t>& rule,
+                             const RoutingDims& dims, acc_t eps, bool detach,
+                             const ParameterGrads<acc_t>& grad_items, grad_t* grad_votes,
                              const CapsuleStrides& grad_strides) {
   dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
     at::parallel_for(0, dims.B, 1, [&](int64_t begin, int64_t end) {
-      RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, eps, detach);
+      RoutingBackward<decltype(capsule_dim)::value, acc_t> backward(dims, rule, eps, detach);
       std::vector<acc_t> state_storage(BackwardState<acc_t>::numel(dims));
       const BackwardState<acc_t> state(state_storage.data(), dims);
       // Rows of the element's vote gradient, adjacent: all of them where the gradient's rows are
@@ -55,7 +58,7 @@ void route_elements_backward(const vote_t* votes, const CapsuleStrides& strides,
       for (int64_t n = begin; n < end; ++n) {
         backward.run(staged_element_votes(votes, strides, n, dims.I, dims.J, dims.D, slab),
                      g_v + n * dims.jd(), s_hist + n * dims.iters * dims.jd(),
-                     grad_bias_items + n * dims.jd(), state);
+                     grad_items.element(n, dims), state);
         for (int64_t i = 0; i < dims.I; ++i) {
           acc_t* row = adjacent_rows ? g_u.data() : g_u.data() + i * dims.jd();
           backward.vote_grad_row(state, i, row);

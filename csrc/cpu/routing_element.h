@@ -1,7 +1,8 @@
-// Dynamic routing of one batch element on the CPU, shared by dynamic_routing (votes given)
-// and dense_capsules (votes computed a tile of elements at a time). An element's votes are I
-// rows of J x D values (VoteRows); all arithmetic is in acc_t. The loops over a capsule's
-// values are vector loops (vec_math.h).
+// The agreement routing of one batch element on the CPU under a RoutingRule (routing_rule.h):
+// dynamic_routing (votes given), dense_capsules and conv_dynamic_routing (votes computed a tile of
+// elements at a time) under the default rule, the attention routings under theirs. An element's
+// votes are I rows of J x D values (VoteRows); all arithmetic is in acc_t. The loops over a
+// capsule's values are vector loops (vec_math.h).
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "../common/acc_math.h"
 #include "../common/dims.h"
+#include "../common/routing_rule.h"
 #include "vec_math.h"
 
 namespace capsroute {
@@ -28,23 +30,79 @@ inline int64_t capsule_dim(const RoutingDims& d) {
   return kD > 0 ? kD : d.D;
 }
 
+// The mean and inverse standard deviation of a capsule's D values (two passes: the variance of the
+// differences from the mean, which a large mean does not swamp).
 template <typename acc_t>
-inline void squash_capsules(const acc_t* s, int64_t J, int64_t D, acc_t eps, acc_t* v) {
+struct CapsuleMoments {
+  acc_t mean, inv_std;
+};
+
+template <typename acc_t>
+inline CapsuleMoments<acc_t> capsule_moments(const acc_t* s, int64_t D, acc_t eps) {
+  acc_t sum = 0;
+  for (int64_t d = 0; d < D; ++d) sum += s[d];
+  const acc_t mean = sum / D;
+  acc_t squares = 0;
+  for (int64_t d = 0; d < D; ++d) squares += (s[d] - mean) * (s[d] - mean);
+  return {mean, layer_norm_inv_std(squares / D, eps)};
+}
+
+// v = f(s) for the J capsules of a pass: s, v (J, D).
+template <typename acc_t>
+inline void pass_output(const RoutingRule<acc_t>& rule, Nonlinearity f, const acc_t* s, int64_t J,
+                        int64_t D, acc_t eps, acc_t* v) {
   for (int64_t j = 0; j < J; ++j) {
-    const acc_t scale = squash_scale(dot<acc_t, acc_t, acc_t>(s + j * D, s + j * D, D), eps);
-    for (int64_t d = 0; d < D; ++d) v[j * D + d] = scale * s[j * D + d];
+    const acc_t* sj = s + j * D;
+    acc_t* vj = v + j * D;
+    if (f == Nonlinearity::layer_norm) {
+      const CapsuleMoments<acc_t> m = capsule_moments(sj, D, eps);
+      for (int64_t d = 0; d < D; ++d) {
+        const acc_t x = (sj[d] - m.mean) * m.inv_std;
+        vj[d] = x * (rule.norm_weight ? rule.norm_weight[d] : acc_t(1)) +
+                (rule.norm_bias ? rule.norm_bias[d] : acc_t(0));
+      }
+    } else {
+      const acc_t scale = radial_scale(f, dot<acc_t, acc_t, acc_t>(sj, sj, D), eps);
+      for (int64_t d = 0; d < D; ++d) vj[d] = scale * sj[d];
+    }
   }
 }
 
-// The agreement update b_ij += <u_ij, v_j> of the tile at i0: logits (J, W), v (J, D). Always
-// inlined, so that the caller's compile-time D reaches tile_dots.
+// The logits of the pass after r, of the tile at i0, from its agreements <u_ij, v_j>: logits (J,
+// W), v (J, D). Always inlined, so that the caller's compile-time D reaches tile_dots.
 template <typename vote_t, typename acc_t>
-C10_ALWAYS_INLINE void add_tile_agreement(VoteRows<vote_t> u, int64_t i0, int64_t n, const acc_t* v,
-                                          int64_t J, int64_t D, acc_t* logits) {
+C10_ALWAYS_INLINE void next_tile_logits(const RoutingRule<acc_t>& rule, VoteRows<vote_t> u,
+                                        int64_t i0, int64_t n, const acc_t* v, int64_t J, int64_t D,
+                                        acc_t* logits) {
+  constexpr int64_t W = kTileRows<acc_t>;
+  const bool accumulate = rule.logits == LogitRule::accumulate;
+  const Vec<acc_t> scale(rule.logit_scale);
+  for (int64_t j = 0; j < J; ++j) {
+    const Vec<acc_t> agreement = tile_dots(u, i0, n, j, v + j * D, D);
+    (accumulate ? Vec<acc_t>::loadu(logits + j * W) + agreement : scale * agreement)
+        .store(logits + j * W);
+  }
+}
+
+// Lane k: coupling_bias (I, J) at (i0 + k, j) for the n rows of the tile at i0 (lanes past n: 0,
+// never read past I).
+template <typename acc_t>
+inline Vec<acc_t> tile_coupling_bias(const acc_t* coupling_bias, int64_t i0, int64_t n, int64_t j,
+                                     int64_t J) {
+  alignas(64) acc_t lanes[kTileRows<acc_t>] = {};
+  for (int64_t k = 0; k < n; ++k) lanes[k] = coupling_bias[(i0 + k) * J + j];
+  return Vec<acc_t>::loadu(lanes);
+}
+
+// c (J, W) of the tile at i0 += the coupling bias: the couplings of a pass r > 0 under a rule
+// with one.
+template <typename acc_t>
+inline void add_tile_coupling_bias(const acc_t* coupling_bias, int64_t i0, int64_t n, int64_t J,
+                                   acc_t* c) {
   constexpr int64_t W = kTileRows<acc_t>;
   for (int64_t j = 0; j < J; ++j)
-    (Vec<acc_t>::loadu(logits + j * W) + tile_dots(u, i0, n, j, v + j * D, D))
-        .store(logits + j * W);
+    (Vec<acc_t>::loadu(c + j * W) + tile_coupling_bias(coupling_bias, i0, n, j, J))
+        .store(c + j * W);
 }
 
 // Per-thread scratch of route_forward.
@@ -55,15 +113,16 @@ struct ForwardScratch {
       : logits(padded_rows<acc_t>(d.I) * d.J), coupling(kTileRows<acc_t> * d.J), v(d.jd()) {}
 };
 
-// Forward of one element. Each pass over the votes fuses the agreement update of iteration
-// r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all. Rows go a tile
-// at a time (vec_math.h): the softmax over J on J whole vectors, the tile's J agreement dots
+// Forward of one element under `rule`. Each pass over the votes fuses the logit update of
+// iteration r-1 with the softmax and weighted sum of iteration r, so `iters` passes in all. Rows go
+// a tile at a time (vec_math.h): the softmax over J on J whole vectors, the tile's J agreement dots
 // reduced together; logits are kept by tile, (I / W, J, W), and the padding lanes (zero votes)
-// contribute nothing.
+// contribute nothing. bias (J, D), if any, is added to every s.
 // Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
 template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
-void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d, acc_t eps,
-                   ForwardScratch<acc_t>& scratch, acc_t* s_hist, out_t* v_out, out_t* c_out) {
+void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingRule<acc_t>& rule,
+                   const RoutingDims& d, acc_t eps, ForwardScratch<acc_t>& scratch, acc_t* s_hist,
+                   out_t* v_out, out_t* c_out) {
   constexpr int64_t W = kTileRows<acc_t>;
   const int64_t I = d.I, J = d.J, D = capsule_dim<kD>(d), JD = J * D;
   acc_t* c = scratch.coupling.data();
@@ -75,8 +134,9 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
     for (int64_t i0 = 0; i0 < I; i0 += W) {
       const int64_t n = std::min(W, I - i0);
       acc_t* logits = scratch.logits.data() + i0 * J;  // this tile's (J, W)
-      if (r > 0) add_tile_agreement(u, i0, n, v, J, D, logits);
+      if (r > 0) next_tile_logits(rule, u, i0, n, v, J, D, logits);
       softmax_lanes(logits, J, d.leaky, c);
+      if (r > 0 && rule.coupling_bias) add_tile_coupling_bias(rule.coupling_bias, i0, n, J, c);
       for (int64_t j = 0; j < J; ++j) tile_axpy(c + j * W, u, i0, n, j, s + j * D, D);
       if (r == d.iters - 1) {
         for (int64_t k = 0; k < n; ++k)
@@ -84,7 +144,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingDims& d,
             c_out[(i0 + k) * J + j] = static_cast<out_t>(c[j * W + k]);
       }
     }
-    squash_capsules(s, J, D, eps, v);
+    pass_output(rule, rule.pass_nonlinearity(r, d.iters), s, J, D, eps, v);
   }
   for (int64_t k = 0; k < JD; ++k) v_out[k] = static_cast<out_t>(v[k]);
 }
@@ -111,31 +171,51 @@ struct BackwardState {
   acc_t *v_hist, *gs_hist, *coupling, *g_logits;
 };
 
+// Where the backward of one element adds the gradients of its parameters, each null where not
+// wanted: the bias (J, D), and the rule's coupling_bias (I, J), norm_weight and norm_bias (D,).
+template <typename acc_t>
+struct ParameterGrads {
+  acc_t* bias = nullptr;
+  acc_t* coupling_bias = nullptr;
+  acc_t* norm_weight = nullptr;
+  acc_t* norm_bias = nullptr;
+
+  // Those of element n, where each is an item per element, (B, ...).
+  ParameterGrads element(int64_t n, const RoutingDims& d) const {
+    const auto at = [n](acc_t* items, int64_t size) { return items ? items + n * size : nullptr; };
+    return {at(bias, d.jd()), at(coupling_bias, d.I * d.J), at(norm_weight, d.D),
+            at(norm_bias, d.D)};
+  }
+};
+
 template <int kD, typename acc_t>
 class RoutingBackward {
  public:
-  RoutingBackward(const RoutingDims& d, acc_t eps, bool detach)
+  RoutingBackward(const RoutingDims& d, const RoutingRule<acc_t>& rule, acc_t eps, bool detach)
       : d_(d),
+        rule_(rule),
         eps_(eps),
         detach_(detach),
         first_r_(detach ? d.iters - 1 : 0),
         tiled_ij_(padded_rows<acc_t>(d.I) * d.J),
         gv_(d.jd()),
         gv_next_(d.jd()),
-        tile_(kTileRows<acc_t> * d.J) {}
+        tile_(kTileRows<acc_t> * d.J),
+        softmax_tile_(rule.coupling_bias ? kTileRows<acc_t> * d.J : 0) {}
 
-  // u: the votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds dL/dbias into g_bias (J, D).
-  // Where there is a step back, the couplings are recomputed in the same pass over the votes as
-  // the first one, a tile at a time while its votes are in L1: one pass over the votes fewer than
-  // a pass of their own (left only for iters = 1 or detach).
+  // u: the votes, g_v: (J, D), s_hist: (iters, J, D). Fills st; adds the parameters' gradients
+  // into grads. Where there is a step back, the couplings are recomputed in the same pass over the
+  // votes as the first one, a tile at a time while its votes are in L1: one pass over the votes
+  // fewer than a pass of their own (left only for iters = 1 or detach).
   template <typename vote_t, typename grad_t>
-  void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist, acc_t* g_bias,
-           const BackwardState<acc_t>& st) {
+  void run(VoteRows<vote_t> u, const grad_t* g_v, const acc_t* s_hist,
+           const ParameterGrads<acc_t>& grads, const BackwardState<acc_t>& st) {
     constexpr int64_t W = kTileRows<acc_t>;
     const int64_t I = d_.I, J = d_.J, D = capsule_dim<kD>(d_), JD = J * D, R = d_.iters,
                   IJ = tiled_ij_;
     for (int64_t r = 0; r < R; ++r)
-      squash_capsules(s_hist + r * JD, J, D, eps_, st.v_hist + r * JD);
+      pass_output(rule_, rule_.pass_nonlinearity(r, R), s_hist + r * JD, J, D, eps_,
+                  st.v_hist + r * JD);
     const bool steps_back =
         R > 1 && !detach_;  // else no pass over the votes for the couplings to join
     if (!steps_back)
@@ -144,29 +224,37 @@ class RoutingBackward {
     std::fill(st.g_logits + (R - 1) * IJ, st.g_logits + R * IJ, acc_t(0));
     for (int64_t r = R - 1; r >= first_r_; --r) {
       acc_t* gs = st.gs_hist + r * JD;
-      squash_vjp(s_hist + r * JD, gv_.data(), gs);
-      for (int64_t k = 0; k < JD; ++k) g_bias[k] += gs[k];
+      pass_vjp(rule_.pass_nonlinearity(r, R), s_hist + r * JD, gv_.data(), gs, grads);
+      if (grads.bias)
+        for (int64_t k = 0; k < JD; ++k) grads.bias[k] += gs[k];
       if (!steps_back || r == 0) break;  // b^0 = 0 is a constant; detach stops at the last s
-      // dL/db^r = dL/db^{r+1} + softmax VJP of gc = <gs^r, u>; then gv^{r-1} = sum_i dL/db^r_ij
-      // u_ij.
+      // dL/db^r = softmax VJP of gc = <gs^r, u> (times the logit scale, or plus dL/db^{r+1} where
+      // the logits accumulate); then gv^{r-1} = sum_i dL/db^r_ij u_ij.
       std::fill(gv_next_.begin(), gv_next_.end(), acc_t(0));
       acc_t* gc = tile_.data();  // this tile's (J, W) <gs^r_j, u_ij>
+      const bool accumulate = rule_.carries_logit_gradient();
+      const Vec<acc_t> scale(rule_.logit_scale);
       for (int64_t i0 = 0; i0 < I; i0 += W) {
         const int64_t n = std::min(W, I - i0);
         if (r == R - 1) recompute_tile_coupling(u, i0, n, st);
         const acc_t* c = st.coupling + r * IJ + i0 * J;
+        const acc_t* p = rule_.coupling_bias ? tile_softmax(c, i0, n) : c;
         const acc_t* g_next = st.g_logits + r * IJ + i0 * J;
         acc_t* g_here = st.g_logits + (r - 1) * IJ + i0 * J;
         Vec<acc_t> weighted(acc_t(0));
         for (int64_t j = 0; j < J; ++j) {
           const Vec<acc_t> dots = tile_dots(u, i0, n, j, gs + j * D, D);
           dots.store(gc + j * W);
-          weighted = at::vec::fmadd(Vec<acc_t>::loadu(c + j * W), dots, weighted);
+          weighted = at::vec::fmadd(Vec<acc_t>::loadu(p + j * W), dots, weighted);
         }
+        if (grads.coupling_bias)  // dL/dcoupling_bias_ij = gc_ij
+          for (int64_t k = 0; k < n; ++k)
+            for (int64_t j = 0; j < J; ++j) grads.coupling_bias[(i0 + k) * J + j] += gc[j * W + k];
         for (int64_t j = 0; j < J; ++j) {
-          const Vec<acc_t> cj = Vec<acc_t>::loadu(c + j * W);
-          at::vec::fmadd(cj, Vec<acc_t>::loadu(gc + j * W) - weighted,
-                         Vec<acc_t>::loadu(g_next + j * W))
+          const Vec<acc_t> pj = Vec<acc_t>::loadu(p + j * W);
+          const Vec<acc_t> centred = Vec<acc_t>::loadu(gc + j * W) - weighted;
+          (accumulate ? at::vec::fmadd(pj, centred, Vec<acc_t>::loadu(g_next + j * W))
+                      : scale * (pj * centred))
               .store(g_here + j * W);
         }
         for (int64_t j = 0; j < J; ++j)
@@ -200,8 +288,9 @@ class RoutingBackward {
   }
 
  private:
-  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from b^{r+1} = b^r + <u,
-  // v^r>; tile_ holds the logits (and is free again afterwards).
+  // c^r for every r >= first_r_ of the tile of n input capsules at i0, from the logits of the
+  // rule (b^{r+1} = b^r + <u, v^r> for dynamic routing); tile_ holds the logits (and is free again
+  // afterwards).
   template <typename vote_t>
   C10_ALWAYS_INLINE void recompute_tile_coupling(VoteRows<vote_t> u, int64_t i0, int64_t n,
                                                  const BackwardState<acc_t>& st) {
@@ -209,28 +298,71 @@ class RoutingBackward {
     acc_t* logits = tile_.data();  // this tile's (J, W)
     std::fill(tile_.begin(), tile_.end(), acc_t(0));
     for (int64_t r = 0; r < d_.iters; ++r) {
-      if (r > 0) add_tile_agreement(u, i0, n, st.v_hist + (r - 1) * JD, J, D, logits);
-      if (r >= first_r_) softmax_lanes(logits, J, d_.leaky, st.coupling + r * tiled_ij_ + i0 * J);
+      if (r > 0) next_tile_logits(rule_, u, i0, n, st.v_hist + (r - 1) * JD, J, D, logits);
+      if (r < first_r_) continue;
+      acc_t* c = st.coupling + r * tiled_ij_ + i0 * J;
+      softmax_lanes(logits, J, d_.leaky, c);
+      if (r > 0 && rule_.coupling_bias) add_tile_coupling_bias(rule_.coupling_bias, i0, n, J, c);
     }
   }
 
-  void squash_vjp(const acc_t* s, const acc_t* g_v, acc_t* g_s) const {
+  // The softmax part p = c - coupling_bias of the tile's couplings c (J, W), whose VJP the
+  // backward takes, in softmax_tile_.
+  const acc_t* tile_softmax(const acc_t* c, int64_t i0, int64_t n) {
+    constexpr int64_t W = kTileRows<acc_t>;
+    const int64_t J = d_.J;
+    for (int64_t j = 0; j < J; ++j)
+      (Vec<acc_t>::loadu(c + j * W) - tile_coupling_bias(rule_.coupling_bias, i0, n, j, J))
+          .store(softmax_tile_.data() + j * W);
+    return softmax_tile_.data();
+  }
+
+  // g_s = the VJP of v = f(s) at g_v, per capsule (radial: SquashVjp form; layer_norm: the
+  // formula of routing_rule.h, whose affine parameters' gradients go into grads).
+  void pass_vjp(Nonlinearity f, const acc_t* s, const acc_t* g_v, acc_t* g_s,
+                const ParameterGrads<acc_t>& grads) const {
     const int64_t J = d_.J, D = capsule_dim<kD>(d_);
     for (int64_t j = 0; j < J; ++j) {
       const acc_t* sj = s + j * D;
       const acc_t* gj = g_v + j * D;
-      const SquashVjp<acc_t> k = squash_vjp_coeffs(dot<acc_t, acc_t, acc_t>(sj, sj, D), eps_);
+      if (f == Nonlinearity::layer_norm) {
+        layer_norm_vjp(sj, gj, g_s + j * D, grads);
+        continue;
+      }
+      const SquashVjp<acc_t> k = radial_vjp_coeffs(f, dot<acc_t, acc_t, acc_t>(sj, sj, D), eps_);
       const acc_t radial = k.radial * dot<acc_t, acc_t, acc_t>(sj, gj, D);
       for (int64_t e = 0; e < D; ++e) g_s[j * D + e] = k.scale * gj[e] + radial * sj[e];
     }
   }
 
+  void layer_norm_vjp(const acc_t* s, const acc_t* g_v, acc_t* g_s,
+                      const ParameterGrads<acc_t>& grads) const {
+    const int64_t D = capsule_dim<kD>(d_);
+    const CapsuleMoments<acc_t> m = capsule_moments(s, D, eps_);
+    acc_t sum_gx = 0, sum_gx_xhat = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const acc_t xhat = (s[d] - m.mean) * m.inv_std;
+      const acc_t gx = rule_.norm_weight ? rule_.norm_weight[d] * g_v[d] : g_v[d];
+      sum_gx += gx;
+      sum_gx_xhat += gx * xhat;
+      if (grads.norm_weight) grads.norm_weight[d] += g_v[d] * xhat;
+      if (grads.norm_bias) grads.norm_bias[d] += g_v[d];
+    }
+    const acc_t mean_gx = sum_gx / D, mean_gx_xhat = sum_gx_xhat / D;
+    for (int64_t d = 0; d < D; ++d) {
+      const acc_t xhat = (s[d] - m.mean) * m.inv_std;
+      const acc_t gx = rule_.norm_weight ? rule_.norm_weight[d] * g_v[d] : g_v[d];
+      g_s[d] = m.inv_std * (gx - mean_gx - xhat * mean_gx_xhat);
+    }
+  }
+
   RoutingDims d_;
+  RoutingRule<acc_t> rule_;
   acc_t eps_;
   bool detach_;
   int64_t first_r_;
   int64_t tiled_ij_;  // padded I times J: the size of one iteration's coupling or g_logits
-  std::vector<acc_t> gv_, gv_next_, tile_;  // per-thread scratch
+  std::vector<acc_t> gv_, gv_next_, tile_, softmax_tile_;  // per-thread scratch
 };
 
 }  // namespace cpu

@@ -115,16 +115,17 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes,
   e.grad_votes.resize(cs.B * cs.I * JD);
   e.grad_bias_items.assign(cs.B * JD, 0.0);
   cpu::ForwardScratch<double> scratch(d);
-  cpu::RoutingBackward<0, double> backward(d, eps, cs.detach);
+  const RoutingRule<double> rule{};  // dynamic routing
+  cpu::RoutingBackward<0, double> backward(d, rule, eps, cs.detach);
   std::vector<double> state(cpu::BackwardState<double>::numel(d));
   for (int64_t b = 0; b < cs.B; ++b) {
     const cpu::VoteRows<double> u{votes.data() + b * cs.I * JD, JD, cs.D};
-    cpu::route_forward<0>(u, cs.bias ? bias.data() : nullptr, d, eps, scratch,
+    cpu::route_forward<0>(u, cs.bias ? bias.data() : nullptr, rule, d, eps, scratch,
                           e.s_hist.data() + b * cs.iters * JD, e.v.data() + b * JD,
                           e.c.data() + b * cs.I * cs.J);
     const cpu::BackwardState<double> st(state.data(), d);
     backward.run(u, grad_v.data() + b * JD, e.s_hist.data() + b * cs.iters * JD,
-                 e.grad_bias_items.data() + b * JD, st);
+                 cpu::ParameterGrads<double>{e.grad_bias_items.data() + b * JD}, st);
     for (int64_t i = 0; i < cs.I; ++i)
       backward.vote_grad_row(st, i, e.grad_votes.data() + (b * cs.I + i) * JD);
   }

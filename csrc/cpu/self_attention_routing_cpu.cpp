@@ -1,0 +1,47 @@
+// self_attention_routing on the CPU: the agreement routing of agreement_routing.h under
+// self_attention_rule (csrc/common/routing_rule.h).
+#include <torch/library.h>
+
+#include "../common/checks.h"
+#include "../common/kernel_path.h"
+#include "agreement_routing.h"
+
+namespace capsroute {
+namespace {
+
+cpu::RuleTensors rule_of(const at::Tensor& votes, const std::optional<at::Tensor>& coupling_bias,
+                         std::string_view squash) {
+  return {self_attention_rule<double>(votes.size(2), votes.size(3), self_attention_squash(squash),
+                                      nullptr),
+          coupling_bias.value_or(at::Tensor())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> self_attention_routing_cpu(
+    const at::Tensor& votes, const std::optional<at::Tensor>& coupling_bias,
+    std::string_view squash, double eps) {
+  check_self_attention_routing_inputs(votes, coupling_bias, squash, eps);
+  record_kernel_path("self_attention_routing", Direction::forward, "cpu");
+  return cpu::route_votes(votes, at::Tensor(), rule_of(votes, coupling_bias, squash),
+                          kSelfAttentionPasses, /*leaky=*/false, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cpu(
+    const at::Tensor& grad_v, const at::Tensor& votes,
+    const std::optional<at::Tensor>& coupling_bias, const at::Tensor& s_hist,
+    std::string_view squash, double eps) {
+  check_self_attention_routing_backward_inputs(grad_v, votes, coupling_bias, s_hist, squash, eps);
+  record_kernel_path("self_attention_routing", Direction::backward, "cpu");
+  const cpu::RoutingGrads grads =
+      cpu::route_votes_backward(grad_v, votes, s_hist, rule_of(votes, coupling_bias, squash),
+                                /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+  return {grads.votes, grads.coupling_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(capsroute, CPU, m) {
+  m.impl("self_attention_routing", &self_attention_routing_cpu);
+  m.impl("_self_attention_routing_backward", &self_attention_routing_backward_cpu);
+}
+
+}  // namespace capsroute
