@@ -29,9 +29,11 @@
 #   bench-baselines (240) eager and torch.compile once per minimal shape
 #   tests (150)           the CUDA tests (-m cuda)
 #   tests-scale (150)     I = 16384 at B = 1 or 2
-#   sweep (150)           scripts/gpu_sweep.py
-#   memcheck (120), racecheck (120), initcheck (120), synccheck (120)   compute-sanitizer over
+#   sweep (180)           scripts/gpu_sweep.py
+#   memcheck (130), racecheck (130), initcheck (130), synccheck (130)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
+#                         (sweep and sanitizers: 30 s and 10 s more than before the attention
+#                         routings joined them, a guess: they have not run on a GPU)
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
 #   bench-conv (130)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
 #                         impl, at MatrixCapsNet's conv layers (B = 512), image scale (B = 1) and
@@ -62,8 +64,8 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 # carried in build-cache (unpack, environment, the GPU check); build: the same with the build
 # (about 100 s on the H100 machine's 16 cores).
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
-  [tests]=150 [tests-scale]=150 [sweep]=150 [memcheck]=120 [racecheck]=120
-  [initcheck]=120 [synccheck]=120 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
+  [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=130 [racecheck]=130
+  [initcheck]=130 [synccheck]=130 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
   [bench-models]=300 [bench-conv]=130)
 # The calls of a GPU session, in value order (the header's plan).
 calls=("build doctor bench-minimal tests" "memcheck racecheck initcheck synccheck" "sweep bench"
@@ -222,7 +224,8 @@ for k in "${!stages[@]}"; do
       within python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
       within python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
-    sweep)  # every op against the float64 reference at B = 1..2048, I = 16384, EM at B = 64x36; determinism
+    sweep)  # every op (the attention routings too) against the float64 reference at B = 1..2048,
+      # I = 16384, EM at B = 64x36; determinism
       within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
     memcheck|racecheck|initcheck|synccheck)
       # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,

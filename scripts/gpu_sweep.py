@@ -62,6 +62,28 @@ def squash_case(B, J, D):
     return run, [_randn(B, J, D)], [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
 
 
+def self_attention_case(B, I, J, D, **options):
+    inputs = [_randn(B, I, J, D, scale=0.5), _randn(I, J, scale=0.05)]
+
+    def run(impl, votes, coupling_bias):
+        return (impl.self_attention_routing(votes, coupling_bias=coupling_bias, **options),)
+
+    return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
+def inverted_attention_case(B, I, J, D, iters=3):
+    inputs = [_randn(B, I, J, D, scale=0.5), 1 + _randn(D, scale=0.1), _randn(D, scale=0.1)]
+
+    def run(impl, votes, norm_weight, norm_bias):
+        return (
+            impl.inverted_attention_routing(
+                votes, iters, norm_weight=norm_weight, norm_bias=norm_bias
+            ),
+        )
+
+    return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
 def _em_inputs(B, I, J):
     a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
     a_in[:, ::7] = 0  # inputs without mass take the guarded paths
@@ -97,13 +119,34 @@ def cases(quick: bool):
         yield f"squash B={B}", lambda B=B: squash_case(B, mnist["J"], mnist["D"])
         yield f"dynamic_routing MNIST B={B}", lambda B=B: routing_case(B, **mnist)
         yield f"dense_capsules MNIST B={B}", lambda B=B: dense_case(B, **mnist, Din=8)
+        yield f"self_attention_routing MNIST B={B}", lambda B=B: self_attention_case(B, **mnist)
+        yield (
+            f"inverted_attention_routing MNIST B={B}",
+            lambda B=B: inverted_attention_case(B, **mnist),
+        )
     yield "dynamic_routing MNIST B=7 leaky", lambda: routing_case(7, **mnist, leaky=True)
     yield "dynamic_routing MNIST B=7 detach", lambda: routing_case(7, **mnist, detach=True)
     yield (
         "dense_capsules MNIST B=7 leaky detach",
         lambda: dense_case(7, **mnist, Din=8, leaky=True, detach=True),
     )
+    yield (
+        "self_attention_routing MNIST B=7 sabour",
+        lambda: self_attention_case(7, **mnist, squash="sabour"),
+    )
+    yield (
+        "inverted_attention_routing MNIST B=7 iters=1",
+        lambda: inverted_attention_case(7, **mnist, iters=1),
+    )
     for B in (1, 2):
+        yield (
+            f"self_attention_routing I={large['I']} J={large['J']} B={B}",
+            lambda B=B: self_attention_case(B, **large),
+        )
+        yield (
+            f"inverted_attention_routing I={large['I']} J={large['J']} B={B}",
+            lambda B=B: inverted_attention_case(B, **large),
+        )
         yield (
             f"dynamic_routing I={large['I']} J={large['J']} B={B}",
             lambda B=B: routing_case(B, **large),

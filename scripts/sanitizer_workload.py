@@ -208,6 +208,55 @@ for (splits, dtype), (B, I, J), iters, chunk in itertools.product(
     )
 for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
     os.environ.pop(name, None)
+
+
+# The attention routings (dynamic routing's block kernels under their rules), every storage dtype,
+# with and without their parameters, the rows of each element in one range (and in 3: float32 and
+# float16), against
+# capsroute.reference in float64 on the CPU (the same rounded values).
+def check_attention_ops(dtype, shape, with_parameters, label):
+    B, I, J, D, _ = shape
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
+        dtype
+    ]
+    label = f"{dtype} B={B} I={I} J={J} D={D} parameters={with_parameters} {label}"
+    votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
+    grad = torch.randn(B, J, D, dtype=torch.float64)
+    params = (
+        [torch.randn(I, J, dtype=torch.float64) * 0.05] if with_parameters else [],
+        [1 + 0.1 * torch.randn(D, dtype=torch.float64), 0.1 * torch.randn(D, dtype=torch.float64)]
+        if with_parameters
+        else [],
+    )
+    for name, iters in (("self_attention_routing", None), ("inverted_attention_routing", 3)):
+        for module in (capsroute, capsroute.reference):
+            if name == "self_attention_routing":
+                sa = getattr(module, name)
+                fn = lambda x, *p, sa=sa: sa(x, coupling_bias=p[0] if p else None)  # noqa: E731
+                inputs = [votes, *params[0]]
+            else:
+                ia = getattr(module, name)
+                fn = lambda x, *p, ia=ia: ia(  # noqa: E731
+                    x, iters, norm_weight=p[0] if p else None, norm_bias=p[1] if p else None
+                )
+                inputs = [votes, *params[1]]
+            if module is capsroute:
+                cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], grad.cuda())
+                note_paths(name)
+            else:
+                want = run(fn, [t.to(dtype).double() for t in inputs], grad)
+        check(f"{name} {label}", cuda_out, want, tol)
+
+
+ATTENTION_DTYPES = {
+    "1": [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+    "3": [torch.float32, torch.float16],
+}
+for splits, dtypes in ATTENTION_DTYPES.items():
+    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
+    for dtype, shape, with_parameters in itertools.product(dtypes, ROUTING_SHAPES, [False, True]):
+        check_attention_ops(dtype, shape, with_parameters, f"splits={splits}")
+os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 torch.cuda.synchronize()
 expected_paths = {
     "cuda",
@@ -222,5 +271,5 @@ if CLUSTERS:
 if expected_paths - covered:
     failures.append(f"kernel paths never run: {sorted(expected_paths - covered)}")
 print(f"kernel paths run: {', '.join(sorted(covered))}")
-print("\n".join(failures) or "all outputs finite and matching the CPU backend")
+print("\n".join(failures) or "all outputs finite and matching the CPU backend (or the reference)")
 sys.exit(1 if failures else 0)

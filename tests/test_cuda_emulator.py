@@ -5,11 +5,13 @@ backend's element code: every launch path of dynamic routing (a block per elemen
 over blocks, a warp per part of an element's rows, and the forward and backward an element per
 cluster of blocks with the votes in shared memory), float16/bfloat16 storage included (through
 c10::Half/BFloat16 from torch's headers), and the EM forward and backward (em_routing_pose's in
-batch chunks), all run by the very launch sequences the ops use (csrc/cuda/routing_sequence.cuh
-and em_sequence.cuh, given a host launcher instead of the CUDA stream one), with misaligned
-vector loads caught (UBSan's alignment check); and a ThreadSanitizer build of the same programs
-for data races (missing barriers). CI has no GPU, so this is what checks the kernels' arithmetic, indexing and
-barriers there; the cuda-marked tests check them on a GPU."""
+batch chunks), and the block kernels under the attention routings' rules (rule_routing_test,
+against a double-precision reference of the rule's loop and its reverse mode), all run by the very
+launch sequences the ops use (csrc/cuda/routing_sequence.cuh and em_sequence.cuh, given a host
+launcher instead of the CUDA stream one), with misaligned vector loads caught (UBSan's alignment
+check); and a ThreadSanitizer build of the same programs for data races (missing barriers). CI has
+no GPU, so this is what checks the kernels' arithmetic, indexing and barriers there; the
+cuda-marked tests check them on a GPU."""
 
 import functools
 import os
@@ -70,7 +72,7 @@ EVERY_KERNEL_ONCE = pytest.param("tsan", id="every-kernel-once")
 
 
 @pytest.mark.parametrize("mode", [EVERY_KERNEL_ONCE, pytest.param("full", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("program", ["routing_test", "em_test"])
+@pytest.mark.parametrize("program", ["routing_test", "rule_routing_test", "em_test"])
 def test_cuda_kernels_match_the_cpu_code(build, program, mode):
     run = subprocess.run([str(build(program)), mode], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), (
@@ -79,7 +81,7 @@ def test_cuda_kernels_match_the_cpu_code(build, program, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program", ["routing_test", "em_test"])
+@pytest.mark.parametrize("program", ["routing_test", "rule_routing_test", "em_test"])
 def test_cuda_kernels_have_no_data_race(build, program):
     """The same kernels under ThreadSanitizer: every emulated CUDA thread is a thread it follows, so a
     missing __syncthreads or a shared-memory slot two threads write shows as a data race. The tsan

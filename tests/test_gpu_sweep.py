@@ -19,7 +19,15 @@ def test_quick_sweep_on_cpu(tmp_path):
     assert load_sweep().main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu-sweep.json").read_text())
     ops = {r["case"].split()[0] for r in report["results"]}
-    assert ops == {"squash", "dynamic_routing", "dense_capsules", "em_routing", "em_routing_pose"}
+    assert ops == {
+        "squash",
+        "dynamic_routing",
+        "dense_capsules",
+        "self_attention_routing",
+        "inverted_attention_routing",
+        "em_routing",
+        "em_routing_pose",
+    }
     assert {r["dtype"] for r in report["results"]} == {"float64", "float32"}
     assert all(r["passed"] and r["deterministic"] for r in report["results"])
     assert all(r["kernel_path"] == "cpu/cpu" for r in report["results"])

@@ -1,7 +1,9 @@
-// The block kernels of dynamic routing (the "v2-block" path, for capsules the warp rows do not
-// fit: routing_launch.cuh), over votes read from memory: dynamic_routing's own, or a chunk of
-// dense_capsules' votes made by a GEMM. Their reduce and backward-start kernels, and the writer of
-// the vote gradient from the saved state, serve the warp-rows kernels too.
+// The block kernels of the agreement routings (the "v2-block" path: every rule, and dynamic
+// routing's capsules the warp rows do not fit, routing_launch.cuh), over votes read from memory:
+// dynamic_routing's, the attention routings' own, or a chunk of dense_capsules' votes made by a
+// GEMM. Their reduce and backward-start kernels, and the writer of the vote gradient from the saved
+// state, serve the warp-rows kernels too. The routing's rule (RoutingRule, routing_rule.h: the
+// logit update, each pass's nonlinearity, the coupling bias) is a kernel parameter.
 //
 // The kernels are templated on a "vote source" (MemoryVotes below; the storage type of the votes
 // varies): a functor with
@@ -32,6 +34,7 @@
 #include "../common/acc_math.h"
 #include "../common/dims.h"
 #include "device_utils.cuh"
+#include "routing_pass.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -72,42 +75,6 @@ struct MemoryVotes {
     return votes + rows.offset(b, i);
   }
 };
-
-// ---- device helpers ----
-
-// Coupling of one input row: c = softmax over the J logits (with an extra zero logit when
-// leaky, its share dropped), as softmax_lanes in csrc/cpu/vec_math.h. Called by a whole warp; lane
-// l reads logits[j] and writes c[j] for j = l, l + 32, ... only.
-template <typename acc_t>
-__device__ __forceinline__ void warp_coupling_row(const acc_t* logits, int64_t J, bool leaky,
-                                                  acc_t* c, int lane) {
-  acc_t max_logit = leaky ? acc_t(0) : neg_infinity(acc_t(0));
-  for (int64_t j = lane; j < J; j += kWarpSize)
-    max_logit = logits[j] > max_logit ? logits[j] : max_logit;
-  max_logit = warp_max(max_logit);
-  acc_t denom = 0;
-  for (int64_t j = lane; j < J; j += kWarpSize) denom += acc_exp(logits[j] - max_logit);
-  denom = warp_sum(denom);
-  if (leaky) denom += acc_exp(-max_logit);
-  const acc_t inv_denom = acc_t(1) / denom;
-  for (int64_t j = lane; j < J; j += kWarpSize) c[j] = acc_exp(logits[j] - max_logit) * inv_denom;
-}
-
-// v = squash(s) for the J capsules of one (J, D) slab; warp per capsule. v_stride: values from
-// one capsule of v to the next (D, or more for a padded layout in shared memory).
-template <typename acc_t>
-__device__ __forceinline__ void block_squash(const acc_t* s, int64_t J, int64_t D, acc_t eps,
-                                             acc_t* v, int warp, int nwarps, int lane,
-                                             int64_t v_stride) {
-  for (int64_t j = warp; j < J; j += nwarps) {
-    const acc_t* sj = s + j * D;
-    acc_t q = 0;
-    for (int64_t d = lane; d < D; d += kWarpSize) q += sj[d] * sj[d];
-    q = warp_sum(q);
-    const acc_t scale = squash_scale(q, eps);
-    for (int64_t d = lane; d < D; d += kWarpSize) v[j * v_stride + d] = scale * sj[d];
-  }
-}
 
 // ---- rows of one element ----
 //
@@ -192,12 +159,45 @@ __device__ __forceinline__ void accumulate_tile_columns(const Source& src, int64
   }
 }
 
-// Iteration r of the forward over `rows` of element b: b^r_ij = b^{r-1}_ij + <u_ij, v^{r-1}_j>
-// (b^0 = 0) and c^r = softmax (warp per row; written to c_out at the last iteration), then
+// Logits b^r of row i of element b (a warp; lane l its j = l, l + 32, ...): 0 at r = 0, else
+// rule.next_logit(b^{r-1}_ij, <u_ij, v^{r-1}_j>) over b^{r-1} in `logits`; v_prev = v^{r-1}.
+template <typename Source>
+__device__ __forceinline__ void warp_logit_row(const Source& src, int64_t b, int64_t i, int64_t r,
+                                               int64_t J, int64_t D,
+                                               const typename Source::acc_type* v_prev,
+                                               const RoutingRule<typename Source::acc_type>& rule,
+                                               typename Source::acc_type* logits, int lane) {
+  using acc_t = typename Source::acc_type;
+  for (int64_t j = lane; j < J; j += kWarpSize) {
+    acc_t logit = 0;
+    if (r > 0) {
+      const acc_t* vj = v_prev + j * D;
+      acc_t agreement = 0;
+      for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * vj[d];
+      logit = rule.next_logit(logits[j], agreement);
+    }
+    logits[j] = logit;
+  }
+}
+
+// c^r_ij += the coupling bias of row i at pass r > 0, where the rule has one (a warp; lane l its
+// j = l, l + 32, ...). (Added after warp_coupling_row, not in it: a bias pointer live across the
+// softmax made ptxas spill.)
+template <typename acc_t>
+__device__ __forceinline__ void add_coupling_bias(const RoutingRule<acc_t>& rule, int64_t r,
+                                                  int64_t i, int64_t J, acc_t* c, int lane) {
+  if (r == 0 || rule.coupling_bias == nullptr) return;
+  const acc_t* bias = rule.coupling_bias + i * J;
+  for (int64_t j = lane; j < J; j += kWarpSize) c[j] += bias[j];
+}
+
+// Iteration r of the forward over `rows` of element b: the logits b^r (warp_logit_row) and
+// c^r = softmax + the coupling bias (warp per row; written to c_out at the last iteration), then
 // s_acc_jd += sum_i c_ij u_ijd (column owners, over s_acc as they left it).
 template <typename Source, typename scalar_t>
 __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRange rows, int64_t r,
                                              const RoutingDims& dims,
+                                             const RoutingRule<typename Source::acc_type>& rule,
                                              const ForwardWorkspace<typename Source::acc_type>& ws,
                                              scalar_t* c_out, typename Source::acc_type* s_acc) {
   using acc_t = typename Source::acc_type;
@@ -212,18 +212,10 @@ __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRa
     // Phase 1, warp per row.
     for (int64_t i = i0 + warp; i < i1; i += nwarps) {
       acc_t* li = logits + i * J;
-      for (int64_t j = lane; j < J; j += kWarpSize) {
-        acc_t logit = 0;
-        if (r > 0) {
-          const acc_t* vj = v + j * D;
-          acc_t agreement = 0;
-          for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * vj[d];
-          logit = li[j] + agreement;
-        }
-        li[j] = logit;
-      }
+      warp_logit_row(src, b, i, r, J, D, v, rule, li, lane);
       acc_t* ci = coupling + i * J;
       warp_coupling_row(li, J, dims.leaky, ci, lane);
+      add_coupling_bias(rule, r, i, J, ci, lane);
       if (r == dims.iters - 1) {
         for (int64_t j = lane; j < J; j += kWarpSize)
           c_out[(b * I + i) * J + j] = static_cast<scalar_t>(ci[j]);
@@ -235,17 +227,18 @@ __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRa
   }
 }
 
-// v^r = squash(s^r) of element b (s complete), and v_out at the last iteration.
+// v^r = f_r(s^r) of element b (s complete), and v_out at the last iteration.
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r,
-                                                         const RoutingDims& dims, acc_t eps,
+                                                         const RoutingDims& dims,
+                                                         const RoutingRule<acc_t>& rule, acc_t eps,
                                                          const acc_t* s, acc_t* v,
                                                          scalar_t* v_out) {
   const int64_t JD = dims.J * dims.D;
   const int tid = threadIdx.x, nthreads = blockDim.x;
   __syncthreads();  // s complete (also when no row ran)
-  block_squash(s, dims.J, dims.D, eps, v, tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize,
-               dims.D);
+  block_pass_outputs(rule.logits, rule.nonlinearity, rule.norm_weight, rule.norm_bias, r, 1,
+                     dims.iters, s, dims.J, dims.D, eps, v);
   __syncthreads();  // v^r complete before the next iteration's agreement (or the copy) reads it
   if (r == dims.iters - 1) {
     for (int64_t jd = tid; jd < JD; jd += nthreads)
@@ -262,6 +255,7 @@ template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
                            const typename Source::acc_type eps,
+                           const RoutingRule<typename Source::acc_type> rule,
                            const ForwardWorkspace<typename Source::acc_type> ws,
                            typename Source::acc_type* s_hist, scalar_t* v_out, scalar_t* c_out) {
   using acc_t = typename Source::acc_type;
@@ -271,8 +265,8 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Sou
       acc_t* s = s_hist + (b * R + r) * JD;
       for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x)
         s[jd] = bias != nullptr ? static_cast<acc_t>(bias[jd]) : acc_t(0);
-      forward_rows(src, b, {0, dims.I}, r, dims, ws, c_out, s);
-      finish_forward_iteration(b, r, dims, eps, s, ws.v + b * JD, v_out);
+      forward_rows(src, b, {0, dims.I}, r, dims, rule, ws, c_out, s);
+      finish_forward_iteration(b, r, dims, rule, eps, s, ws.v + b * JD, v_out);
     }
   }
 }
@@ -281,12 +275,12 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Sou
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_forward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
-                                const int64_t r,
+                                const int64_t r, const RoutingRule<typename Source::acc_type> rule,
                                 const ForwardWorkspace<typename Source::acc_type> ws,
                                 scalar_t* c_out, typename Source::acc_type* partial) {
   for_each_range(dims, splits, partial,
                  [&](int64_t b, RowRange rows, typename Source::acc_type* s_acc) {
-                   forward_rows(src, b, rows, r, dims, ws, c_out, s_acc);
+                   forward_rows(src, b, rows, r, dims, rule, ws, c_out, s_acc);
                  });
 }
 
@@ -295,12 +289,13 @@ template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_forward_reduce_kernel(const acc_t* partial, const int64_t splits, const scalar_t* bias,
                                   const RoutingDims dims, const int64_t r, const acc_t eps,
-                                  acc_t* v_ws, acc_t* s_hist, scalar_t* v_out) {
+                                  const RoutingRule<acc_t> rule, acc_t* v_ws, acc_t* s_hist,
+                                  scalar_t* v_out) {
   const int64_t JD = dims.J * dims.D;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* s = s_hist + (b * dims.iters + r) * JD;
     sum_ranges(partial, splits, b, JD, bias, s);
-    finish_forward_iteration(b, r, dims, eps, s, v_ws + b * JD, v_out);
+    finish_forward_iteration(b, r, dims, rule, eps, s, v_ws + b * JD, v_out);
   }
 }
 
@@ -309,13 +304,16 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 // Saved state of the backward pass, per element b (see RoutingBackward in
 // csrc/cpu/routing_element.h). Iterations r = first_r .. iters-1 are kept (nkeep of them,
 // slot k = r - first_r): first_r = iters-1 with detach, 0 without.
-//   v_hist   (B, iters, J, D)  v^r = squash(s^r), every r
+//   v_hist   (B, iters, J, D)  v^r = f_r(s^r), every r
 //   gs_hist  (B, nkeep, J, D)  gs^r = dL/ds^r
 //   coupling (B, nkeep, I, J)  c^r
-//   g_logits (B, nkeep, I, J)  G^r = dL/db^{r+1}; G^{iters-1} = 0 (with detach the one slot
-//                              stays 0, so the vote gradient below needs no special case)
+//   g_logits (B, nkeep, I, J)  G^r = dL/d<u_ij, v^r_j>, the logits' gradient dL/db^{r+1} times
+//                              the rule's logit scale (1 where they accumulate); G^{iters-1} = 0
+//                              (with detach the one slot stays 0, so the vote gradient below
+//                              needs no special case)
 // and the vote gradient
-//   g_u[b, i, j, d] = sum_{r >= first_r} c^r_ij gs^r_jd + G^r_ij v^r_jd.
+//   g_u[b, i, j, d] = sum_{r >= first_r} c^r_ij gs^r_jd + G^r_ij v^r_jd,
+// and the gradient items of the rule's parameters (grads; null buffers where none).
 template <typename acc_t>
 struct BackwardState {
   acc_t* v_hist;
@@ -323,6 +321,7 @@ struct BackwardState {
   acc_t* coupling;
   acc_t* g_logits;
   int64_t I, J, D, iters, first_r, nkeep;
+  RuleGradItems<acc_t> grads = {};
 
   // (The capsule j = jd / D is given: its callers find it once per column.)
   __device__ __forceinline__ acc_t vote_grad(int64_t b, int64_t i, int64_t j, int64_t jd) const {
@@ -345,52 +344,40 @@ struct BackwardWorkspace {
   acc_t* gv;
 };
 
-// gs = squash_vjp(s, gv) for the J capsules of one element (warp per capsule); gs_stride as
-// block_squash's v_stride.
+// Start of the backward of element b: v^r = f_r(s^r) for every r and gv = grad_v. grad_v is in
+// the accumulation dtype: a float16 gradient above 65504 is finite in float32.
 template <typename acc_t>
-__device__ __forceinline__ void block_squash_vjp(const acc_t* s, const acc_t* gv, int64_t J,
-                                                 int64_t D, acc_t eps, acc_t* gs,
-                                                 int64_t gs_stride) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize,
-            nwarps = blockDim.x / kWarpSize;
-  for (int64_t j = warp; j < J; j += nwarps) {
-    acc_t q = 0, sg = 0;
-    for (int64_t d = lane; d < D; d += kWarpSize) {
-      q += s[j * D + d] * s[j * D + d];
-      sg += s[j * D + d] * gv[j * D + d];
-    }
-    q = warp_sum(q);
-    sg = warp_sum(sg);
-    const SquashVjp<acc_t> coeffs = squash_vjp_coeffs(q, eps);
-    const acc_t radial = coeffs.radial * sg;
-    for (int64_t d = lane; d < D; d += kWarpSize)
-      gs[j * gs_stride + d] = coeffs.scale * gv[j * D + d] + radial * s[j * D + d];
-  }
-}
-
-// Start of the backward of element b: v^r = squash(s^r) for every r, gv = grad_v, and
-// gs^{iters-1} = squash_vjp(s^{iters-1}, gv). grad_v is in the accumulation dtype: a float16
-// gradient above 65504 is finite in float32.
-template <typename acc_t>
-__device__ __forceinline__ void backward_start(int64_t b, const acc_t* grad_v, const acc_t* s_hist,
-                                               const RoutingDims& dims, acc_t eps,
-                                               const BackwardState<acc_t>& st, acc_t* gv) {
+__device__ __forceinline__ void backward_outputs(int64_t b, const acc_t* grad_v,
+                                                 const acc_t* s_hist, const RoutingDims& dims,
+                                                 const RoutingRule<acc_t>& rule, acc_t eps,
+                                                 const BackwardState<acc_t>& st, acc_t* gv) {
   const int64_t JD = dims.J * dims.D, R = dims.iters;
-  const int tid = threadIdx.x, nthreads = blockDim.x;
-  block_squash(s_hist + b * R * JD, R * dims.J, dims.D, eps, st.v_hist + b * R * JD,
-               tid / kWarpSize, nthreads / kWarpSize, tid % kWarpSize, dims.D);
-  for (int64_t jd = tid; jd < JD; jd += nthreads) gv[jd] = grad_v[b * JD + jd];
-  __syncthreads();  // gv complete
-  block_squash_vjp(s_hist + (b * R + R - 1) * JD, gv, dims.J, dims.D, eps,
-                   st.gs_hist + (b * st.nkeep + st.nkeep - 1) * JD, dims.D);
-  __syncthreads();  // v_hist and gs^{iters-1} complete
+  block_pass_outputs(rule.logits, rule.nonlinearity, rule.norm_weight, rule.norm_bias, 0, R, R,
+                     s_hist + b * R * JD, dims.J, dims.D, eps, st.v_hist + b * R * JD);
+  for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) gv[jd] = grad_v[b * JD + jd];
+  __syncthreads();  // v_hist and gv complete
 }
 
-// c^r for r >= first_r over `rows` of element b, from b^{r+1} = b^r + <u, v^r>, b^0 = 0 (warp
+// gs^r = f_r's VJP at s^r of gv (complete) for element b, into its slot of gs_hist.
+template <typename acc_t>
+__device__ __forceinline__ void backward_pass_vjp(int64_t b, int64_t r, const acc_t* s_hist,
+                                                  const RoutingDims& dims,
+                                                  const RoutingRule<acc_t>& rule, acc_t eps,
+                                                  const BackwardState<acc_t>& st, const acc_t* gv) {
+  const int64_t JD = dims.jd();
+  block_pass_vjp(rule.pass_nonlinearity(r, dims.iters), rule.norm_weight,
+                 s_hist + (b * dims.iters + r) * JD, gv, dims.J, dims.D, eps,
+                 st.gs_hist + (b * st.nkeep + r - st.first_r) * JD, st.grads.norm_weight,
+                 st.grads.norm_bias, b * JD);
+  __syncthreads();  // gs^r complete
+}
+
+// c^r for r >= first_r over `rows` of element b, from the logits b^r of warp_logit_row (warp
 // per row; v_hist complete); zeroes those rows of G^{iters-1}.
 template <typename Source>
 __device__ __forceinline__ void recompute_coupling_rows(
     const Source& src, int64_t b, RowRange rows, const RoutingDims& dims,
+    const RoutingRule<typename Source::acc_type>& rule,
     const BackwardState<typename Source::acc_type>& st, typename Source::acc_type* logits_ws) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, D = dims.D, JD = J * D, R = dims.iters;
@@ -401,31 +388,26 @@ __device__ __forceinline__ void recompute_coupling_rows(
   acc_t* g_last = st.g_logits + (b * st.nkeep + st.nkeep - 1) * I * J;
   for (int64_t i = rows.begin + warp; i < rows.end; i += nwarps) {
     acc_t* li = logits_ws + (b * I + i) * J;
-    for (int64_t j = lane; j < J; j += kWarpSize) {
-      li[j] = 0;
-      g_last[i * J + j] = 0;
-    }
+    for (int64_t j = lane; j < J; j += kWarpSize) g_last[i * J + j] = 0;
     for (int64_t r = 0; r < R; ++r) {
-      if (r > 0) {
-        const acc_t* v_prev = v_b + (r - 1) * JD;
-        for (int64_t j = lane; j < J; j += kWarpSize) {
-          acc_t agreement = 0;
-          for (int64_t d = 0; d < D; ++d) agreement += src(b, i, j * D + d) * v_prev[j * D + d];
-          li[j] += agreement;
-        }
-      }
+      warp_logit_row(src, b, i, r, J, D, v_b + (r > 0 ? r - 1 : 0) * JD, rule, li, lane);
       if (r >= st.first_r)
         warp_coupling_row(li, J, dims.leaky, c_b + (r - st.first_r) * I * J + i * J, lane);
     }
   }
+  for (int64_t i = rows.begin + warp; i < rows.end; i += nwarps)
+    for (int64_t r = st.first_r; r < R; ++r)
+      add_coupling_bias(rule, r, i, J, c_b + (r - st.first_r) * I * J + i * J, lane);
 }
 
-// One backward step over `rows` of element b, for r > first_r (gs^r complete):
-// G^{r-1} = dL/db^r = G^r + softmax VJP of gc = <gs^r, u> (warp per row), then
-// gv_acc_jd += sum_i G^{r-1}_ij u_ijd (column owners, over gv_acc as they left it).
+// One backward step over `rows` of element b, for r > first_r (gs^r complete): the softmax VJP
+// of gc = <gs^r, u> at p = c^r - coupling bias, plus G^r where the logits accumulate, else times
+// the logit scale, makes G^{r-1} (warp per row; gc also into the coupling bias's gradient items),
+// then gv_acc_jd += sum_i G^{r-1}_ij u_ijd (column owners, over gv_acc as they left it).
 template <typename Source>
 __device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowRange rows,
                                               int64_t r, const RoutingDims& dims,
+                                              const RoutingRule<typename Source::acc_type>& rule,
                                               const BackwardState<typename Source::acc_type>& st,
                                               typename Source::acc_type* gv_acc) {
   using acc_t = typename Source::acc_type;
@@ -440,16 +422,22 @@ __device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowR
     const int64_t i1 = i0 + kRoutingTile < rows.end ? i0 + kRoutingTile : rows.end;
     // Phase 1, warp per row (lanes only touch their own j entries).
     for (int64_t i = i0 + warp; i < i1; i += nwarps) {
+      const acc_t* bias = rule.coupling_bias != nullptr ? rule.coupling_bias + i * J : nullptr;
       acc_t weighted = 0;
       for (int64_t j = lane; j < J; j += kWarpSize) {
         acc_t gc = 0;
         for (int64_t d = 0; d < D; ++d) gc += gs[j * D + d] * src(b, i, j * D + d);
         g_here[i * J + j] = gc;  // gc for now, G^{r-1} below
-        weighted += c[i * J + j] * gc;
+        weighted += (bias != nullptr ? c[i * J + j] - bias[j] : c[i * J + j]) * gc;
+        if (st.grads.coupling_bias != nullptr) st.grads.coupling_bias[(b * I + i) * J + j] += gc;
       }
       weighted = warp_sum(weighted);
-      for (int64_t j = lane; j < J; j += kWarpSize)
-        g_here[i * J + j] = g_next[i * J + j] + c[i * J + j] * (g_here[i * J + j] - weighted);
+      for (int64_t j = lane; j < J; j += kWarpSize) {
+        const acc_t p = bias != nullptr ? c[i * J + j] - bias[j] : c[i * J + j];
+        g_here[i * J + j] = rule.carries_logit_gradient()
+                                ? g_next[i * J + j] + p * (g_here[i * J + j] - weighted)
+                                : rule.logit_scale * (p * (g_here[i * J + j] - weighted));
+      }
     }
     __syncthreads();  // G^{r-1} of the tile written by warps, read by column owners
     accumulate_tile_columns(src, b, i0, i1, g_here, J, D, gv_acc);
@@ -457,10 +445,11 @@ __device__ __forceinline__ void backward_rows(const Source& src, int64_t b, RowR
   }
 }
 
-// grad_bias_items[b] = sum_r gs^r (column owners; gs complete).
+// grad_bias_items[b] = sum_r gs^r (column owners; gs complete), where grad_bias_items is given.
 template <typename acc_t>
 __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardState<acc_t>& st,
                                        acc_t* grad_bias_items) {
+  if (grad_bias_items == nullptr) return;
   const acc_t* gs_b = st.gs_hist + b * st.nkeep * JD;
   for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) {
     acc_t sum = 0;
@@ -469,14 +458,15 @@ __device__ __forceinline__ void sum_gs(int64_t b, int64_t JD, const BackwardStat
   }
 }
 
-// Fills the BackwardState buffers and grad_bias_items (B, J, D) = sum_r gs^r for each b.
-// grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype; detach is
+// Fills the BackwardState buffers and grad_bias_items (B, J, D) = sum_r gs^r for each b (where
+// given). grad_v (B, J, D) and s_hist (B, iters, J, D) in the accumulation dtype; detach is
 // st.first_r = iters - 1. One block per element.
 template <typename Source>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_backward_kernel(const Source src, const typename Source::acc_type* grad_v,
                             const typename Source::acc_type* s_hist, const RoutingDims dims,
                             const typename Source::acc_type eps,
+                            __grid_constant__ const RoutingRule<typename Source::acc_type> rule,
                             const BackwardState<typename Source::acc_type> st,
                             const BackwardWorkspace<typename Source::acc_type> ws,
                             typename Source::acc_type* grad_bias_items) {
@@ -484,71 +474,75 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Sou
   const int64_t JD = dims.J * dims.D, R = dims.iters;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* gv = ws.gv + b * JD;
-    backward_start(b, grad_v, s_hist, dims, eps, st, gv);
-    recompute_coupling_rows(src, b, {0, dims.I}, dims, st, ws.logits);
+    backward_outputs(b, grad_v, s_hist, dims, rule, eps, st, gv);
+    recompute_coupling_rows(src, b, {0, dims.I}, dims, rule, st, ws.logits);
     __syncthreads();  // c^r and G^{iters-1} complete
+    backward_pass_vjp(b, R - 1, s_hist, dims, rule, eps, st, gv);
     // Walk the iterations backwards; detach stops at the last s, and b^0 = 0 is a constant.
     for (int64_t r = R - 1; r > st.first_r; --r) {
       for (int64_t jd = threadIdx.x; jd < JD; jd += blockDim.x) gv[jd] = 0;
-      backward_rows(src, b, {0, dims.I}, r, dims, st, gv);
+      backward_rows(src, b, {0, dims.I}, r, dims, rule, st, gv);
       __syncthreads();  // gv^{r-1} complete (also when I == 0)
-      block_squash_vjp(s_hist + (b * R + r - 1) * JD, gv, dims.J, dims.D, eps,
-                       st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD, dims.D);
-      __syncthreads();  // gs^{r-1} complete before gv is cleared for the next step
+      backward_pass_vjp(b, r - 1, s_hist, dims, rule, eps, st, gv);  // before gv is cleared
     }
     sum_gs(b, JD, st, grad_bias_items);
     __syncthreads();
   }
 }
 
-// Split backward: backward_start for each b (block per b).
+// Split backward: the start of the backward (backward_outputs, gs^{iters-1}) for each b (block
+// per b).
 template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
-    routing_backward_start_kernel(const acc_t* grad_v, const acc_t* s_hist, const RoutingDims dims,
-                                  const acc_t eps, const BackwardState<acc_t> st, acc_t* gv_ws) {
-  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x)
-    backward_start(b, grad_v, s_hist, dims, eps, st, gv_ws + b * dims.J * dims.D);
+    routing_backward_start_kernel(const acc_t* grad_v, const acc_t* s_hist,
+                                  __grid_constant__ const RoutingDims dims, const acc_t eps,
+                                  __grid_constant__ const RoutingRule<acc_t> rule,
+                                  __grid_constant__ const BackwardState<acc_t> st, acc_t* gv_ws) {
+  for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
+    backward_outputs(b, grad_v, s_hist, dims, rule, eps, st, gv_ws + b * dims.jd());
+    backward_pass_vjp(b, dims.iters - 1, s_hist, dims, rule, eps, st, gv_ws + b * dims.jd());
+  }
 }
 
 // Split backward: recompute_coupling_rows, block per (b, g).
 template <typename Source>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_coupling_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
+                                 const RoutingRule<typename Source::acc_type> rule,
                                  const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* logits_ws) {
   for (int64_t item = blockIdx.x; item < dims.B * splits; item += gridDim.x)
-    recompute_coupling_rows(src, item / splits, split_rows(dims.I, splits, item % splits), dims, st,
-                            logits_ws);
+    recompute_coupling_rows(src, item / splits, split_rows(dims.I, splits, item % splits), dims,
+                            rule, st, logits_ws);
 }
 
 // Split backward, step r, block per (b, g): partial[b, g] = range g's share of gv^{r-1}.
 template <typename Source>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_backward_rows_kernel(const Source src, const RoutingDims dims, const int64_t splits,
-                                 const int64_t r, const BackwardState<typename Source::acc_type> st,
+                                 const int64_t r, const RoutingRule<typename Source::acc_type> rule,
+                                 const BackwardState<typename Source::acc_type> st,
                                  typename Source::acc_type* partial) {
   for_each_range(dims, splits, partial,
                  [&](int64_t b, RowRange rows, typename Source::acc_type* gv_acc) {
-                   backward_rows(src, b, rows, r, dims, st, gv_acc);
+                   backward_rows(src, b, rows, r, dims, rule, st, gv_acc);
                  });
 }
 
-// Split backward, step r, block per b: gv^{r-1} = the partials in range order, then
-// gs^{r-1} = squash_vjp(s^{r-1}, gv^{r-1}), and at the last step grad_bias_items.
+// Split backward, step r, block per b: gv^{r-1} = the partials in range order, then gs^{r-1} =
+// f_{r-1}'s VJP at s^{r-1} of gv^{r-1}, and at the last step grad_bias_items.
 template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
     routing_backward_reduce_kernel(const acc_t* partial, const int64_t splits, const acc_t* s_hist,
                                    const RoutingDims dims, const int64_t r, const acc_t eps,
-                                   const BackwardState<acc_t> st, acc_t* gv_ws,
-                                   acc_t* grad_bias_items) {
+                                   const RoutingRule<acc_t> rule, const BackwardState<acc_t> st,
+                                   acc_t* gv_ws, acc_t* grad_bias_items) {
   const int64_t JD = dims.J * dims.D;
   for (int64_t b = blockIdx.x; b < dims.B; b += gridDim.x) {
     acc_t* gv = gv_ws + b * JD;
     sum_ranges(partial, splits, b, JD, static_cast<const acc_t*>(nullptr), gv);
     __syncthreads();  // gv^{r-1} complete
-    block_squash_vjp(s_hist + (b * dims.iters + r - 1) * JD, gv, dims.J, dims.D, eps,
-                     st.gs_hist + (b * st.nkeep + r - 1 - st.first_r) * JD, dims.D);
-    __syncthreads();  // gs^{r-1} complete
+    backward_pass_vjp(b, r - 1, s_hist, dims, rule, eps, st, gv);
     if (r - 1 == st.first_r) {
       sum_gs(b, JD, st, grad_bias_items);
       __syncthreads();

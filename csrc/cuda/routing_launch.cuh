@@ -34,11 +34,12 @@ inline int64_t routing_splits(const RoutingDims& dims, bool warp_rows, int64_t w
                    : row_ranges_to_fill_device(dims.B, dims.I, min_rows);
 }
 
-// The warp-rows kernels where the capsules fit them (routing_warp_kernels.cuh), else the block
-// kernels (routing_kernels.cuh).
+// The warp-rows kernels where the rule is dynamic routing's and the capsules fit them
+// (routing_warp_kernels.cuh), else the block kernels (routing_kernels.cuh).
 template <typename Source>
-RowSplit routing_row_split(const RoutingDims& dims) {
-  const bool warp_rows = warp_rows_fit(dims);
+RowSplit routing_row_split(const RoutingDims& dims,
+                           const RoutingRule<typename Source::acc_type>& rule) {
+  const bool warp_rows = is_dynamic_routing_rule(rule) && warp_rows_fit(dims);
   return {routing_splits(dims, warp_rows, warp_rows_min_blocks<typename Source::acc_type>()),
           warp_rows};
 }
@@ -89,14 +90,15 @@ acc_t* data_or_null(at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr<acc_t>() : nullptr;
 }
 
-// Allocates the workspaces and launches the forward on the current stream (B > 0); returns the
-// routing path it ran (routing_path_name).
+// Allocates the workspaces and launches the forward under `rule` on the current stream (B > 0);
+// returns the routing path it ran (routing_path_name).
 template <typename Source, typename scalar_t>
 std::string launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims,
-                                   double eps, at::Tensor& s_hist, at::Tensor& v, at::Tensor& c) {
+                                   double eps, at::Tensor& s_hist, at::Tensor& v, at::Tensor& c,
+                                   const RoutingRule<typename Source::acc_type>& rule = {}) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
-  RowSplit split = routing_row_split<Source>(dims);
+  RowSplit split = routing_row_split<Source>(dims, rule);
   if (split.warp_rows)
     split.cluster_forward =
         use_clusters(routing_forward_cluster_kernel<Source, scalar_t, kWarpRowMaxD>, dims,
@@ -115,7 +117,7 @@ std::string launch_routing_forward(const Source& src, const scalar_t* bias, cons
   run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims,
                       static_cast<acc_t>(eps), split, ws, data_or_null<acc_t>(partial),
                       s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
-                      c.mutable_data_ptr<scalar_t>());
+                      c.mutable_data_ptr<scalar_t>(), rule);
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
   return routing_path_name(split, split.cluster_forward);
@@ -132,20 +134,23 @@ struct BackwardBuffers {
   std::string path;
 };
 
-// Allocates the state, launches the backward kernels on the current stream (B > 0) and
-// returns the state for the op-specific vote-gradient kernels, or, where the cluster backward
+// Allocates the state, launches the backward kernels under `rule` on the current stream (B > 0)
+// and returns the state for the op-specific vote-gradient kernels, or, where the cluster backward
 // runs (sm_90), writes the vote gradient to grad_votes (B, I, J, D, rows at grad_rows) itself.
-// grad_v (B, J, D) is in the accumulation dtype.
+// grad_v (B, J, D) is in the accumulation dtype; grad_bias_items (B, J, D) of sum_r gs^r, or
+// undefined where not wanted; grads: the rule's parameter gradient items (zeroed buffers).
 template <typename Source, typename grad_t>
 BackwardBuffers<typename Source::acc_type> launch_routing_backward(
     const Source& src, const typename Source::acc_type* grad_v, const at::Tensor& s_hist,
     const RoutingDims& dims, bool detach, double eps, at::Tensor& grad_bias_items,
-    const CapsuleStrides& grad_rows, grad_t* grad_votes) {
+    const CapsuleStrides& grad_rows, grad_t* grad_votes,
+    const RoutingRule<typename Source::acc_type>& rule = {},
+    const RuleGradItems<typename Source::acc_type>& grads = {}) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, I = dims.I, J = dims.J, D = dims.D, R = dims.iters;
   const int64_t first_r = detach ? R - 1 : 0, nkeep = R - first_r;
   const auto acc_options = s_hist.options();
-  RowSplit split = routing_row_split<Source>(dims);
+  RowSplit split = routing_row_split<Source>(dims, rule);
   if (split.warp_rows)
     split.cluster_backward = use_clusters(
         routing_backward_cluster_kernel<Source, grad_t, kWarpRowMaxD>, dims, kBackwardClusterBlocks,
@@ -166,7 +171,8 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(
                                 D,
                                 R,
                                 first_r,
-                                nkeep};
+                                nkeep,
+                                grads};
   at::Tensor logits = optional_workspace(state && !split.warp_rows, {B, I, J}, acc_options);
   at::Tensor gv = optional_workspace(state, {B, J, D}, acc_options);
   const BackwardWorkspace<acc_t> ws{data_or_null<acc_t>(logits), data_or_null<acc_t>(gv)};
@@ -174,8 +180,8 @@ BackwardBuffers<typename Source::acc_type> launch_routing_backward(
                                           {B, split.parts(), J, D}, acc_options);
   run_routing_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, grad_v,
                        s_hist.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), split, st, ws,
-                       data_or_null<acc_t>(partial), grad_bias_items.mutable_data_ptr<acc_t>(),
-                       grad_rows, grad_votes);
+                       data_or_null<acc_t>(partial), data_or_null<acc_t>(grad_bias_items),
+                       grad_rows, grad_votes, rule);
   return BackwardBuffers<acc_t>{v_hist,
                                 gs_hist,
                                 coupling,

@@ -39,19 +39,29 @@ inline int64_t cluster_backward_shared_bytes(const RoutingDims& dims, int64_t nk
   return ClusterBackwardLayout(dims, nkeep).size() * acc_bytes;
 }
 
-// The forward of B > 0 elements. partial holds B * split.parts() * J * D values unless fused.
+// Whether a rule is dynamic routing's, the only one the warp-rows and cluster kernels run (every
+// rule runs on the block kernels).
+template <typename acc_t>
+bool is_dynamic_routing_rule(const RoutingRule<acc_t>& rule) {
+  return rule.logits == LogitRule::accumulate && rule.nonlinearity == Nonlinearity::squash &&
+         rule.coupling_bias == nullptr && rule.norm_weight == nullptr && rule.norm_bias == nullptr;
+}
+
+// The forward of B > 0 elements under `rule` (the warp rows and clusters: dynamic routing's).
+// partial holds B * split.parts() * J * D values unless fused.
 template <typename Launch, typename Source, typename scalar_t>
 void run_routing_forward(const Launch& launch, const Source& src, const scalar_t* bias,
                          const RoutingDims& dims, typename Source::acc_type eps,
                          const RowSplit& split,
                          const ForwardWorkspace<typename Source::acc_type>& ws,
                          typename Source::acc_type* partial, typename Source::acc_type* s_hist,
-                         scalar_t* v, scalar_t* c) {
+                         scalar_t* v, scalar_t* c,
+                         const RoutingRule<typename Source::acc_type>& rule = {}) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, parts = split.parts();
   if (split.fused()) {
-    launch(routing_forward_kernel<Source, scalar_t>, blocks_for_items(B), src, bias, dims, eps, ws,
-           s_hist, v, c);
+    launch(routing_forward_kernel<Source, scalar_t>, blocks_for_items(B), src, bias, dims, eps,
+           rule, ws, s_hist, v, c);
     return;
   }
   // Per iteration r: launch_rows(r) leaves each part's sums in partial, then s^r and v^r.
@@ -59,7 +69,7 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
     for (int64_t r = 0; r < dims.iters; ++r) {
       launch_rows(r);
       launch(routing_forward_reduce_kernel<scalar_t, acc_t>, blocks_for_items(B),
-             static_cast<const acc_t*>(partial), parts, bias, dims, r, eps, ws.v, s_hist, v);
+             static_cast<const acc_t*>(partial), parts, bias, dims, r, eps, rule, ws.v, s_hist, v);
     }
   };
   if (split.cluster_forward) {
@@ -76,15 +86,16 @@ void run_routing_forward(const Launch& launch, const Source& src, const scalar_t
     });
   iterate([&](int64_t r) {
     launch(routing_forward_rows_kernel<Source, scalar_t>, blocks_for_items(B * parts), src, dims,
-           parts, r, ws, c, partial);
+           parts, r, rule, ws, c, partial);
   });
 }
 
-// The backward of B > 0 elements: fills the state st and grad_bias (B, J, D), from which the op
-// writes its vote gradient; with split.cluster_backward instead writes grad_votes (B, I, J, D,
-// rows at grad_rows) and grad_bias, and leaves st alone (only st.first_r is read; its buffers and
-// ws may be null). grad_v and s_hist in the accumulation dtype; partial as for the forward unless
-// fused, when a step is walked back.
+// The backward of B > 0 elements under `rule`: fills the state st (with the rule's parameter
+// gradient items, st.grads) and grad_bias (B, J, D; may be null), from which the op writes its
+// vote gradient; with split.cluster_backward instead writes grad_votes (B, I, J, D, rows at
+// grad_rows) and grad_bias, and leaves st alone (only st.first_r is read; its buffers and ws may
+// be null). grad_v and s_hist in the accumulation dtype; partial as for the forward unless fused,
+// when a step is walked back.
 template <typename Launch, typename Source, typename grad_t>
 void run_routing_backward(const Launch& launch, const Source& src,
                           const typename Source::acc_type* grad_v,
@@ -93,7 +104,8 @@ void run_routing_backward(const Launch& launch, const Source& src,
                           const BackwardState<typename Source::acc_type>& st,
                           const BackwardWorkspace<typename Source::acc_type>& ws,
                           typename Source::acc_type* partial, typename Source::acc_type* grad_bias,
-                          const CapsuleStrides& grad_rows, grad_t* grad_votes) {
+                          const CapsuleStrides& grad_rows, grad_t* grad_votes,
+                          const RoutingRule<typename Source::acc_type>& rule = {}) {
   using acc_t = typename Source::acc_type;
   const int64_t B = dims.B, R = dims.iters, parts = split.parts();
   if (split.cluster_backward) {
@@ -104,8 +116,8 @@ void run_routing_backward(const Launch& launch, const Source& src,
     return;
   }
   if (split.fused()) {
-    launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps, st,
-           ws, grad_bias);
+    launch(routing_backward_kernel<Source>, blocks_for_items(B), src, grad_v, s_hist, dims, eps,
+           rule, st, ws, grad_bias);
     return;
   }
   // launch_coupling_rows() recomputes the kept couplings (and with coupling_walks_back takes the
@@ -113,15 +125,16 @@ void run_routing_backward(const Launch& launch, const Source& src,
   // gv^{r-1} in partial, then gs^{r-1}.
   const auto walk_back = [&](bool coupling_walks_back, const auto& launch_coupling_rows,
                              const auto& launch_step_rows) {
-    launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps, st,
-           ws.gv);
+    launch(routing_backward_start_kernel<acc_t>, blocks_for_items(B), grad_v, s_hist, dims, eps,
+           rule, st, ws.gv);
     launch_coupling_rows();
     if (R - 1 == st.first_r)
       launch(routing_sum_gs_kernel<acc_t>, blocks_for_items(B), dims, st, grad_bias);
     for (int64_t r = R - 1; r > st.first_r; --r) {
       if (r < R - 1 || !coupling_walks_back) launch_step_rows(r);
       launch(routing_backward_reduce_kernel<acc_t>, blocks_for_items(B),
-             static_cast<const acc_t*>(partial), parts, s_hist, dims, r, eps, st, ws.gv, grad_bias);
+             static_cast<const acc_t*>(partial), parts, s_hist, dims, r, eps, rule, st, ws.gv,
+             grad_bias);
     }
   };
   if (split.warp_rows)
@@ -139,11 +152,11 @@ void run_routing_backward(const Launch& launch, const Source& src,
       false,
       [&] {
         launch(routing_coupling_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts,
-               st, ws.logits);
+               rule, st, ws.logits);
       },
       [&](int64_t r) {
         launch(routing_backward_rows_kernel<Source>, blocks_for_items(B * parts), src, dims, parts,
-               r, st, partial);
+               r, rule, st, partial);
       });
 }
 

@@ -22,6 +22,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__
+#define __grid_constant__
 #define __launch_bounds__(...)
 
 struct EmuDim3 {
