@@ -21,8 +21,11 @@ OPS = {  # op -> the short name that `--op` also accepts
     "dense_capsules": "dense",
     "em_routing": "em",
     "em_routing_pose": "em-pose",
+    "self_attention_routing": "self-attention",
+    "inverted_attention_routing": "inverted-attention",
 }
 EM_OPS = ("em_routing", "em_routing_pose")
+ATTENTION_OPS = ("self_attention_routing", "inverted_attention_routing")
 CONV_OPS = {  # convolutional capsule layers: their shapes are ConvShape grids (CONV_SHAPES)
     "conv_em_routing": "conv-em",
     "conv_dynamic_routing": "conv-dynamic",
@@ -41,10 +44,12 @@ UNCHECKED_IMPLS = ("per-window",)
 # The layouts of the first input (votes, u) the ops with a layout dimension are timed in; every
 # implementation of a case gets the same tensors. The other ops run on contiguous inputs.
 LAYOUTS = ("contiguous", "einsum")
-LAYOUT_OPS = ("dynamic_routing", "dense_capsules")
+LAYOUT_OPS = ("dynamic_routing", "dense_capsules", *ATTENTION_OPS)
 SHAPES = {  # the canonical shapes (bench/README.md); for EM ops D is the pose size H (16: 4x4 matrices)
     "mnist": dict(I=1152, J=10, D=16, Din=8),  # MNIST DigitCaps
     "large": dict(I=4608, J=100, D=16, Din=8),
+    "efficientcapsnet": dict(I=16, J=10, D=16, Din=8),  # Efficient-CapsNet's class capsules
+    "large-16k": dict(I=16384, J=100, D=16, Din=8),  # the attention routings' large shape
     "em-class": dict(I=512, J=10, D=16, Din=16),  # EM class capsules
     "em-conv": dict(
         I=288, J=32, D=16, Din=16
@@ -55,10 +60,18 @@ SHAPES = {  # the canonical shapes (bench/README.md); for EM ops D is the pose s
     "scale-1000": dict(I=16384, J=1000, D=32, Din=8),
 }
 DEFAULT_BATCHES = {
-    "cpu": {"mnist": [32], "large": [8], "em-class": [16], "em-conv": [2 * 36], None: [32]},
+    "cpu": {
+        "mnist": [32],
+        "large": [8],
+        "large-16k": [2],
+        "em-class": [16],
+        "em-conv": [2 * 36],
+        None: [32],
+    },
     "cuda": {
         "mnist": [32, 128, 512, 2048],
         "large": [32, 128, 512, 2048],
+        "large-16k": [8, 32, 128],  # votes 105 MB a batch element in float32
         "em-class": [64, 256],
         "em-conv": [64 * 36],
         None: [32, 128, 512, 2048],
@@ -111,6 +124,10 @@ CONV_BATCHES = {  # None: a conv shape given as HxW:...
 MODEL_BATCHES = {"cpu": [16], "cuda": [32, 128, 512]}
 MODEL_SHAPE_NAME = "1x28x28"  # model ops train on MNIST-sized images
 DEFAULT_SHAPES = {"cpu": ["mnist"], "cuda": ["mnist", "large"], "em": ["em-class", "em-conv"]}
+ATTENTION_SHAPES = {  # the attention routings' default shapes
+    "cpu": ["efficientcapsnet", "mnist"],
+    "cuda": ["efficientcapsnet", "mnist", "large-16k"],
+}
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -119,6 +136,12 @@ DTYPES = {
 }
 VOTE_STD = 0.1  # dynamic_routing votes ~ N(0, 0.1^2): |s| ~ 1, so squash and the agreement matter
 WEIGHT_STD = 0.05  # dense_capsules weight ~ N(0, 0.05^2); u = squash(N(0, 1)) like primary capsules
+# The attention layers' other parameters near their initial values, never constants:
+# self_attention_routing's coupling bias ~ N(0, 0.01^2) (the layer's starts at 0),
+# inverted_attention_routing's norm_weight ~ 1 + N(0, 0.1^2) and norm_bias ~ N(0, 0.1^2)
+COUPLING_BIAS_STD = 0.01
+NORM_STD = 0.1
+VOTE_CHUNK = 1024  # input capsules whose weights layer_votes draws at once
 
 
 @dataclass(frozen=True)
@@ -206,6 +229,8 @@ def make_cases(ops, shapes, batches, device_type: str, layouts=("contiguous",)) 
         if shapes is None:
             if op in CONV_OPS:
                 names = DEFAULT_CONV_SHAPES[op]
+            elif op in ATTENTION_OPS:
+                names = ATTENTION_SHAPES[device_type]
             else:
                 names = DEFAULT_SHAPES["em" if op in EM_OPS else device_type]
             op_shapes = [parse_shape(name) for name in names]
@@ -221,7 +246,8 @@ def make_cases(ops, shapes, batches, device_type: str, layouts=("contiguous",)) 
             if op in CONV_OPS:
                 bs = batches or CONV_BATCHES[device_type].get(name if name in CONV_SHAPES else None)
             else:
-                bs = batches or DEFAULT_BATCHES[device_type].get(name if name in SHAPES else None)
+                defaults = DEFAULT_BATCHES[device_type]  # a shape without its own: None's
+                bs = batches or defaults.get(name, defaults[None])
             for B in bs:
                 for layout in layouts if op in LAYOUT_OPS else ("contiguous",):
                     cases.append(Case(op, name, B, **dims, layout=layout))
@@ -250,6 +276,22 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
 
     if op == "dynamic_routing":
         inputs = (randn(case.B, case.I, case.J, case.D, std=VOTE_STD),)
+    elif op == "self_attention_routing":
+        # SelfAttentionCapsules: primary capsules squashed by Efficient-CapsNet's squash, weight
+        # of he_normal's standard deviation sqrt(2 / (I J Din))
+        u = reference.squash_exp(randn(case.B, case.I, case.Din, cast=False))
+        votes = layer_votes(u, case.J, case.D, (2 / (case.I * case.J * case.Din)) ** 0.5, randn)
+        inputs = (votes.to(dtype), randn(case.I, case.J, std=COUPLING_BIAS_STD))
+    elif op == "inverted_attention_routing":
+        # InvertedAttentionCapsules: primary capsules LayerNorm'd (Tsai et al.'s), weight
+        # N(0, J / (I Din)); the LayerNorm's affine parameters near their initial 1 and 0
+        u = torch.nn.functional.layer_norm(randn(case.B, case.I, case.Din, cast=False), (case.Din,))
+        votes = layer_votes(u, case.J, case.D, (case.J / (case.I * case.Din)) ** 0.5, randn)
+        inputs = (
+            votes.to(dtype),
+            (1 + randn(case.D, std=NORM_STD, cast=False)).to(dtype),
+            randn(case.D, std=NORM_STD),
+        )
     elif op == "dense_capsules":
         u = reference.squash(randn(case.B, case.I, case.Din, cast=False)).to(dtype)
         inputs = (u, randn(case.I, case.J, case.D, case.Din, std=WEIGHT_STD))
@@ -295,6 +337,22 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
     return inputs, randn(case.B, case.J, case.D)
 
 
+def layer_votes(u: torch.Tensor, J: int, D: int, std: float, randn) -> torch.Tensor:
+    """The votes W_ij u_i (B, I, J, D) of a dense capsule layer with weight W ~ N(0, std^2) (I, J, D,
+    Din), as the attention layers compute them (reference.dense_votes), in float32. The weight is
+    drawn VOTE_CHUNK input capsules at a time, so it is never whole in memory (0.8 GB at I = 16384,
+    J = 100, D = 16, Din = 8)."""
+    B, I, Din = u.shape
+    votes = torch.empty(B, I, J, D, device=u.device)
+    with torch.no_grad():
+        for i in range(0, I, VOTE_CHUNK):
+            n = min(VOTE_CHUNK, I - i)
+            votes[:, i : i + n] = reference.dense_votes(
+                u[:, i : i + n], randn(n, J, D, Din, std=std, cast=False)
+            )
+    return votes
+
+
 def impls_for(op: str, impls) -> list[str]:
     """The impls of `impls` that `op` has (OP_IMPLS)."""
     return [i for i in impls if op in OP_IMPLS.get(i, (op,))]
@@ -306,9 +364,29 @@ def get_impl(case: Case, impl: str) -> Callable:
         return per_window_conv_em(case.conv)
     fn = {"capsroute": capsroute, "eager": reference, "compiled": reference}[impl]
     fn = getattr(fn, case.op)
+    if case.op in ATTENTION_OPS:
+        fn = attention_call(case.op, fn)
     if case.conv is not None:
         fn = functools.partial(fn, stride=case.conv.stride, padding=case.conv.padding)
     return torch.compile(fn) if impl == "compiled" else fn
+
+
+def attention_call(op: str, fn: Callable) -> Callable:
+    """An attention routing (capsroute's or the reference's) called as the bench calls ops,
+    fn(*inputs, iters): self_attention_routing(votes, coupling_bias) has no iterations (iters is
+    not used; its default squash, Efficient-CapsNet's), inverted_attention_routing(votes,
+    norm_weight, norm_bias) routes iters times."""
+    if op == "self_attention_routing":
+
+        def call(votes, coupling_bias, iters):
+            return fn(votes, coupling_bias=coupling_bias)
+
+    else:
+
+        def call(votes, norm_weight, norm_bias, iters):
+            return fn(votes, iters, norm_weight=norm_weight, norm_bias=norm_bias)
+
+    return call
 
 
 def per_window_conv_em(conv: ConvShape) -> Callable:

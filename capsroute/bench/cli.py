@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser):
         type=op_name,
         default=list(OPS),
         help=f"ops to run, by name or short name: {op_list()}; capsnet and matrixcapsnet time a whole "
-        "training step of the model (default: the four routing ops; the conv and model ops run when named)",
+        "training step of the model (default: the routing ops, attention included; the conv and model "
+        "ops run when named)",
     )
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument(
@@ -55,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser):
         metavar="NAME|I,J,D[,Din]|HxW:C_in,C_out,D,Din,K[,stride[,padding]]",
         help=f"named shapes: {', '.join(SHAPES)} (for EM ops D is the pose size H); conv ops: "
         f"{', '.join(CONV_SHAPES)} or HxW:...; default: mnist on CPU, mnist and large on CUDA for the "
-        "dynamic-routing ops, em-class and em-conv for EM, mcn-conv1 mcn-conv2 conv-image for conv EM, "
+        "dynamic-routing ops, efficientcapsnet and mnist on CPU (and large-16k on CUDA) for the "
+        "attention routings, em-class and em-conv for EM, mcn-conv1 mcn-conv2 conv-image for conv EM, "
         "conv-image segcaps for conv dynamic",
     )
     p.add_argument(
@@ -63,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser):
         nargs="+",
         type=_positive,
         default=None,
-        help="batch sizes for every shape and model op (default: 32 on CPU (8 for large); 32 128 512 2048 "
-        "on CUDA; model ops: 16 on CPU, 32 128 512 on CUDA; conv ops: bench/README.md)",
+        help="batch sizes for every shape and model op (default: 32 on CPU (8 for large, 2 for "
+        "large-16k); 32 128 512 2048 on CUDA (8 32 128 for large-16k); model ops: 16 on CPU, 32 128 512 on CUDA; conv ops: bench/README.md)",
     )
     p.add_argument(
         "--layout",

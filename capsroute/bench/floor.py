@@ -48,6 +48,12 @@ def _route_flops(I: int, J: int, D: int, iters: int) -> int:
     return 2 * I * J * D * (2 * iters - 1)
 
 
+def _self_attention_flops(I: int, J: int, D: int) -> int:
+    """Self-attention routing's flops per element: the sum of the votes for each output (I J D
+    adds), the agreements with it and the weighted sum (2 I J D each)."""
+    return 5 * I * J * D
+
+
 def _em_flops(I: int, J: int, H: int, iters: int) -> int:
     """EM routing's flops per element: per iteration the mean (2 I J H) and variance (3 I J H) of
     the M-step, and but for the last, the E-step's log densities (4 I J H)."""
@@ -98,6 +104,12 @@ def floor_model(case: Case, itemsize: int, iters: int) -> dict:
         out = B * J * (D + 1) * itemsize
     elif case.op == "dynamic_routing":
         inp = B * I * J * D * itemsize
+        flops_fwd = B * route
+    elif case.op == "self_attention_routing":  # votes and the coupling bias (I, J)
+        inp = (B * I * J * D + I * J) * itemsize
+        flops_fwd = B * _self_attention_flops(I, J, D)
+    elif case.op == "inverted_attention_routing":  # votes, norm_weight and norm_bias (D,)
+        inp = (B * I * J * D + 2 * D) * itemsize
         flops_fwd = B * route
     else:
         inp = (B * I * Din + I * J * D * Din) * itemsize

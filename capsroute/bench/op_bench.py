@@ -10,7 +10,15 @@ from typing import Callable
 import torch
 
 from .._runinfo import dtype_name
-from .cases import UNCHECKED_IMPLS, Case, get_impl, impls_for, make_inputs, unavailable_impls
+from .cases import (
+    ATTENTION_OPS,
+    UNCHECKED_IMPLS,
+    Case,
+    get_impl,
+    impls_for,
+    make_inputs,
+    unavailable_impls,
+)
 from .floor import conv_elements, floor_model, floor_ms
 from .measure import (
     MAX_BATCH_CAP,
@@ -42,18 +50,15 @@ def estimated_bytes(case: Case, impl: str, itemsize: int) -> int:
     if case.conv is not None:
         return conv_estimated_bytes(case, impl, itemsize)
     votes = case.B * case.I * case.J * case.D * itemsize
-    if case.op in ("dynamic_routing", "em_routing"):
+    routes_votes = case.op in ("dynamic_routing", *ATTENTION_OPS)  # the votes are the input
+    if routes_votes or case.op == "em_routing":
         inputs = votes
     else:
         inputs = (case.B * case.I * case.Din + case.I * case.J * case.D * case.Din) * itemsize
     if (
         impl == "capsroute"
     ):  # dense never materialises votes; its backward keeps a few weight-sized buffers
-        work = (
-            votes // 2
-            if case.op == "dynamic_routing"
-            else 6 * case.I * case.J * case.D * case.Din * itemsize
-        )
+        work = votes // 2 if routes_votes else 6 * case.I * case.J * case.D * case.Din * itemsize
     else:
         work = 8 * votes
     return 2 * inputs + work
@@ -158,7 +163,7 @@ def bench_case(
             "peak_mb": None,
             "floor_ms": f_all,
             "shape_name": case.shape_name,
-            "iters": iters,
+            "iters": None if case.op == "self_attention_routing" else iters,  # one step
             "floor_fwd_ms": f_fwd,
             "floor_bound": bound,
             **fm,
