@@ -162,3 +162,31 @@ def test_tiny_attention_run(monkeypatch):
         else:
             assert "kernel_paths" not in r
     assert "self_attention_routing" in bench.format_table(report)
+
+
+def test_efficientcapsnet_model_op(monkeypatch):
+    """`--op efficientcapsnet`: a training step of EfficientCapsNet (one routing step: --iters does
+    not reach its constructor), fused and reference, the self-attention kernel paths recorded."""
+    assert bench.op_name("efficientcapsnet") == "efficientcapsnet"
+    assert "efficientcapsnet" in bench.MODEL_OPS
+    model = bench.make_model("efficientcapsnet", iters=5)
+    assert type(model).__name__ == "EfficientCapsNet" and model.training
+    got = bench.make_cases(["efficientcapsnet"], None, [2], "cpu")
+    assert [(c.op, c.shape_name, c.B) for c in got] == [("efficientcapsnet", "1x28x28", 2)]
+    report = bench.run_benchmarks(
+        got,
+        ["capsroute", "eager"],
+        device=CPU,
+        repeats=2,
+        warmup=1,
+        max_seconds=1.0,
+        progress=False,
+    )
+    caps, eager = report["results"]
+    assert (caps["impl"], eager["impl"]) == ("capsroute", "eager")
+    for r in (caps, eager):
+        assert "skipped" not in r, r
+        assert r["fwd_bwd_ms"] > 0 and r["params"] == sum(p.numel() for p in model.parameters())
+    assert caps["max_rel_err"] < 1e-2
+    assert caps["kernel_paths"]["self_attention_routing"] == {"forward": "cpu", "backward": "cpu"}
+    assert "kernel_paths" not in eager

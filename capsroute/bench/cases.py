@@ -33,6 +33,7 @@ CONV_OPS = {  # convolutional capsule layers: their shapes are ConvShape grids (
 MODEL_OPS = {  # a whole training step of a model of capsroute.models; the short name is the same
     "capsnet": "capsnet",
     "matrixcapsnet": "matrixcapsnet",
+    "efficientcapsnet": "efficientcapsnet",
 }
 ALL_OPS = {**OPS, **CONV_OPS, **MODEL_OPS}
 IMPLS = ("capsroute", "eager", "compiled", "per-window")

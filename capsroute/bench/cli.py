@@ -43,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser):
         nargs="+",
         type=op_name,
         default=list(OPS),
-        help=f"ops to run, by name or short name: {op_list()}; capsnet and matrixcapsnet time a whole "
-        "training step of the model (default: the routing ops, attention included; the conv and model "
-        "ops run when named)",
+        help=f"ops to run, by name or short name: {op_list()}; capsnet, matrixcapsnet and "
+        "efficientcapsnet time a whole training step of the model (default: the routing ops, "
+        "attention included; the conv and model ops run when named)",
     )
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument(

@@ -35,7 +35,9 @@ MODEL_BACKENDS = {"capsroute": "fused", "eager": "reference", "compiled": "refer
 MODEL_KERNELS = {
     "capsnet": ("squash", "dense_capsules"),
     "matrixcapsnet": ("em_routing_pose", "em_routing"),
+    "efficientcapsnet": ("self_attention_routing",),
 }
+MODEL_ITERATIVE = ("capsnet", "matrixcapsnet")  # built with --iters (EfficientCapsNet routes once)
 MODEL_LR = 1e-3  # Adam, as `capsroute train`
 SPREAD_MARGIN = 0.2  # MatrixCapsNet's spread loss at the start of its margin schedule
 MODEL_TOL_FACTOR = (
@@ -61,7 +63,7 @@ def make_model(op: str, *, iters: int = 3, seed: int = 0) -> torch.nn.Module:
     every impl and device starts from the same weights; the global RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build_model(op, "fused", {"iters": iters})
+        model = build_model(op, "fused", {"iters": iters} if op in MODEL_ITERATIVE else {})
     return model.train()
 
 
@@ -139,7 +141,7 @@ def compile_crash(op: str, device: torch.device, version: str = torch.__version_
 
 # Generous estimates of a training step's working set per image (float32; the CPU guard only): 1.5-5x the
 # peaks measured on the CPU at B=8 and 64 (CapsNet ~2.5 MiB eager, ~0.7 fused; MatrixCapsNet ~38 eager,
-# ~32 compiled, ~0.9 fused).
+# ~32 compiled, ~0.9 fused; EfficientCapsNet ~0.9 either backend).
 PER_IMAGE_MB = {
     ("capsnet", "capsroute"): 4,
     ("capsnet", "eager"): 12,
@@ -147,6 +149,9 @@ PER_IMAGE_MB = {
     ("matrixcapsnet", "capsroute"): 4,
     ("matrixcapsnet", "eager"): 60,
     ("matrixcapsnet", "compiled"): 60,
+    ("efficientcapsnet", "capsroute"): 4,
+    ("efficientcapsnet", "eager"): 4,
+    ("efficientcapsnet", "compiled"): 4,
 }
 
 

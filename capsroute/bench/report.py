@@ -125,7 +125,7 @@ def format_table(report: dict) -> str:
         )
     if models:
         title += (
-            "\nmodel ops (capsnet, matrixcapsnet): f+b ms is a whole training step (forward, loss, backward, "
+            f"\nmodel ops ({', '.join(MODEL_OPS)}): f+b ms is a whole training step (forward, loss, backward, "
             "Adam step), img/s = B / f+b; no floor; rel err compares losses and gradients with eager"
         )
     sep = "  ".join("-" * w for w in widths)

@@ -191,7 +191,7 @@ def max_batch_searches(cases: list[Case], device: torch.device, note) -> list[Ca
         )
     if not searches and not cpu_models:
         note(
-            "--max-batch applies to the model ops (capsnet, matrixcapsnet) and the conv ops only; "
+            f"--max-batch applies to the model ops ({', '.join(MODEL_OPS)}) and the conv ops only; "
             "none was asked for"
         )
     return list(searches.values())
