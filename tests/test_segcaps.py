@@ -206,7 +206,11 @@ def test_train_segmentation_smoke(tmp_path, capsys):
     [
         ("capsnet", "multimnist-seg", "--dataset multimnist-seg trains segcapsnet, not capsnet"),
         ("segcapsnet", "mnist", "--model segcapsnet segments --dataset multimnist-seg, not mnist"),
-        ("segcapsnet", "multimnist", "--dataset multimnist trains capsnet or cnn, not segcapsnet"),
+        (
+            "segcapsnet",
+            "multimnist",
+            "--dataset multimnist trains capsnet, efficientcapsnet or cnn, not segcapsnet",
+        ),
     ],
 )
 def test_train_refuses_mismatched_segmentation(tmp_path, model, dataset, message):
