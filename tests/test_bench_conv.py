@@ -135,6 +135,35 @@ def test_cpu_max_batch(estimates, measured, cap, want):
     assert probed == sorted(measured)
 
 
+@pytest.mark.parametrize(
+    "estimates, measured, want",
+    [
+        # 4 MiB + 0.01 MiB an input position, budget 100: side^2 <= 9600, side 97
+        (
+            {12: 5, 24: 10},
+            {12: 4 + 1.44, 24: 4 + 5.76},
+            dict(max_side=97, capped=False, method="extrapolated"),
+        ),
+        # side 24 estimated over the budget: the line through 0 and side 12's peak (0.5 a position)
+        ({12: 80, 24: 320}, {12: 72}, dict(max_side=14, mb_fixed=0.0, probes=[(12, 72)])),
+        # even side 12 estimated over the budget: nothing allocated
+        ({12: 200, 24: 800}, {}, dict(max_side=None, method="estimate", probes=[])),
+        # a line that never leaves the budget below the cap
+        ({12: 1, 24: 1}, {12: 1, 24: 1}, dict(max_side=256, capped=True)),
+    ],
+)
+def test_cpu_max_side(estimates, measured, want):
+    probed = []
+
+    def measure(side):
+        probed.append(side)
+        return measured[side]
+
+    found = bench.cpu_max_side(estimates.get, measure, probes=[12, 24], cap=256, budget_mb=100)
+    assert {k: found[k] for k in want} == want
+    assert probed == sorted(measured)
+
+
 def test_tiny_conv_run_with_max_batch(monkeypatch):
     """run_benchmarks on both conv ops at tiny shapes, without torch.compile: the records, the
     per-window row, the checks against eager, and --max-batch on the CPU on a tiny budget."""
@@ -180,7 +209,16 @@ def test_tiny_conv_run_with_max_batch(monkeypatch):
         assert [b for b, _ in m["probes"]] == [1, 2] and m["max_batch"] >= 1
         line = [m["mb_fixed"] + m["mb_per_batch"] * b for b in (m["max_batch"], 2 * m["max_batch"])]
         assert line[0] <= m["budget_mb"] and (m["capped"] or m["budget_mb"] < line[1])
+        side = m["side_search"]
+        assert [s for s, _ in side["probes"]] in ([12], [12, 24]) and m["max_side"] >= 1
+        line = [
+            side["mb_fixed"] + side["mb_per_position"] * s**2
+            for s in (m["max_side"], m["max_side"] + 1)
+        ]
+        assert line[0] <= m["budget_mb"] < line[1]
     assert all(
-        r["max_batch"] == searched[r["op"], r["impl"]]["max_batch"] for r in report["results"]
+        (r["max_batch"], r["max_side"])
+        == (searched[r["op"], r["impl"]]["max_batch"], searched[r["op"], r["impl"]]["max_side"])
+        for r in report["results"]
     )
-    assert bench.format_table(report).splitlines()[2].endswith("max B")
+    assert bench.format_table(report).splitlines()[2].endswith("max B  max side")

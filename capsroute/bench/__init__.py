@@ -46,7 +46,7 @@ from .model_bench import (
     model_max_batch,
     train_step,
 )
-from .op_bench import bench_case, cpu_max_batch, op_max_batch
+from .op_bench import bench_case, cpu_max_batch, cpu_max_side, op_max_batch
 from .report import default_out, format_table, report_path
 from .runner import add_max_batches, run_benchmarks
 from .timing import clear_grads, fwd_bwd_step, fwd_step, peak_memory_mb, synchronize, time_samples
@@ -71,6 +71,7 @@ __all__ = [
     "clear_grads",
     "compile_crash",
     "cpu_max_batch",
+    "cpu_max_side",
     "default_out",
     "find_max_batch",
     "floor_model",

@@ -3,6 +3,7 @@ inputs, with the case's floor."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Callable
@@ -206,6 +207,13 @@ def bench_case(
 
 
 MAX_BATCH_BUDGET_GB = 8.0  # --max-batch-budget: the CPU's memory budget of a conv op's fwd+bwd
+MAX_SIDE_CAP = 4096  # the largest square input side --max-batch reports for a conv op
+SIDE_PROBE = 12  # the CPU's side search measures B = 1 at sides max(SIDE_PROBE, K) and twice it
+
+
+def at_side(case: Case, side: int) -> Case:
+    """A conv case at batch 1 on a side x side input grid."""
+    return replace(case, B=1, conv=replace(case.conv, H=side, W=side))
 
 
 def op_max_batch(
@@ -219,9 +227,11 @@ def op_max_batch(
     cap: int = MAX_BATCH_CAP,
     budget_gb: float = MAX_BATCH_BUDGET_GB,
 ) -> dict:
-    """The largest power-of-two batch <= cap whose forward+backward of one impl of a conv op fits:
-    on CUDA, tried (find_max_batch) in GPU memory; on the CPU, within budget_gb, extrapolated (see
-    cpu_max_batch) rather than tried, so that nothing near the budget is allocated on a shared machine."""
+    """The largest power-of-two batch <= cap whose forward+backward of one impl of a conv op fits
+    ("max_batch"), and the largest square input side at B = 1 ("max_side", <= MAX_SIDE_CAP): on
+    CUDA, tried (find_max_batch) in GPU memory, sides 16 x 2^k; on the CPU, within budget_gb,
+    extrapolated (cpu_max_batch, cpu_max_side) rather than tried, so that nothing near the budget
+    is allocated on a shared machine."""
     t0 = time.perf_counter()
     found = {
         "op": case.op,
@@ -234,25 +244,52 @@ def op_max_batch(
     if device.type == "cuda":
         fn = get_impl(case, impl)  # compiled: recompiles with a dynamic batch, as model_max_batch
 
-        def step(b):
-            inputs, grad = make_inputs(case.op, replace(case, B=b), dtype, device, seed)
+        def step(c: Case):
+            inputs, grad = make_inputs(case.op, c, dtype, device, seed)
             fwd_bwd_step(fn, inputs, grad, iters)()
             synchronize(device)
 
-        best, tries = find_max_batch(step, cap, free=lambda: free_memory(device))
+        free = lambda: free_memory(device)  # noqa: E731
+        best, tries = find_max_batch(lambda b: step(replace(case, B=b)), cap, free=free)
         found.update(
             max_batch=best, capped=bool(tries and tries[-1][1]), tries=[b for b, _ in tries]
         )
+        best, tries = find_max_batch(
+            lambda m: step(at_side(case, 16 * m)), MAX_SIDE_CAP // 16, free=free
+        )
+        found["max_side"] = None if best is None else 16 * best
+        found["side_search"] = {
+            "capped": bool(tries and tries[-1][1]),
+            "tries": [16 * m for m, _ in tries],
+        }
     else:
         itemsize = torch.empty((), dtype=dtype).element_size()
+        budget_mb = budget_gb * 1024
+
+        def estimate_mb(c: Case) -> float:
+            return estimated_bytes(c, impl, itemsize) / MiB
+
+        def measure_mb(c: Case) -> float:
+            return measured_mb(c, impl, c.B, dtype=dtype, iters=iters, seed=seed)
+
         found.update(
             cpu_max_batch(
-                lambda b: estimated_bytes(replace(case, B=b), impl, itemsize) / MiB,
-                lambda b: measured_mb(case, impl, b, dtype=dtype, iters=iters, seed=seed),
+                lambda b: estimate_mb(replace(case, B=b)),
+                lambda b: measure_mb(replace(case, B=b)),
                 cap=cap,
-                budget_mb=budget_gb * 1024,
+                budget_mb=budget_mb,
             )
         )
+        probe = max(SIDE_PROBE, case.conv.K)
+        side = cpu_max_side(
+            lambda s: estimate_mb(at_side(case, s)),
+            lambda s: measure_mb(at_side(case, s)),
+            probes=[probe, 2 * probe],
+            cap=MAX_SIDE_CAP,
+            budget_mb=budget_mb,
+        )
+        found["max_side"] = side.pop("max_side")
+        found["side_search"] = side
     found["search_s"] = round(time.perf_counter() - t0, 1)
     return found
 
@@ -272,6 +309,16 @@ def measured_mb(case: Case, impl: str, B: int, *, dtype, iters: int, seed: int) 
     step()  # a first call: torch.compile compiles here, outside the measured peak
     held = tensor_bytes((*inputs, *(grad if isinstance(grad, tuple) else (grad,))))
     return held / MiB + peak_memory_mb(step, torch.device("cpu"), before)
+
+
+def _line_through(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed, slope) of the straight line through two (x, MiB) points, or through 0 and one."""
+    if len(points) == 2:
+        (x1, m1), (x2, m2) = points
+        slope = (m2 - m1) / (x2 - x1)
+        return m1 - slope * x1, slope
+    ((x1, m1),) = points
+    return 0.0, m1 / x1
 
 
 def cpu_max_batch(
@@ -297,11 +344,7 @@ def cpu_max_batch(
             "method": "estimate",
             "estimated_mb": estimate_mb(1),
         }
-    if len(probes) == 2:
-        slope = probes[1][1] - probes[0][1]
-        fixed = probes[0][1] - slope
-    else:
-        slope, fixed = probes[0][1], 0.0
+    fixed, slope = _line_through(probes)
     best, b = None, 1
     while b <= cap and fixed + slope * b <= budget_mb:
         best, b = b, 2 * b
@@ -312,5 +355,40 @@ def cpu_max_batch(
         "capped": b > cap,
         "method": "extrapolated",
         "mb_per_batch": slope,
+        "mb_fixed": fixed,
+    }
+
+
+def cpu_max_side(
+    estimate_mb: Callable[[int], float],
+    measure_mb: Callable[[int], float],
+    *,
+    probes: list[int],
+    cap: int,
+    budget_mb: float,
+) -> dict:
+    """The CPU's largest square input side of a conv op at B = 1, whose memory is close to linear
+    in the grid's area (every tensor but the weight and its gradient is per position): measure_mb
+    at the probe sides, a straight line in side^2 through them, and the largest side <= cap on
+    which it is within budget_mb. Probes run only where estimate_mb is within the budget, as
+    cpu_max_batch's; with none, max_side is None ("method": "estimate")."""
+    measured = [(s, measure_mb(s)) for s in probes if estimate_mb(s) <= budget_mb]
+    found = {"budget_mb": budget_mb, "probes": measured}
+    if not measured:
+        return {
+            **found,
+            "max_side": None,
+            "method": "estimate",
+            "estimated_mb": estimate_mb(probes[0]),
+        }
+    fixed, slope = _line_through([(s * s, m) for s, m in measured])
+    area = (budget_mb - fixed) / slope if slope > 0 else float("inf")
+    side = None if area < 1 else cap if area >= cap * cap else math.isqrt(int(area))
+    return {
+        **found,
+        "max_side": side,
+        "capped": side == cap,
+        "method": "extrapolated",
+        "mb_per_position": slope,
         "mb_fixed": fixed,
     }

@@ -37,14 +37,22 @@ def _fmt_max_batch(r: dict) -> str:
     return f"{r['max_batch']}" + ("+" if r.get("max_batch_capped") else "")
 
 
+def _fmt_max_side(r: dict) -> str:
+    if "max_side" not in r:
+        return "-"
+    return "none" if r["max_side"] is None else str(r["max_side"])
+
+
 def format_table(report: dict) -> str:
     """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's.
     Runs with model ops add an img/s column (images per second of a training step), runs with
-    --max-batch a max B column ('+': every batch up to the cap fitted). Where a CUDA kernel path
-    ran, a line per capsroute row says which (forward / backward), after the table."""
+    --max-batch a max B column ('+': every batch up to the cap fitted) and, for conv ops, a max side
+    column (the largest square input side at B = 1). Where a CUDA kernel path ran, a line per
+    capsroute row says which (forward / backward), after the table."""
     results = report["results"]
     models = any(r["op"] in MODEL_OPS for r in results)
     max_batch = any("max_batch" in r for r in results)
+    max_side = any("max_side" in r for r in results)
     head = [
         "op",
         "shape",
@@ -61,7 +69,7 @@ def format_table(report: dict) -> str:
         "compile s",
         "rel err",
     ]
-    head += ["img/s"] * models + ["max B"] * max_batch
+    head += ["img/s"] * models + ["max B"] * max_batch + ["max side"] * max_side
     rows = []
     for r in report["results"]:
         s = r["shape"]
@@ -92,6 +100,8 @@ def format_table(report: dict) -> str:
             row.append(_fmt(ips, ".1f" if ips is not None and ips < 100 else ".0f"))
         if max_batch:
             row.append(_fmt_max_batch(r))
+        if max_side:
+            row.append(_fmt_max_side(r))
         rows.append(row)
     # skipped rows (4 cells + the reason) size only the first 4 columns
     widths = [

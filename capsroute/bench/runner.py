@@ -259,6 +259,8 @@ def add_max_batches(
                 if (r["op"], r.get("shape_name"), r["impl"]) == (case.op, case.shape_name, impl):
                     r["max_batch"] = found["max_batch"]
                     r["max_batch_capped"] = found.get("capped", False)
+                    if "max_side" in found:
+                        r["max_side"] = found["max_side"]
             if on_case is not None:
                 on_case(report)
 
