@@ -37,8 +37,6 @@ struct ConvCapsuleDims {
         padding(padding) {}
   int64_t Ho() const { return (H + 2 * padding - K) / stride + 1; }
   int64_t Wo() const { return (W + 2 * padding - K) / stride + 1; }
-  int64_t Hp() const { return H + 2 * padding; }
-  int64_t Wp() const { return W + 2 * padding; }
   int64_t window() const { return K * K * Din; }  // a child type's values in one window
 };
 
@@ -86,17 +84,30 @@ void for_each_position_chunk(const ConvCapsuleDims& d, int64_t iters, int64_t ac
     }
 }
 
+// Output positions [first, first + count) along one spatial dimension whose window offset k
+// lands inside the input (0 <= o * stride + k - padding < size), within [begin, end); `input` is
+// the input index of the first: the padding never needs a padded copy of u or of its gradient.
+struct OffsetSpan {
+  int64_t first, count, input;
+};
+
+inline OffsetSpan offset_span(int64_t k, int64_t size, int64_t stride, int64_t padding,
+                              int64_t begin, int64_t end) {
+  const int64_t lead = padding - k;  // inside from o * stride >= lead to o * stride < size + lead
+  const int64_t first = std::max(begin, lead > 0 ? (lead + stride - 1) / stride : int64_t(0));
+  const int64_t last = size + lead > 0 ? std::min(end, (size + lead - 1) / stride + 1) : first;
+  return {first, std::max<int64_t>(0, last - first), first * stride - lead};
+}
+
 // The operands in the accumulation dtype, laid out for batched GEMMs over the child types c:
-// u_t (C_in, B, Hp, Wp, Din), zero-padded; weight_t (C_in, K*K*Din, C_out*D), weight_t[c] holding
-// weight[ky, kx, c, o, d, i] at row (ky, kx, i), column (o, d).
+// u (B, H, W, C_in, Din) read in place through a type-major view, weight_t (C_in, K*K*Din,
+// C_out*D), weight_t[c] holding weight[ky, kx, c, o, d, i] at row (ky, kx, i), column (o, d).
 class ConvVoteOperands {
  public:
   ConvVoteOperands(const at::Tensor& u, const at::Tensor& weight, const ConvCapsuleDims& d,
                    at::ScalarType acc)
       : d_(d),
-        u_t_(at::constant_pad_nd(u.to(acc).permute({3, 0, 1, 2, 4}),
-                                 {0, 0, d.padding, d.padding, d.padding, d.padding})
-                 .contiguous()),
+        u_by_type_(u.to(acc).permute({3, 0, 1, 2, 4})),
         weight_t_(weight.to(acc)
                       .permute({2, 0, 1, 5, 3, 4})
                       .reshape({d.C_in, d.window(), d.C_out * d.D})) {}
@@ -104,11 +115,15 @@ class ConvVoteOperands {
   const at::Tensor& weight_t() const { return weight_t_; }
 
   // The chunk's windows (C_in, count, K*K*Din): position p's K x K children of type c, in (ky, kx,
-  // i) order.
+  // i) order, zero where the window covers padding.
   at::Tensor windows(const PositionChunk& chunk) const {
-    at::Tensor out =
-        at::empty({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din}, u_t_.options());
-    out.copy_(window_view(chunk, 0, 0, /*whole_window=*/true));
+    const auto shape = {d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din};
+    at::Tensor out = d_.padding > 0 ? at::zeros(shape, u_by_type_.options())
+                                    : at::empty(shape, u_by_type_.options());
+    for_each_offset(chunk, [&](int64_t ky, int64_t kx, const OffsetSpan& y, const OffsetSpan& x) {
+      chunk_children(out.select(4, ky).select(4, kx), chunk, y, x)
+          .copy_(input_children(u_by_type_, chunk, y, x));
+    });
     return out.view({d_.C_in, chunk.count, d_.window()});
   }
 
@@ -122,22 +137,28 @@ class ConvVoteOperands {
     return votes;
   }
 
-  // Adds the chunk's input gradient, from its vote gradient (count, C_in, C_out, D), into grad_u_t
-  // (the shape of u_t): the window gradient as one GEMM per type, regrouped by window offset (so
+  // A zero input gradient (B, H, W, C_in, Din) for add_input_gradient.
+  at::Tensor zero_input_gradient() const {
+    return at::zeros({d_.B, d_.H, d_.W, d_.C_in, d_.Din}, u_by_type_.options());
+  }
+
+  // Adds the chunk's input gradient, from its vote gradient (count, C_in, C_out, D), into grad_u
+  // (B, H, W, C_in, Din): the window gradient as one GEMM per type, regrouped by window offset (so
   // that an offset's values are adjacent, as the input's are), then added offset by offset, each
   // offset's positions distinct (so no sum races and the order is fixed).
   void add_input_gradient(const PositionChunk& chunk, const at::Tensor& grad_votes,
-                          at::Tensor& grad_u_t) const {
+                          at::Tensor& grad_u) const {
     const at::Tensor by_offset =
         at::bmm(by_type(grad_votes), weight_t_.transpose(1, 2))
             .view({d_.C_in, chunk.count, d_.K * d_.K, d_.Din})
             .transpose(1, 2)
             .contiguous()
             .view({d_.C_in, d_.K, d_.K, chunk.images, chunk.rows, d_.Wo(), d_.Din});
-    for (int64_t ky = 0; ky < d_.K; ++ky)
-      for (int64_t kx = 0; kx < d_.K; ++kx)
-        window_view(chunk, ky, kx, /*whole_window=*/false, &grad_u_t)
-            .add_(by_offset.select(1, ky).select(1, kx));
+    const at::Tensor grad_by_type = grad_u.permute({3, 0, 1, 2, 4});
+    for_each_offset(chunk, [&](int64_t ky, int64_t kx, const OffsetSpan& y, const OffsetSpan& x) {
+      input_children(grad_by_type, chunk, y, x)
+          .add_(chunk_children(by_offset.select(1, ky).select(1, kx), chunk, y, x));
+    });
   }
 
   // grad_weight_t += windows^T @ grad_votes, per type.
@@ -146,12 +167,7 @@ class ConvVoteOperands {
     grad_weight_t.baddbmm_(windows.transpose(1, 2), by_type(grad_votes));
   }
 
-  // The gradients in the layouts of the op's u and weight, from those of u_t and weight_t.
-  at::Tensor input_gradient(const at::Tensor& grad_u_t) const {
-    return grad_u_t.narrow(2, d_.padding, d_.H)
-        .narrow(3, d_.padding, d_.W)
-        .permute({1, 2, 3, 0, 4});
-  }
+  // The weight gradient in the layout of the op's weight, from that of weight_t.
   at::Tensor weight_gradient(const at::Tensor& grad_weight_t) const {
     return grad_weight_t.view({d_.C_in, d_.K, d_.K, d_.Din, d_.C_out, d_.D})
         .permute({1, 2, 0, 4, 5, 3});
@@ -163,24 +179,38 @@ class ConvVoteOperands {
     return votes.view({votes.size(0), d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
   }
 
-  // A strided view of u_t (or of `of`, its shape) over the chunk's windows: the whole windows
-  // (C_in, images, rows, Wo, K, K, Din), or the children at offset (ky, kx) alone (C_in, images,
-  // rows, Wo, Din).
-  at::Tensor window_view(const PositionChunk& chunk, int64_t ky, int64_t kx, bool whole_window,
-                         const at::Tensor* of = nullptr) const {
-    const at::Tensor& t = of ? *of : u_t_;
-    const int64_t sx = d_.Din, sy = d_.Wp() * sx, sb = d_.Hp() * sy, sc = d_.B * sb;
+  // Calls body(ky, kx, rows, columns) for every window offset with the chunk's output rows and
+  // columns whose child at that offset lies inside the input.
+  template <typename Body>
+  void for_each_offset(const PositionChunk& chunk, Body&& body) const {
+    for (int64_t ky = 0; ky < d_.K; ++ky) {
+      const OffsetSpan y =
+          offset_span(ky, d_.H, d_.stride, d_.padding, chunk.y0, chunk.y0 + chunk.rows);
+      if (y.count == 0) continue;
+      for (int64_t kx = 0; kx < d_.K; ++kx) {
+        const OffsetSpan x = offset_span(kx, d_.W, d_.stride, d_.padding, 0, d_.Wo());
+        if (x.count > 0) body(ky, kx, y, x);
+      }
+    }
+  }
+
+  // Of a chunk-shaped (C_in, images, rows, Wo, Din) tensor, the positions of spans y and x.
+  static at::Tensor chunk_children(const at::Tensor& t, const PositionChunk& chunk,
+                                   const OffsetSpan& y, const OffsetSpan& x) {
+    return t.narrow(2, y.first - chunk.y0, y.count).narrow(3, x.first, x.count);
+  }
+
+  // Of a type-major input-shaped (C_in, B, H, W, Din) tensor, the children at spans y and x.
+  at::Tensor input_children(const at::Tensor& t, const PositionChunk& chunk, const OffsetSpan& y,
+                            const OffsetSpan& x) const {
     const int64_t s = d_.stride;
-    const int64_t offset = chunk.b0 * sb + (chunk.y0 * s + ky) * sy + kx * sx;
-    if (whole_window)
-      return t.as_strided({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din},
-                          {sc, sb, s * sy, s * sx, sy, sx, 1}, t.storage_offset() + offset);
-    return t.as_strided({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.Din},
-                        {sc, sb, s * sy, s * sx, 1}, t.storage_offset() + offset);
+    return t.narrow(1, chunk.b0, chunk.images)
+        .slice(2, y.input, y.input + (y.count - 1) * s + 1, s)
+        .slice(3, x.input, x.input + (x.count - 1) * s + 1, s);
   }
 
   ConvCapsuleDims d_;
-  at::Tensor u_t_, weight_t_;
+  at::Tensor u_by_type_, weight_t_;
 };
 
 // The routing of one chunk's votes, on the device's kernels: route(votes (count, C_in, C_out, D),
@@ -234,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward(
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous().view({-1, d.C_out, d.D});
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous().view({-1, iters, d.C_out, d.D});
   const ConvVoteOperands operands(u, weight, d, acc);
-  at::Tensor grad_u_t = at::zeros({d.C_in, d.B, d.Hp(), d.Wp(), d.Din}, acc_options);
+  at::Tensor grad_u = operands.zero_input_gradient();
   at::Tensor grad_weight_t = at::zeros_like(operands.weight_t());
   at::Tensor grad_bias = at::zeros({d.C_out, d.D}, acc_options);
   std::string paths;
@@ -248,13 +278,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward(
       add_distinct_path(paths, route_backward(votes, grad_v.narrow(0, chunk.first, chunk.count),
                                               s_hist.narrow(0, chunk.first, chunk.count), dims,
                                               grad_bias_items, votes));
-      operands.add_input_gradient(chunk, votes, grad_u_t);
+      operands.add_input_gradient(chunk, votes, grad_u);
       operands.add_weight_gradient(windows, votes, grad_weight_t);
       grad_bias.add_(grad_bias_items.sum(0));
     });
   }
   record_kernel_path("conv_dynamic_routing", Direction::backward, device_prefix + paths);
-  return {operands.input_gradient(grad_u_t).to(u.scalar_type()).contiguous(),
+  return {grad_u.to(u.scalar_type()),
           operands.weight_gradient(grad_weight_t).to(u.scalar_type()).contiguous(),
           grad_bias.to(u.scalar_type())};
 }
