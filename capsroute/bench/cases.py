@@ -14,6 +14,7 @@ import torch
 
 import capsroute
 from capsroute import reference
+from capsroute._fake import conv_output_size
 from capsroute.nn import ConvCapsules
 
 OPS = {  # op -> the short name that `--op` also accepts
@@ -96,10 +97,9 @@ class ConvShape:
     padding: int = 0
 
     def out_hw(self) -> tuple[int, int]:
-        def side(n):
-            return (n + 2 * self.padding - self.K) // self.stride + 1
-
-        return side(self.H), side(self.W)
+        return tuple(
+            conv_output_size(n, self.K, self.stride, self.padding) for n in (self.H, self.W)
+        )
 
 
 CONV_SHAPES = {  # bench/README.md, "Conv ops"

@@ -287,8 +287,8 @@ inline void check_conv_dynamic_routing_backward_inputs(const at::Tensor& grad_v,
                                                        int64_t padding, double eps) {
   check_conv_capsule_shapes(u, weight, stride, padding);
   const int64_t K = weight.size(0), C_out = weight.size(3), D = weight.size(4);
-  const int64_t Ho = (u.size(1) + 2 * padding - K) / stride + 1;
-  const int64_t Wo = (u.size(2) + 2 * padding - K) / stride + 1;
+  const int64_t Ho = conv_out_size(u.size(1), K, stride, padding);
+  const int64_t Wo = conv_out_size(u.size(2), K, stride, padding);
   TORCH_CHECK(grad_v.sizes() == at::IntArrayRef({u.size(0), Ho, Wo, C_out, D}),
               "capsroute: grad_v must have shape (", u.size(0), ", ", Ho, ", ", Wo, ", ", C_out,
               ", ", D, "), got ", grad_v.sizes());

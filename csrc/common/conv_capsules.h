@@ -35,8 +35,8 @@ struct ConvCapsuleDims {
         D(weight.size(4)),
         stride(stride),
         padding(padding) {}
-  int64_t Ho() const { return (H + 2 * padding - K) / stride + 1; }
-  int64_t Wo() const { return (W + 2 * padding - K) / stride + 1; }
+  int64_t Ho() const { return conv_out_size(H, K, stride, padding); }
+  int64_t Wo() const { return conv_out_size(W, K, stride, padding); }
   int64_t window() const { return K * K * Din; }  // a child type's values in one window
 };
 

@@ -24,17 +24,20 @@ struct EmDims {
   CAPSROUTE_HD int64_t stats_block() const { return J * stats_row(); }  // per element and iteration
 };
 
+// Outputs along one axis of a convolution: windows of K inputs, `stride` apart, over `size` inputs
+// padded by `padding` on both sides.
+CAPSROUTE_HD int64_t conv_out_size(int64_t size, int64_t K, int64_t stride, int64_t padding) {
+  return (size + 2 * padding - K) / stride + 1;
+}
+
 // Convolutional EM routing (conv_em_routing): children (B, H, W, C_in), parents (B, Ho, Wo, C_out);
 // the window of output (y, x) is K x K positions from (y stride, x stride) of the input padded by
 // `padding` on every side.
 struct ConvEmDims {
   int64_t B, H, W, C_in, C_out, K, stride, padding, iters;
   double final_lambda;
-  CAPSROUTE_HD int64_t out_size(int64_t in_size) const {
-    return (in_size + 2 * padding - K) / stride + 1;
-  }
-  CAPSROUTE_HD int64_t Ho() const { return out_size(H); }
-  CAPSROUTE_HD int64_t Wo() const { return out_size(W); }
+  CAPSROUTE_HD int64_t Ho() const { return conv_out_size(H, K, stride, padding); }
+  CAPSROUTE_HD int64_t Wo() const { return conv_out_size(W, K, stride, padding); }
   // The first and last output index, along an axis of `outs` outputs, whose windows contain input
   // index `in` (none where first > last).
   CAPSROUTE_HD int64_t first_window(int64_t in) const {
