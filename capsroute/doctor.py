@@ -260,8 +260,8 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
     clusters = torch.cuda.get_device_capability(device) >= (9, 0)
     if check.family == "squash":
         return [KernelPath("-", {}, lambda shape: "cuda")]
-    if check.family == "conv-em":  # no CUDA kernel yet: the CPU kernel on host copies
-        return [KernelPath("-", {}, lambda shape: "cuda-host-copy")]
+    if check.family == "conv-em":
+        return [KernelPath("-", {}, lambda shape: "conv-em-parent-child")]
     if check.family == "routing":
         return _routing_paths("", clusters)
     if check.family == "dense":

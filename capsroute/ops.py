@@ -299,15 +299,6 @@ def conv_em_routing(
             final_lambda=final_lambda,
             eps=eps,
         )
-    if (
-        pose.is_cuda
-        and not torch.compiler.is_compiling()
-        and torch.cuda.is_current_stream_capturing()
-    ):
-        raise RuntimeError(
-            "capsroute: conv_em_routing cannot be captured in a CUDA graph: its CUDA path computes"
-            " on host copies (docs/ops.md, conv_em_routing)"
-        )
     pose_out, a_out, _ = _ops.conv_em_routing(
         pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps
     )

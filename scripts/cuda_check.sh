@@ -33,11 +33,14 @@
 #   memcheck (130), racecheck (130), initcheck (130), synccheck (130)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
 #                         (sweep and sanitizers: 30 s and 10 s more than before the attention
-#                         routings joined them, a guess: they have not run on a GPU)
+#                         routings joined them, a guess: they have not run on a GPU; conv EM's 24
+#                         small calls, no shared memory, fit the same budgets)
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
 #   bench-conv (130)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
 #                         impl, at MatrixCapsNet's conv layers (B = 512), image scale (B = 1) and
 #                         SegCaps-like (B = 16); not yet measured on a GPU: the budget is a guess
+#                         (conv EM's kernel, predicted at milliseconds a call, leaves it to eager
+#                         and compiled; docs/kernels.md)
 #   train-MODEL[-fashion|-multimnist] (the rest of the call)
 #
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
@@ -250,7 +253,7 @@ for k in "${!stages[@]}"; do
       gpu_bench . --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --plot || status=1 ;;
     bench-models)
       gpu_bench . --op capsnet matrixcapsnet --max-batch --plot || status=1 ;;
-    bench-conv)  # every impl; conv EM's CUDA path is the CPU kernel on host copies (docs/ops.md)
+    bench-conv)  # every impl; conv EM's kernel against its prediction (docs/kernels.md)
       gpu_bench conv --op conv-em --shape mcn-conv1 mcn-conv2 --batch 512 || status=1
       gpu_bench conv --op conv-em conv-dynamic --shape conv-image --batch 1 || status=1
       gpu_bench conv --op conv-dynamic --shape segcaps --batch 16 || status=1 ;;

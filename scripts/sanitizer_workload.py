@@ -209,6 +209,48 @@ for (splits, dtype), (B, I, J), iters, chunk in itertools.product(
 for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
     os.environ.pop(name, None)
 
+# conv_em_routing: gradients w.r.t. pose, a_in, weight and both betas, every storage dtype, against
+# the CPU kernel in float64 on the same rounded values. Shapes: overlapping windows with padding,
+# stride 2 (K = 1 there: children no window contains), one iteration.
+for dtype, (B, H, W, C_in, C_out, K, stride, padding), iters in itertools.product(
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+    [(2, 5, 4, 3, 5, 3, 1, 1), (1, 6, 5, 4, 3, 1, 2, 0), (3, 4, 4, 2, 7, 3, 2, 1)],
+    [1, 3],
+):
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
+        dtype
+    ]
+    pose = torch.randn(B, H, W, C_in, 4, 4, dtype=torch.float64)
+    a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64)
+    weight = 0.5 * torch.randn(K, K, C_in, C_out, 4, 4, dtype=torch.float64)
+    betas = [0.5 * torch.randn(C_out, dtype=torch.float64) for _ in range(2)]
+    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+    grads = (
+        torch.randn(B, Ho, Wo, C_out, 16, dtype=torch.float64),
+        torch.randn(B, Ho, Wo, C_out, dtype=torch.float64),
+    )
+
+    def conv_em(*xs):
+        leaves = [t.detach().clone().requires_grad_() for t in xs]
+        pose_out, a_out = capsroute.conv_em_routing(
+            *leaves, iters, stride=stride, padding=padding, final_lambda=0.5
+        )
+        loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
+            a_out.double() * grads[1].to(a_out.device)
+        ).sum()
+        return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+
+    inputs = (pose, a_in, weight, *betas)
+    cuda_out = conv_em(*[t.to("cuda", dtype) for t in inputs])
+    note_paths("conv_em_routing")
+    check(
+        f"conv_em_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
+        f"padding={padding} iters={iters}",
+        cuda_out,
+        conv_em(*[t.to(dtype).double() for t in inputs]),
+        tol,
+    )
+
 
 # The attention routings (dynamic routing's block kernels under their rules), every storage dtype,
 # with and without their parameters, the rows of each element in one range (and in 3: float32 and
@@ -265,6 +307,7 @@ expected_paths = {
     "dense-v2-gemm+v2-warp-rows",
     "dense-v2-gemm+v2-block",
     "em-row-ranges",
+    "conv-em-parent-child",
 }
 if CLUSTERS:
     expected_paths |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}

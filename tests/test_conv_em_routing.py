@@ -1,13 +1,14 @@
 """conv_em_routing beyond the contract (tests/test_op_contract.py): the cross-window E-step (each
 child's assignments sum to 1), agreement with em_routing_pose when there is one window, padding
-as children of zero activation, uncovered children, flat poses and bad input."""
+as children of zero activation, uncovered children, flat poses, bad input, and on CUDA the
+kernel's path, its agreement with the CPU kernel and saved statistics shared by both backends."""
 
 import pytest
 import torch
 
 import capsroute
 from capsroute import reference
-from helpers import assert_rel_close
+from helpers import CUDA, assert_rel_close
 from op_db import CONV_EM_ROUTING, conv_em_inputs
 
 
@@ -115,6 +116,52 @@ def test_takes_flat_poses(device):
     )
     for a, b in zip(flat, square):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("stride,padding,K", [(1, 1, 3), (2, 0, 1), (2, 1, 3)])
+def test_cuda_kernel_matches_the_cpu_kernel(device, stride, padding, K):
+    """The CUDA kernels (path conv-em-parent-child) against the CPU kernel in float64: overlapping
+    windows with padding, K = 1 at stride 2 (children no window contains), C_out = 5."""
+    inputs = [t.detach() for t in conv_em_inputs((2, 6, 5, 3, 5, K), device=device)]
+
+    def run(tensors):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        pose, a_out = capsroute.conv_em_routing(
+            *leaves, 3, stride=stride, padding=padding, final_lambda=0.5
+        )
+        cotangent = torch.randn(pose.shape, generator=torch.Generator().manual_seed(0))
+        loss = (pose * cotangent.to(pose)).sum() + a_out.square().sum()
+        return [pose, a_out, *torch.autograd.grad(loss, leaves)]
+
+    capsroute.clear_kernel_paths()
+    got = run(inputs)
+    for direction in ("forward", "backward"):
+        assert capsroute.last_kernel_path("conv_em_routing", direction) == "conv-em-parent-child"
+    want = run([t.cpu() for t in inputs])
+    names = ["pose", "a_out", "grad_pose", "grad_a_in", "grad_weight", "grad_beta_u", "grad_beta_a"]
+    for name, a, e in zip(names, got, want):
+        assert_rel_close(a.cpu(), e, 1e-10, name)
+
+
+def test_stats_work_with_either_backend(device):
+    """The saved statistics have one layout: the backward of either backend reads either's."""
+    inputs = [t.detach() for t in conv_em_inputs((2, 5, 4, 2, 3, 3), device=device)]
+    options = (3, 1, 1, 0.01, 1e-6)  # iters, stride, padding, final_lambda, eps
+    ops = torch.ops.capsroute
+    stats_here = ops.conv_em_routing(*inputs, *options)[2]
+    stats_cpu = ops.conv_em_routing(*[t.cpu() for t in inputs], *options)[2]
+    assert_rel_close(stats_here.cpu(), stats_cpu, 1e-10, "stats")
+    grad_pose = torch.randn(2, 5, 4, 3, 16, dtype=torch.float64)
+    grad_a = torch.randn(2, 5, 4, 3, dtype=torch.float64)
+    want = ops._conv_em_routing_backward(
+        grad_pose, grad_a, *[t.cpu() for t in inputs], stats_cpu, *options[1:]
+    )
+    got = ops._conv_em_routing_backward(
+        grad_pose.to(device), grad_a.to(device), *inputs, stats_cpu.to(device), *options[1:]
+    )
+    for name, a, e in zip(CONV_EM_ROUTING.input_names, got, want):
+        assert_rel_close(a.cpu(), e, 1e-10, f"grad_{name}")
 
 
 @pytest.mark.parametrize(

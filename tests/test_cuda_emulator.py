@@ -1,17 +1,19 @@
 """The CUDA kernels' logic without a GPU: tests/emulator runs the device code of
-csrc/cuda/routing_kernels.cuh and em_kernels.cuh on the host (a std::thread per CUDA thread,
-barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h) against the CPU
-backend's element code: every launch path of dynamic routing (a block per element, rows split
-over blocks, a warp per part of an element's rows, and the forward and backward an element per
-cluster of blocks with the votes in shared memory), float16/bfloat16 storage included (through
-c10::Half/BFloat16 from torch's headers), and the EM forward and backward (em_routing_pose's in
-batch chunks), and the block kernels under the attention routings' rules (rule_routing_test,
-against a double-precision reference of the rule's loop and its reverse mode), all run by the very
-launch sequences the ops use (csrc/cuda/routing_sequence.cuh and em_sequence.cuh, given a host
-launcher instead of the CUDA stream one), with misaligned vector loads caught (UBSan's alignment
-check); and a ThreadSanitizer build of the same programs for data races (missing barriers). CI has
-no GPU, so this is what checks the kernels' arithmetic, indexing and barriers there; the
-cuda-marked tests check them on a GPU."""
+csrc/cuda/routing_kernels.cuh, em_kernels.cuh and conv_em_kernels.cuh on the host (a std::thread
+per CUDA thread, barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h)
+against the CPU backend's element code: every launch path of dynamic routing (a block per element,
+rows split over blocks, a warp per part of an element's rows, and the forward and backward an
+element per cluster of blocks with the votes in shared memory), float16/bfloat16 storage included
+(through c10::Half/BFloat16 from torch's headers), and the EM forward and backward
+(em_routing_pose's in batch chunks); the block kernels under the attention routings' rules
+(rule_routing_test, against a double-precision reference of the rule's loop and its reverse mode);
+conv_em_routing's forward and backward (conv_em_test, against a long double reference
+differentiated on a tape); all run by the very launch sequences the ops use
+(csrc/cuda/routing_sequence.cuh, em_sequence.cuh and conv_em_sequence.cuh, given a host launcher
+instead of the CUDA stream one), with misaligned vector loads caught (UBSan's alignment check); and
+a ThreadSanitizer build of the same programs for data races (missing barriers). CI has no GPU, so
+this is what checks the kernels' arithmetic, indexing and barriers there; the cuda-marked tests
+check them on a GPU."""
 
 import functools
 import os
@@ -66,13 +68,15 @@ def build(tmp_path_factory):
     return compile_program
 
 
+PROGRAMS = ["routing_test", "rule_routing_test", "em_test", "conv_em_test"]
+
 # The default loop runs the programs' tsan workload without the sanitizer: every kernel once on a
 # small shape, in seconds (their quick mode takes minutes on 2 cores). The full run is slow.
 EVERY_KERNEL_ONCE = pytest.param("tsan", id="every-kernel-once")
 
 
 @pytest.mark.parametrize("mode", [EVERY_KERNEL_ONCE, pytest.param("full", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("program", ["routing_test", "rule_routing_test", "em_test"])
+@pytest.mark.parametrize("program", PROGRAMS)
 def test_cuda_kernels_match_the_cpu_code(build, program, mode):
     run = subprocess.run([str(build(program)), mode], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), (
@@ -81,7 +85,7 @@ def test_cuda_kernels_match_the_cpu_code(build, program, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("program", ["routing_test", "rule_routing_test", "em_test"])
+@pytest.mark.parametrize("program", PROGRAMS)
 def test_cuda_kernels_have_no_data_race(build, program):
     """The same kernels under ThreadSanitizer: every emulated CUDA thread is a thread it follows, so a
     missing __syncthreads or a shared-memory slot two threads write shows as a data race. The tsan

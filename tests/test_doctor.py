@@ -78,6 +78,7 @@ def test_doctor_on_cuda_runs_every_path(capsys):
         "dense-v2-gemm+v2-warp-rows",
         "dense-v2-gemm+v2-block",
         "em-row-ranges",
+        "conv-em-parent-child",
     }
     if torch.cuda.get_device_capability() >= (9, 0):
         expected |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}

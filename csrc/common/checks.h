@@ -213,6 +213,13 @@ inline void check_conv_em_routing_inputs(const at::Tensor& pose, const at::Tenso
                   weight.size(3), a_in.flatten(1), beta_u, beta_a, iters, final_lambda, eps);
 }
 
+// conv_em_routing's sizes, from inputs check_conv_em_routing_inputs passed.
+inline ConvEmDims conv_em_dims(const at::Tensor& pose, const at::Tensor& weight, int64_t iters,
+                               int64_t stride, int64_t padding, double final_lambda) {
+  return {pose.size(0),   pose.size(1), pose.size(2), pose.size(3), weight.size(3),
+          weight.size(0), stride,       padding,      iters,        final_lambda};
+}
+
 // The iteration count of conv_em_routing's saved stats (B, H', W', iters, C_out, 33).
 inline int64_t conv_em_stats_iters(const at::Tensor& stats) {
   TORCH_CHECK(stats.dim() == 6,

@@ -48,6 +48,12 @@ struct ConvEmDims {
     const int64_t last = (in + padding) / stride;
     return last < outs - 1 ? last : outs - 1;
   }
+  // The number of windows that contain input position (iy, ix): cover(i) of docs/ops.md.
+  CAPSROUTE_HD int64_t covering(int64_t iy, int64_t ix) const {
+    const int64_t rows = last_window(iy, Ho()) - first_window(iy) + 1;
+    const int64_t cols = last_window(ix, Wo()) - first_window(ix) + 1;
+    return (rows > 0 ? rows : 0) * (cols > 0 ? cols : 0);
+  }
   CAPSROUTE_HD int64_t window_children() const { return K * K * C_in; }
 };
 

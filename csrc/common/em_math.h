@@ -65,6 +65,16 @@ CAPSROUTE_HD T em_log_prior(T logit, const T* var, int64_t H) {
   return norm;
 }
 
+// The activation logit of an output capsule after its M-step: lam (beta_a - cost) with
+// cost = sum_h (beta_u + ln(var_h) / 2) mass.
+template <typename acc_t>
+CAPSROUTE_HD acc_t em_activation_logit(acc_t lam, acc_t beta_u, acc_t beta_a, acc_t mass,
+                                       const acc_t* var, int64_t H) {
+  acc_t cost = 0;
+  for (int64_t h = 0; h < H; ++h) cost += (beta_u + acc_t(0.5) * acc_log(var[h])) * mass;
+  return lam * (beta_a - cost);
+}
+
 // The M-step's backward for one output capsule (docs/ops.md, em_routing; M = mass + eps,
 // var0 = var - eps): from the gradients of its H means and variances (g_mu, g_var, updated in
 // place) and of its logit, adds its betas' gradients and writes g_mu_M = g_mu / M and

@@ -64,11 +64,6 @@ struct ConvEmLayout {
   acc_t logit(const acc_t* stats, int64_t n, int64_t t, int64_t o) const {
     return stats[parent(n, t, 0, kStatsRow) + 2 * d.C_out * kPoseSize + o];
   }
-  int64_t covering(int64_t iy, int64_t ix) const {
-    const int64_t rows = d.last_window(iy, Ho) - d.first_window(iy) + 1;
-    const int64_t cols = d.last_window(ix, Wo) - d.first_window(ix) + 1;
-    return std::max<int64_t>(rows, 0) * std::max<int64_t>(cols, 0);
-  }
   // The most windows that contain one input position along an axis.
   int64_t max_cover() const { return std::min((d.K + d.stride - 1) / d.stride, std::max(Ho, Wo)); }
   const acc_t* weight_at(int64_t ky, int64_t kx, int64_t c) const {
@@ -78,9 +73,7 @@ struct ConvEmLayout {
     for (int64_t h = 0; h < kPoseSize; ++h) P[h] = static_cast<acc_t>(pose[i * kPoseSize + h]);
   }
   acc_t activation(int64_t i) const { return static_cast<acc_t>(a_in[i]); }
-  acc_t initial(int64_t iy, int64_t ix) const {
-    return acc_t(1) / static_cast<acc_t>(std::max<int64_t>(covering(iy, ix), 1) * d.C_out);
-  }
+  acc_t initial(int64_t iy, int64_t ix) const { return conv_em_initial<acc_t>(d, iy, ix); }
 
   // Calls f(e, child index or -1 where the window lies on padding, ky, kx, c, iy, ix) for window
   // n's children e = (ky K + kx) C_in + c.
@@ -347,14 +340,13 @@ void window_m_step(const ConvEmLayout<scalar_t, acc_t>& L, int64_t n, int64_t t,
   const acc_t lam = em_lambda(L.d.final_lambda, t);
   acc_t* st = stats + L.parent(n, t, 0, kStatsRow);
   for (int64_t o = 0; o < J; ++o) {
-    acc_t cost = 0;
+    acc_t* vr = st + (J + o) * kPoseSize;
     for (int64_t h = 0; h < kPoseSize; ++h) {
-      const acc_t vr = var[h * Jp + o] / (mass[o] + eps) + eps;
       st[o * kPoseSize + h] = mu[h * Jp + o];
-      st[(J + o) * kPoseSize + h] = vr;
-      cost += (static_cast<acc_t>(beta_u[o]) + acc_t(0.5) * std::log(vr)) * mass[o];
+      vr[h] = var[h * Jp + o] / (mass[o] + eps) + eps;
     }
-    st[2 * J * kPoseSize + o] = lam * (static_cast<acc_t>(beta_a[o]) - cost);
+    st[2 * J * kPoseSize + o] = em_activation_logit(
+        lam, static_cast<acc_t>(beta_u[o]), static_cast<acc_t>(beta_a[o]), mass[o], vr, kPoseSize);
   }
   if (t < L.d.iters - 1) L.set_log_priors(stats, n, t);
 }
@@ -376,12 +368,6 @@ void route(const ConvEmLayout<scalar_t, acc_t>& L, const scalar_t* beta_u, const
     });
     if (t < d.iters - 1) log_normalisers(L, t, stats, log_norm);
   }
-}
-
-ConvEmDims conv_em_dims(const at::Tensor& pose, const at::Tensor& weight, int64_t iters,
-                        int64_t stride, int64_t padding, double final_lambda) {
-  return {pose.size(0),   pose.size(1), pose.size(2), pose.size(3), weight.size(3),
-          weight.size(0), stride,       padding,      iters,        final_lambda};
 }
 
 // The weight in parent lanes (ConvEmLayout::weight_t), in the accumulation dtype.
