@@ -160,8 +160,8 @@ conv_em_routing_backward_cuda(const at::Tensor& grad_pose_out_in, const at::Tens
               bws, chunks, grad_pose.mutable_data_ptr<scalar_t>(),
               grad_a_in.mutable_data_ptr<scalar_t>(), g_weight.mutable_data_ptr<acc_t>());
         });
+    record_kernel_path("conv_em_routing", Direction::backward, kConvEmPath);
   }
-  record_kernel_path("conv_em_routing", Direction::backward, kConvEmPath);
   // The per-window beta gradients summed over the windows by one fixed reduction; two tensors of
   // their own, not two rows of one: the schema's outputs must not alias (opcheck).
   const at::Tensor grad_betas = g_beta.sum(0).to(pose.scalar_type());
