@@ -188,5 +188,6 @@ def test_efficientcapsnet_model_op(monkeypatch):
         assert "skipped" not in r, r
         assert r["fwd_bwd_ms"] > 0 and r["params"] == sum(p.numel() for p in model.parameters())
     assert caps["max_rel_err"] < 1e-2
-    assert caps["kernel_paths"]["self_attention_routing"] == {"forward": "cpu", "backward": "cpu"}
+    paths = caps["kernel_paths"]["dense_self_attention_routing"]
+    assert paths == {"forward": "cpu", "backward": "cpu"}
     assert "kernel_paths" not in eager

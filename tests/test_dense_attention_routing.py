@@ -1,12 +1,13 @@
 """dense_self_attention_routing and dense_inverted_attention_routing beyond the contract
 (tests/test_op_contract.py): the vote-input op on the einsum's votes, both squash forms, absent
-parameters, a group of elements larger than one slab, the 4x4 pose form."""
+parameters, a group of elements larger than one slab, the 4x4 pose form, and the layers on them."""
 
 import pytest
 import torch
 
 import capsroute
 from capsroute import reference
+from capsroute.nn_attention import InvertedAttentionCapsules, SelfAttentionCapsules
 from helpers import assert_rel_close, randn
 from op_db import (
     DENSE_INVERTED_ATTENTION_ROUTING,
@@ -116,3 +117,26 @@ def test_pose_form(device):
 def test_pose_form_refuses_other_shapes(pose, weight, message):
     with pytest.raises(ValueError, match=message):
         capsroute.dense_inverted_attention_routing_pose(randn(*pose), randn(*weight))
+
+
+@pytest.mark.parametrize(
+    "layer,op",
+    [
+        (lambda: SelfAttentionCapsules(9, 4, 3, 8), "dense_self_attention_routing"),
+        (lambda: InvertedAttentionCapsules(9, 4, 3, 8), "dense_inverted_attention_routing"),
+    ],
+    ids=["self-attention", "inverted-attention"],
+)
+def test_layers_make_no_votes(layer, op):
+    """The layers route with the dense op (the votes never stored), and the reference backend
+    agrees with it."""
+    torch.manual_seed(0)
+    fused = layer().double()
+    u = randn(2, 9, 4, requires_grad=True)
+    capsroute.clear_kernel_paths()
+    v = fused(u)
+    assert capsroute.last_kernel_path(op) == "cpu"
+    ref = layer().double()
+    ref.load_state_dict(fused.state_dict())
+    ref.backend = "reference"
+    assert_rel_close(v, ref(u), TOL, "v")
