@@ -87,7 +87,8 @@ class RuleGradItemTensors {
   // The items from element b0 on.
   template <typename acc_t>
   RuleGradItems<acc_t> items(int64_t b0 = 0) {
-    return {from(coupling_bias_, b0), from(norm_weight_, b0), from(norm_bias_, b0)};
+    return {from<acc_t>(coupling_bias_, b0), from<acc_t>(norm_weight_, b0),
+            from<acc_t>(norm_bias_, b0)};
   }
   // The sums into grads' parameter gradients, in the accumulation dtype.
   void sum_into(RuleRoutingGradients& grads) const {
