@@ -36,7 +36,7 @@ namespace cuda {
 constexpr int64_t kDenseChunkBytes = int64_t(32) << 20;
 
 // Elements per chunk (CAPSROUTE_DENSE_CHUNK=N forces N, for the tests).
-int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
+inline int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_DENSE_CHUNK")) return *forced;
   const int64_t per_element = std::max<int64_t>(1, dims.I * dims.J * dims.D * acc_bytes);
   return std::max<int64_t>(1, kDenseChunkBytes / per_element);
@@ -46,14 +46,15 @@ int64_t dense_chunk(const RoutingDims& dims, int64_t acc_bytes) {
 // at::bmm would copy each chunk's). cuBLAS takes the chunk's u, input capsule i a (Bc, Din) matrix,
 // at any batch stride (u.stride(1)) and row stride (the leading dimension u.stride(0)) >= Din,
 // with each u_bi's Din values adjacent.
-at::Tensor gemm_readable(const at::Tensor& u) {
+inline at::Tensor gemm_readable(const at::Tensor& u) {
   const bool in_place = u.stride(2) == 1 && u.stride(0) >= std::max<int64_t>(1, u.size(2));
   return in_place ? u : u.contiguous();
 }
 
 // votes (Bc, I, J, D) = weight_ij @ u_bi for the chunk's u (Bc, I, Din): one GEMM per input
 // capsule, (Bc, Din) x (Din, J*D), written through a transposed view (cuBLAS takes the strides).
-void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight, at::Tensor& votes) {
+inline void dense_votes_into(const at::Tensor& u_chunk, const at::Tensor& weight,
+                             at::Tensor& votes) {
   const int64_t I = weight.size(0), JD = weight.size(1) * weight.size(2), Din = weight.size(3);
   at::Tensor votes_by_row = votes.view({u_chunk.size(0), I, JD}).transpose(0, 1);
   at::bmm_out(votes_by_row, u_chunk.transpose(0, 1), weight.view({I, JD, Din}).transpose(1, 2));
