@@ -21,6 +21,9 @@ from .ops import (
     conv_dynamic_routing,
     conv_em_routing,
     dense_capsules,
+    dense_inverted_attention_routing,
+    dense_inverted_attention_routing_pose,
+    dense_self_attention_routing,
     dynamic_routing,
     dynamic_routing_coupling,
     em_routing,
@@ -44,7 +47,7 @@ def last_kernel_path(op: str, direction: str = "forward") -> str:
     """The kernel path that the last call of `op` ran in `direction` ("forward" or "backward") in
     this process, as the dispatch decided at run time, fallbacks included: "cpu" on the CPU; on CUDA
     "cuda" (squash), "v2-warp-rows", "v2-cluster", "v2-block" (dynamic_routing),
-    "dense-v2-gemm+<routing paths of its chunks, comma-separated>" (dense_capsules), "em-row-ranges"
+    "dense-v2-gemm+<routing paths of its chunks, comma-separated>" (the dense_ ops), "em-row-ranges"
     (the EM ops), "conv-em-parent-child" (conv_em_routing), "conv-gemm+<routing paths>"
     (conv_dynamic_routing); docs/kernels.md says which runs when. "" if
     the op has not run in that direction since clear_kernel_paths()."""
@@ -66,6 +69,9 @@ __all__ = [
     "conv_dynamic_routing",
     "conv_em_routing",
     "dense_capsules",
+    "dense_inverted_attention_routing",
+    "dense_inverted_attention_routing_pose",
+    "dense_self_attention_routing",
     "dynamic_routing",
     "dynamic_routing_coupling",
     "em_routing",

@@ -22,6 +22,8 @@ IN_AUTOCAST_DTYPE = (
     "conv_dynamic_routing",
     "self_attention_routing",
     "inverted_attention_routing",
+    "dense_self_attention_routing",
+    "dense_inverted_attention_routing",
 )
 DEVICE_TYPES = ("cpu", "cuda")
 

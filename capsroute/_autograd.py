@@ -168,6 +168,31 @@ def _inverted_attention_routing_backward(ctx, tensors, s_hist, grads):
     ]
 
 
+def _dense_self_attention_routing_backward(ctx, tensors, s_hist, grads):
+    u, weight, coupling_bias = tensors
+    squash, eps = ctx.options
+    grad_u, grad_weight, grad_coupling_bias = _ops._dense_self_attention_routing_backward(
+        grads[0], u, weight, coupling_bias, s_hist, squash, eps
+    )
+    return [grad_u, grad_weight, None if coupling_bias is None else grad_coupling_bias]
+
+
+def _dense_inverted_attention_routing_backward(ctx, tensors, s_hist, grads):
+    u, weight, norm_weight, norm_bias = tensors
+    iters, eps = ctx.options
+    grad_u, grad_weight, grad_norm_weight, grad_norm_bias = (
+        _ops._dense_inverted_attention_routing_backward(
+            grads[0], u, weight, norm_weight, norm_bias, s_hist, eps
+        )
+    )
+    return [
+        grad_u,
+        grad_weight,
+        None if norm_weight is None else grad_norm_weight,
+        None if norm_bias is None else grad_norm_bias,
+    ]
+
+
 _register_autograd("squash", 1, 1, lambda s, eps: reference.squash(s, eps=eps), _squash_backward)
 _register_autograd(
     "dynamic_routing",
@@ -246,4 +271,24 @@ _register_autograd(
         votes, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
     ),
     _inverted_attention_routing_backward,
+)
+_register_autograd(
+    "dense_self_attention_routing",
+    3,
+    1,
+    lambda u, weight, coupling_bias, squash, eps: reference.dense_self_attention_routing(
+        u, weight, coupling_bias=coupling_bias, squash=squash, eps=eps
+    ),
+    _dense_self_attention_routing_backward,
+)
+_register_autograd(
+    "dense_inverted_attention_routing",
+    4,
+    1,
+    lambda u, weight, norm_weight, norm_bias, iters, eps: (
+        reference.dense_inverted_attention_routing(
+            u, weight, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
+        )
+    ),
+    _dense_inverted_attention_routing_backward,
 )

@@ -209,3 +209,35 @@ def _(votes, norm_weight, norm_bias, iters, eps):
 def _(grad_v, votes, norm_weight, norm_bias, s_hist, eps):
     D = votes.shape[3]
     return _votes_gradient(votes), votes.new_empty(D), votes.new_empty(D)
+
+
+@torch.library.register_fake("capsroute::dense_self_attention_routing")
+def _(u, weight, coupling_bias, squash, eps):
+    I, J, D, _ = weight.shape
+    return _routing_outputs(u, u.shape[0], I, J, D, 2)
+
+
+@torch.library.register_fake("capsroute::_dense_self_attention_routing_backward")
+def _(grad_v, u, weight, coupling_bias, s_hist, squash, eps):
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        u.new_empty(weight.shape[0], weight.shape[1]),
+    )
+
+
+@torch.library.register_fake("capsroute::dense_inverted_attention_routing")
+def _(u, weight, norm_weight, norm_bias, iters, eps):
+    I, J, D, _ = weight.shape
+    return _routing_outputs(u, u.shape[0], I, J, D, iters)
+
+
+@torch.library.register_fake("capsroute::_dense_inverted_attention_routing_backward")
+def _(grad_v, u, weight, norm_weight, norm_bias, s_hist, eps):
+    D = weight.shape[2]
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        torch.empty_like(weight),
+        u.new_empty(D),
+        u.new_empty(D),
+    )

@@ -85,7 +85,8 @@ class OpCheck:
     small: dict  # label -> shape: odd sizes (J > 32 or D > 16 where the op has the warp rows)
     canonical: dict  # label -> shape: the canonical ones at a small batch
     timing: tuple  # (label, shape on the CPU, shape on CUDA): where it is timed against eager
-    # which CUDA paths it has: "squash", "routing", "dense", "em", "conv-em", "conv" or "attention"
+    # which CUDA paths it has: "squash", "routing", "dense", "em", "conv-em", "conv", "attention"
+    # or "dense-attention"
     family: str
 
     def shapes(self, quick: bool) -> dict:
@@ -214,6 +215,41 @@ OPS = [
         ("mnist", (32, 1152, 10, 16), (512, 1152, 10, 16)),
         "attention",
     ),
+    OpCheck(
+        "dense_self_attention_routing",
+        lambda s, d, t, g: (
+            _randn((s[0], s[1], s[4]), d, t, g),
+            _randn(s[1:], d, t, g, 0.5),
+            _randn(s[1:3], d, t, g, 0.1),
+        ),
+        lambda m, u, weight, coupling_bias: (
+            m.dense_self_attention_routing(u, weight, coupling_bias=coupling_bias),
+        ),
+        1,
+        {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
+        {"effcaps B=2": (2, 16, 10, 16, 8)},
+        ("effcaps", (256, 16, 10, 16, 8), (4096, 16, 10, 16, 8)),
+        "dense-attention",
+    ),
+    OpCheck(
+        "dense_inverted_attention_routing",
+        lambda s, d, t, g: (
+            _randn((s[0], s[1], s[4]), d, t, g),
+            _randn(s[1:], d, t, g, 0.5),
+            1 + _randn(s[3:4], d, t, g, 0.1),
+            _randn(s[3:4], d, t, g, 0.1),
+        ),
+        lambda m, u, weight, norm_weight, norm_bias: (
+            m.dense_inverted_attention_routing(
+                u, weight, norm_weight=norm_weight, norm_bias=norm_bias
+            ),
+        ),
+        1,
+        {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
+        {"mnist B=2": (2, 1152, 10, 16, 8)},
+        ("mnist", (32, 1152, 10, 16, 8), (512, 1152, 10, 16, 8)),
+        "dense-attention",
+    ),
 ]
 
 
@@ -271,6 +307,8 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
         return paths
     if check.family == "attention":  # the dispatch chooses: any path is right
         return [KernelPath("auto", {})]
+    if check.family == "dense-attention":  # also with the vote workspace reused across chunks
+        return [KernelPath("auto", {}), KernelPath("auto chunk=2", {"CAPSROUTE_DENSE_CHUNK": "2"})]
     if check.family == "conv":
         paths = _routing_paths("conv-gemm+", clusters, lambda shape: shape[4:6])
         # Chunks of 7 positions: rows of an image, the workspace reused across chunks.

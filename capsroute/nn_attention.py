@@ -3,8 +3,8 @@
 
 Like the layers of capsroute.nn, each takes `backend="fused"` (the capsroute kernels) or
 `backend="reference"` (capsroute.reference), and capsroute.nn.set_backend switches them too. Both
-compute their votes u_ij = W_ij u_i with one einsum (capsroute.reference.dense_votes) and route
-them with the op of their name.
+route the votes u_ij = W_ij u_i with the dense_ op of their routing, which computes the votes on
+the fly and never stores them (the reference: one einsum, then the routing).
 
 Shapes: vector capsules, (N, capsules, dim).
 """
@@ -15,12 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from .nn import _CapsuleLayer
-from .reference import SQUASHES, dense_votes
+from .reference import SQUASHES
 
 
 class SelfAttentionCapsules(_CapsuleLayer):
     """Fully connected capsules routed by self-attention (Efficient-CapsNet's FCCaps, Mazzia et al.
-    2021, capsroute.self_attention_routing): one pass, no iterations. Each vote's coupling is its
+    2021, capsroute.dense_self_attention_routing): one pass, no iterations. Each vote's coupling is its
     agreement with the sum of all votes for the same output, a softmax over the outputs, plus a
     learned bias.
 
@@ -66,8 +66,8 @@ class SelfAttentionCapsules(_CapsuleLayer):
         )
 
     def forward(self, u: Tensor) -> Tensor:
-        return self.ops.self_attention_routing(
-            dense_votes(u, self.weight), coupling_bias=self.coupling_bias, squash=self.squash
+        return self.ops.dense_self_attention_routing(
+            u, self.weight, coupling_bias=self.coupling_bias, squash=self.squash
         )
 
     def extra_repr(self) -> str:
@@ -80,7 +80,7 @@ class SelfAttentionCapsules(_CapsuleLayer):
 
 class InvertedAttentionCapsules(_CapsuleLayer):
     """Fully connected capsules routed by inverted dot-product attention (Tsai et al. 2020,
-    capsroute.inverted_attention_routing): the outputs compete for each input. The first pass
+    capsroute.dense_inverted_attention_routing): the outputs compete for each input. The first pass
     couples every vote uniformly; each later pass couples by the softmax over the outputs of the
     vote's agreement with the previous pass's output (replacing the couplings, not adding to
     them), and every pass's output is the LayerNorm of its weighted sum of votes.
@@ -123,8 +123,9 @@ class InvertedAttentionCapsules(_CapsuleLayer):
         self.norm_bias = nn.Parameter(torch.zeros(out_dim)) if affine else None
 
     def forward(self, u: Tensor) -> Tensor:
-        return self.ops.inverted_attention_routing(
-            dense_votes(u, self.weight),
+        return self.ops.dense_inverted_attention_routing(
+            u,
+            self.weight,
             self.iters,
             norm_weight=self.norm_weight,
             norm_bias=self.norm_bias,

@@ -187,6 +187,50 @@ def _em_lambda(final_lambda: float, t: int) -> float:
     return final_lambda * (1 - 0.95 ** (t + 1))
 
 
+@like_op("dense_self_attention_routing")
+def dense_self_attention_routing(
+    u: Tensor,
+    weight: Tensor,
+    *,
+    coupling_bias: Tensor | None = None,
+    squash: str = "efficient",
+    eps: float = 1e-8,
+) -> Tensor:
+    return self_attention_routing(
+        dense_votes(u, weight), coupling_bias=coupling_bias, squash=squash, eps=eps
+    )
+
+
+@like_op("dense_inverted_attention_routing")
+def dense_inverted_attention_routing(
+    u: Tensor,
+    weight: Tensor,
+    iters: int = 3,
+    *,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    return inverted_attention_routing(
+        dense_votes(u, weight), iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
+    )
+
+
+@like_op("dense_inverted_attention_routing")
+def dense_inverted_attention_routing_pose(
+    pose: Tensor,
+    weight: Tensor,
+    iters: int = 3,
+    *,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    return inverted_attention_routing(
+        pose_votes(pose, weight), iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
+    )
+
+
 @like_op("em_routing")
 def em_routing(
     votes: Tensor,

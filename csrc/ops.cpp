@@ -104,4 +104,25 @@ TORCH_LIBRARY(capsroute, m) {
   m.def(
       "_inverted_attention_routing_backward(Tensor grad_v, Tensor votes, Tensor? norm_weight,"
       " Tensor? norm_bias, Tensor s_hist, float eps) -> (Tensor, Tensor, Tensor)");
+
+  // self_attention_routing over votes_ij = weight_ij @ u_i, computed on the fly as dense_capsules
+  // computes them: u (B, I, Din), weight (I, J, D, Din). Returns what self_attention_routing does.
+  m.def(
+      "dense_self_attention_routing(Tensor u, Tensor weight, Tensor? coupling_bias, str squash,"
+      " float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_u, grad_weight, grad_coupling_bias (I, J)).
+  m.def(
+      "_dense_self_attention_routing_backward(Tensor grad_v, Tensor u, Tensor weight,"
+      " Tensor? coupling_bias, Tensor s_hist, str squash, float eps) -> (Tensor, Tensor, Tensor)");
+
+  // inverted_attention_routing over votes_ij = weight_ij @ u_i, computed on the fly. Returns what
+  // inverted_attention_routing does.
+  m.def(
+      "dense_inverted_attention_routing(Tensor u, Tensor weight, Tensor? norm_weight,"
+      " Tensor? norm_bias, int iters, float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_u, grad_weight, grad_norm_weight (D,), grad_norm_bias (D,)).
+  m.def(
+      "_dense_inverted_attention_routing_backward(Tensor grad_v, Tensor u, Tensor weight,"
+      " Tensor? norm_weight, Tensor? norm_bias, Tensor s_hist, float eps)"
+      " -> (Tensor, Tensor, Tensor, Tensor)");
 }

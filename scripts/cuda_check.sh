@@ -36,6 +36,10 @@
 #                         routings joined them, a guess: they have not run on a GPU; conv EM's 24
 #                         small calls, no shared memory, fit the same budgets)
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
+#   bench-attention (200) the attention routings on given votes and their dense forms (votes made
+#                         from u and the weight), every impl, at Efficient-CapsNet's and MNIST's
+#                         shapes (B = 32, 512) and I = 16384 (B = 8); not yet measured on a GPU:
+#                         the budget is a guess, and no call plans it yet (run it by name)
 #   bench-conv (130)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
 #                         impl, at MatrixCapsNet's conv layers (B = 512), image scale (B = 1) and
 #                         SegCaps-like (B = 16); not yet measured on a GPU: the budget is a guess
@@ -69,7 +73,7 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
   [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=130 [racecheck]=130
   [initcheck]=130 [synccheck]=130 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
-  [bench-models]=300 [bench-conv]=130)
+  [bench-models]=300 [bench-conv]=130 [bench-attention]=200)
 # The calls of a GPU session, in value order (the header's plan).
 calls=("build doctor bench-minimal tests" "memcheck racecheck initcheck synccheck" "sweep bench"
        "bench-em tests-scale bench-conv" "bench-models train-capsnet")
@@ -253,6 +257,10 @@ for k in "${!stages[@]}"; do
       gpu_bench . --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --plot || status=1 ;;
     bench-models)
       gpu_bench . --op capsnet matrixcapsnet --max-batch --plot || status=1 ;;
+    bench-attention)  # every impl, the vote-input ops and their dense forms on the same tensors
+      attention=(--op self-attention inverted-attention dense-self-attention dense-inverted-attention)
+      gpu_bench attention "${attention[@]}" --shape efficientcapsnet mnist --batch 32 512 || status=1
+      gpu_bench attention "${attention[@]}" --shape large-16k --batch 8 || status=1 ;;
     bench-conv)  # every impl; conv EM's kernel against its prediction (docs/kernels.md)
       gpu_bench conv --op conv-em --shape mcn-conv1 mcn-conv2 --batch 512 || status=1
       gpu_bench conv --op conv-em conv-dynamic --shape conv-image --batch 1 || status=1

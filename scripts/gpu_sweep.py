@@ -84,6 +84,35 @@ def inverted_attention_case(B, I, J, D, iters=3):
     return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
 
 
+def dense_self_attention_case(B, I, J, D, Din=8, **options):
+    inputs = [_randn(B, I, Din), _randn(I, J, D, Din, scale=0.3), _randn(I, J, scale=0.05)]
+
+    def run(impl, u, weight, coupling_bias):
+        return (
+            impl.dense_self_attention_routing(u, weight, coupling_bias=coupling_bias, **options),
+        )
+
+    return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
+def dense_inverted_attention_case(B, I, J, D, Din=8, iters=3):
+    inputs = [
+        _randn(B, I, Din),
+        _randn(I, J, D, Din, scale=0.3),
+        1 + _randn(D, scale=0.1),
+        _randn(D, scale=0.1),
+    ]
+
+    def run(impl, u, weight, norm_weight, norm_bias):
+        return (
+            impl.dense_inverted_attention_routing(
+                u, weight, iters, norm_weight=norm_weight, norm_bias=norm_bias
+            ),
+        )
+
+    return run, inputs, [(B, J, D)], ROUTING_FLOAT32_TOLERANCE
+
+
 def _em_inputs(B, I, J):
     a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
     a_in[:, ::7] = 0  # inputs without mass take the guarded paths
@@ -124,6 +153,14 @@ def cases(quick: bool):
             f"inverted_attention_routing MNIST B={B}",
             lambda B=B: inverted_attention_case(B, **mnist),
         )
+        yield (
+            f"dense_self_attention_routing MNIST B={B}",
+            lambda B=B: dense_self_attention_case(B, **mnist),
+        )
+        yield (
+            f"dense_inverted_attention_routing MNIST B={B}",
+            lambda B=B: dense_inverted_attention_case(B, **mnist),
+        )
     yield "dynamic_routing MNIST B=7 leaky", lambda: routing_case(7, **mnist, leaky=True)
     yield "dynamic_routing MNIST B=7 detach", lambda: routing_case(7, **mnist, detach=True)
     yield (
@@ -138,6 +175,14 @@ def cases(quick: bool):
         "inverted_attention_routing MNIST B=7 iters=1",
         lambda: inverted_attention_case(7, **mnist, iters=1),
     )
+    yield (
+        "dense_self_attention_routing MNIST B=7 sabour",
+        lambda: dense_self_attention_case(7, **mnist, squash="sabour"),
+    )
+    yield (
+        "dense_inverted_attention_routing MNIST B=7 iters=1",
+        lambda: dense_inverted_attention_case(7, **mnist, iters=1),
+    )
     for B in (1, 2):
         yield (
             f"self_attention_routing I={large['I']} J={large['J']} B={B}",
@@ -146,6 +191,14 @@ def cases(quick: bool):
         yield (
             f"inverted_attention_routing I={large['I']} J={large['J']} B={B}",
             lambda B=B: inverted_attention_case(B, **large),
+        )
+        yield (
+            f"dense_self_attention_routing I={large['I']} J={large['J']} B={B}",
+            lambda B=B: dense_self_attention_case(B, **large),
+        )
+        yield (
+            f"dense_inverted_attention_routing I={large['I']} J={large['J']} B={B}",
+            lambda B=B: dense_inverted_attention_case(B, **large),
         )
         yield (
             f"dynamic_routing I={large['I']} J={large['J']} B={B}",

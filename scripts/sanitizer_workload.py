@@ -252,17 +252,33 @@ for dtype, (B, H, W, C_in, C_out, K, stride, padding), iters in itertools.produc
     )
 
 
-# The attention routings (dynamic routing's block kernels under their rules), every storage dtype,
-# with and without their parameters, the rows of each element in one range (and in 3: float32 and
-# float16), against
-# capsroute.reference in float64 on the CPU (the same rounded values).
+# The attention routings (dynamic routing's block kernels under their rules), on given votes and
+# on votes made from u and a weight (the dense forms: GEMM-made chunks), every storage dtype, with
+# and without their parameters, the rows of each element in one range (and in 3: float32 and
+# float16), against capsroute.reference in float64 on the CPU (the same rounded values).
+def attention_fn(op, n, kind):
+    """op called on its n capsule operands, then the parameters given (none, or all of them):
+    kind 0 a coupling bias, kind 1 a LayerNorm's weight and bias (3 iterations)."""
+
+    def fn(*t):
+        given = t[n:]
+        if kind == 0:
+            return op(*t[:n], coupling_bias=given[0] if given else None)
+        norm = dict(norm_weight=given[0], norm_bias=given[1]) if given else {}
+        return op(*t[:n], 3, **norm)
+
+    return fn
+
+
 def check_attention_ops(dtype, shape, with_parameters, label):
-    B, I, J, D, _ = shape
+    B, I, J, D, Din = shape
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
         dtype
     ]
     label = f"{dtype} B={B} I={I} J={J} D={D} parameters={with_parameters} {label}"
     votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
+    u = torch.randn(B, I, Din, dtype=torch.float64)
+    weight = torch.randn(I, J, D, Din, dtype=torch.float64) * 0.3
     grad = torch.randn(B, J, D, dtype=torch.float64)
     params = (
         [torch.randn(I, J, dtype=torch.float64) * 0.05] if with_parameters else [],
@@ -270,18 +286,17 @@ def check_attention_ops(dtype, shape, with_parameters, label):
         if with_parameters
         else [],
     )
-    for name, iters in (("self_attention_routing", None), ("inverted_attention_routing", 3)):
+    routings = (  # name, its capsule operands, its parameters (params' index)
+        ("self_attention_routing", [votes], 0),
+        ("inverted_attention_routing", [votes], 1),
+        ("dense_self_attention_routing", [u, weight], 0),
+        ("dense_inverted_attention_routing", [u, weight], 1),
+    )
+    for name, operands, kind in routings:
+        n = len(operands)
         for module in (capsroute, capsroute.reference):
-            if name == "self_attention_routing":
-                sa = getattr(module, name)
-                fn = lambda x, *p, sa=sa: sa(x, coupling_bias=p[0] if p else None)  # noqa: E731
-                inputs = [votes, *params[0]]
-            else:
-                ia = getattr(module, name)
-                fn = lambda x, *p, ia=ia: ia(  # noqa: E731
-                    x, iters, norm_weight=p[0] if p else None, norm_bias=p[1] if p else None
-                )
-                inputs = [votes, *params[1]]
+            fn = attention_fn(getattr(module, name), n, kind)
+            inputs = [*operands, *params[kind]]
             if module is capsroute:
                 cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], grad.cuda())
                 note_paths(name)

@@ -15,6 +15,20 @@ import torch
 import capsroute
 from capsroute import doctor, reference
 from helpers import TOLERANCE, randn
+from op_samples import (  # noqa: F401  (the per-op test files import them from here)
+    conv_dynamic_inputs,
+    conv_em_inputs,
+    dense_inputs,
+    dense_inverted_attention_inputs,
+    dense_self_attention_inputs,
+    em_activations_and_betas,
+    em_inputs,
+    em_pose_inputs,
+    inverted_attention_inputs,
+    routing_inputs,
+    self_attention_inputs,
+    squash_inputs,
+)
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -163,123 +177,6 @@ CAPSULE_LAYOUTS = [
     "slice",
     "offset",
 ]  # read in place by every op with capsule_dims
-
-
-# ---- samplers: random values with odd sizes, shared with the per-op test files ----
-
-
-def squash_inputs(shape, device="cpu", dtype=torch.float64):
-    return (randn(*shape, dtype=dtype, device=device, requires_grad=True),)
-
-
-def routing_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
-    B, I, J, D = shape
-    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
-    b = randn(J, D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
-    return votes, b
-
-
-def dense_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
-    B, I, J, D, Din = shape
-    u = randn(B, I, Din, dtype=dtype, device=device, requires_grad=True)
-    weight = randn(I, J, D, Din, dtype=dtype, device=device, scale=0.5, requires_grad=True)
-    b = randn(J, D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
-    return u, weight, b
-
-
-def em_activations_and_betas(B, I, J, dtype=torch.float64, device="cpu", generator=None):
-    # Activations well inside (0, 1]: near 0 the outputs bend too sharply for finite differences
-    # (gradcheck); exact zeros have their own robustness tests.
-    a_in = (
-        (0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64, generator=generator))
-        .to(device, dtype)
-        .requires_grad_()
-    )
-    beta_u = randn(
-        J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator
-    )
-    beta_a = randn(
-        J, dtype=dtype, device=device, scale=0.5, requires_grad=True, generator=generator
-    )
-    return a_in, beta_u, beta_a
-
-
-def em_inputs(shape, device="cpu", dtype=torch.float64, generator=None, vote_scale=1.0):
-    B, I, J, H = shape
-    votes = randn(
-        B,
-        I,
-        J,
-        H,
-        dtype=dtype,
-        device=device,
-        scale=vote_scale,
-        requires_grad=True,
-        generator=generator,
-    )
-    return (votes, *em_activations_and_betas(B, I, J, dtype, device, generator))
-
-
-def em_pose_inputs(shape, device="cpu", dtype=torch.float64):
-    B, I, J = shape
-    pose = randn(B, I, 4, 4, dtype=dtype, device=device, requires_grad=True)
-    weight = randn(I, J, 4, 4, dtype=dtype, device=device, scale=0.5, requires_grad=True)
-    return (pose, weight, *em_activations_and_betas(B, I, J, dtype, device))
-
-
-def conv_em_inputs(shape, device="cpu", dtype=torch.float64, generator=None):
-    B, H, W, C_in, C_out, K = shape
-    pose = randn(
-        B, H, W, C_in, 4, 4, dtype=dtype, device=device, requires_grad=True, generator=generator
-    )
-    weight = randn(
-        K,
-        K,
-        C_in,
-        C_out,
-        4,
-        4,
-        dtype=dtype,
-        device=device,
-        scale=0.5,
-        requires_grad=True,
-        generator=generator,
-    )
-    a_in, beta_u, beta_a = em_activations_and_betas(
-        B, H * W * C_in, C_out, dtype, device, generator
-    )
-    a_in = a_in.detach().reshape(B, H, W, C_in).requires_grad_()
-    return pose, a_in, weight, beta_u, beta_a
-
-
-def conv_dynamic_inputs(shape, device="cpu", dtype=torch.float64, bias=True):
-    B, H, W, C_in, C_out, D, Din, K = shape
-    u = randn(B, H, W, C_in, Din, dtype=dtype, device=device, requires_grad=True)
-    weight = randn(
-        K, K, C_in, C_out, D, Din, dtype=dtype, device=device, scale=0.3, requires_grad=True
-    )
-    b = randn(C_out, D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
-    return u, weight, b
-
-
-def self_attention_inputs(shape, device="cpu", dtype=torch.float64, coupling_bias=True):
-    B, I, J, D = shape
-    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
-    bias = (
-        randn(I, J, dtype=dtype, device=device, scale=0.1, requires_grad=True)
-        if coupling_bias
-        else None
-    )
-    return votes, bias
-
-
-def inverted_attention_inputs(shape, device="cpu", dtype=torch.float64, weight=True, bias=True):
-    B, I, J, D = shape
-    votes = randn(B, I, J, D, dtype=dtype, device=device, requires_grad=True)
-    w = randn(D, dtype=torch.float64, scale=0.1) + 1
-    w = w.to(device, dtype).requires_grad_() if weight else None
-    b = randn(D, dtype=dtype, device=device, scale=0.1, requires_grad=True) if bias else None
-    return votes, w, b
 
 
 def _em_tolerance(dtype):
@@ -564,6 +461,52 @@ INVERTED_ATTENTION_ROUTING = OpSpec(
     capsule_dims=1,
 )
 
+DENSE_SELF_ATTENTION_ROUTING = OpSpec(
+    name="dense_self_attention_routing",
+    fn=lambda u, weight, coupling_bias, **options: capsroute.dense_self_attention_routing(
+        u, weight, coupling_bias=coupling_bias, **options
+    ),
+    ref=lambda u, weight, coupling_bias, **options: reference.dense_self_attention_routing(
+        u, weight, coupling_bias=coupling_bias, **options
+    ),
+    make=dense_self_attention_inputs,
+    defaults=SELF_ATTENTION_ROUTING.defaults,
+    shapes=_shapes(DENSE_SHAPES, [(4, 37, 10, 16, 8)]),
+    input_names=("u", "weight", "coupling_bias"),
+    output_names=("v",),
+    grad_outputs=1,
+    tolerance=TOLERANCE.get,
+    backward_args=SELF_ATTENTION_ROUTING.backward_args,
+    gradcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(squash="sabour"))],
+    opcheck=[((2, 7, 3, 4, 3), {}), ((2, 7, 3, 4, 3), dict(coupling_bias=False, squash="sabour"))],
+    capsule_dims=1,
+)
+
+DENSE_INVERTED_ATTENTION_ROUTING = OpSpec(
+    name="dense_inverted_attention_routing",
+    fn=lambda u, weight, norm_weight, norm_bias, **options: (
+        capsroute.dense_inverted_attention_routing(
+            u, weight, norm_weight=norm_weight, norm_bias=norm_bias, **options
+        )
+    ),
+    ref=lambda u, weight, norm_weight, norm_bias, **options: (
+        reference.dense_inverted_attention_routing(
+            u, weight, norm_weight=norm_weight, norm_bias=norm_bias, **options
+        )
+    ),
+    make=dense_inverted_attention_inputs,
+    defaults=INVERTED_ATTENTION_ROUTING.defaults,
+    shapes=_shapes(DENSE_SHAPES, [(4, 37, 10, 16, 8)]),
+    input_names=("u", "weight", "norm_weight", "norm_bias"),
+    output_names=("v",),
+    grad_outputs=1,
+    tolerance=TOLERANCE.get,
+    backward_args=INVERTED_ATTENTION_ROUTING.backward_args,
+    gradcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(iters=2, weight=False, bias=False))],
+    opcheck=[((2, 7, 3, 4, 3), {}), ((2, 7, 3, 4, 3), dict(iters=1, weight=False))],
+    capsule_dims=1,
+)
+
 OP_DB = [
     SQUASH,
     DYNAMIC_ROUTING,
@@ -574,4 +517,6 @@ OP_DB = [
     CONV_DYNAMIC_ROUTING,
     SELF_ATTENTION_ROUTING,
     INVERTED_ATTENTION_ROUTING,
+    DENSE_SELF_ATTENTION_ROUTING,
+    DENSE_INVERTED_ATTENTION_ROUTING,
 ]

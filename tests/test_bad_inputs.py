@@ -137,6 +137,70 @@ def votes(*shape, **kw):
             "eps must be finite and > 0",
         ),
         (lambda d: capsroute.inverted_attention_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
+        (
+            lambda d: capsroute.dense_self_attention_routing(
+                randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)
+            ),
+            r"u must have shape \(B, I, Din\)",
+        ),
+        (
+            lambda d: capsroute.dense_self_attention_routing(
+                randn(2, 5, 8, device=d),
+                randn(5, 3, 4, 8, device=d),
+                coupling_bias=randn(3, 5, device=d),
+            ),
+            r"coupling_bias must have shape \(I, J\) = \(5, 3\)",
+        ),
+        (
+            lambda d: capsroute.dense_self_attention_routing(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), squash="hinton"
+            ),
+            "squash must be",
+        ),
+        (
+            lambda d: torch.ops.capsroute._dense_self_attention_routing_backward(
+                randn(2, 3, 4, device=d),
+                randn(2, 5, 8, device=d),
+                randn(5, 3, 4, 8, device=d),
+                None,
+                randn(2, 3, 3, 4, device=d),
+                "efficient",
+                1e-8,
+            ),
+            r"s_hist must have shape \(2, 2, 3, 4\)",
+        ),
+        (
+            lambda d: capsroute.dense_inverted_attention_routing(
+                randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)
+            ),
+            "I = 5 and Din = 8",
+        ),
+        (
+            lambda d: capsroute.dense_inverted_attention_routing(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), norm_bias=randn(8, device=d)
+            ),
+            r"norm_bias must have shape \(D,\) = \(4,\), got shape \[8\]",
+        ),
+        (
+            lambda d: capsroute.dense_inverted_attention_routing(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=0
+            ),
+            "iters must be >= 1, got 0",
+        ),
+        (
+            lambda d: capsroute.dense_inverted_attention_routing(
+                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), eps=0.0
+            ),
+            "eps must be finite and > 0",
+        ),
+        (
+            lambda d: capsroute.dense_inverted_attention_routing(
+                randn(2, 5, 8, device=d),
+                randn(5, 3, 4, 8, device=d),
+                norm_weight=randn(4, device=d, dtype=torch.float32),
+            ),
+            "norm_weight has dtype Float but u has dtype Double",
+        ),
     ],
 )
 def test_bad_input_raises_a_clear_error(device, call, message):
@@ -155,6 +219,11 @@ def test_device_mismatch():
         capsroute.self_attention_routing(votes(device="cuda"), coupling_bias=randn(5, 3))
     with pytest.raises(RuntimeError, match="norm_weight is on"):
         capsroute.inverted_attention_routing(votes(device="cuda"), norm_weight=randn(4))
+    u, weight = randn(2, 5, 8, device="cuda"), randn(5, 3, 4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="coupling_bias is on cpu but u is on"):
+        capsroute.dense_self_attention_routing(u, weight, coupling_bias=randn(5, 3))
+    with pytest.raises(RuntimeError, match="norm_bias is on cpu but u is on"):
+        capsroute.dense_inverted_attention_routing(u, weight, norm_bias=randn(4))
 
 
 # ---- strides (docs/ops.md, "Layouts"): read in place, copied, or refused; never wrong ----

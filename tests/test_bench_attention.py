@@ -188,5 +188,45 @@ def test_efficientcapsnet_model_op(monkeypatch):
         assert "skipped" not in r, r
         assert r["fwd_bwd_ms"] > 0 and r["params"] == sum(p.numel() for p in model.parameters())
     assert caps["max_rel_err"] < 1e-2
-    assert caps["kernel_paths"]["self_attention_routing"] == {"forward": "cpu", "backward": "cpu"}
+    paths = caps["kernel_paths"]["dense_self_attention_routing"]
+    assert paths == {"forward": "cpu", "backward": "cpu"}
     assert "kernel_paths" not in eager
+
+
+DENSE_ATTENTION = ("dense_self_attention_routing", "dense_inverted_attention_routing")
+
+
+@pytest.mark.parametrize("dense,op", list(zip(DENSE_ATTENTION, ATTENTION)), ids=DENSE_ATTENTION)
+def test_dense_forms_route_the_vote_input_ops_votes(dense, op):
+    """The dense forms get the u and weight that the vote-input op's votes are made from, and the
+    same parameters; each impl (eager: einsum votes, then the reference's routing) computes the op,
+    a record per case with Din in its shape and the vote-input op's iterations rule."""
+    dense_inputs, _ = bench.make_inputs(dense, tiny_case(dense), torch.float64, CPU)
+    inputs, grad = bench.make_inputs(op, tiny_case(op), torch.float64, CPU)
+    u, weight, *params = dense_inputs
+    torch.testing.assert_close(reference.dense_votes(u, weight), inputs[0], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(params, inputs[1:]))
+    want = bench.get_impl(tiny_case(op), "eager")(*inputs, 2)
+    for impl in ("eager", "capsroute"):
+        got = bench.get_impl(tiny_case(dense), impl)(*dense_inputs, 2)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert tiny_case(dense).shape() == {"B": 3, "I": 24, "J": 5, "D": 8, "Din": 4}
+    assert [c.shape_name for c in bench.make_cases([dense], None, None, "cpu")] == [
+        "efficientcapsnet",
+        "mnist",
+    ]
+
+
+def test_dense_forms_floor_and_estimate():
+    I, J, D, Din, B = 24, 5, 8, 4, 3
+    dense_bytes = (B * I * Din + I * J * D * Din) * 4
+    self_attention = bench.floor_model(tiny_case("dense_self_attention_routing"), 4, 3)
+    assert self_attention["flops_fwd"] == B * (2 * I * J * D * Din + 5 * I * J * D)
+    assert self_attention["bytes_fwd"] == dense_bytes + I * J * 4 + B * J * D * 4
+    inverted = bench.floor_model(tiny_case("dense_inverted_attention_routing"), 4, 3)
+    assert inverted["bytes_fwd"] == dense_bytes + 2 * D * 4 + B * J * D * 4
+    for dense in DENSE_ATTENTION:
+        case = tiny_case(dense)
+        assert op_bench.estimated_bytes(case, "capsroute", 4) == 2 * dense_bytes + 6 * (
+            I * J * D * Din * 4
+        )

@@ -26,6 +26,8 @@ SHAPES = {
     "conv_em_routing": (2, 5, 5, 3, 4, 3),
     "self_attention_routing": (3, 37, 7, 16),
     "inverted_attention_routing": (3, 37, 7, 16),
+    "dense_self_attention_routing": (3, 37, 7, 16, 8),
+    "dense_inverted_attention_routing": (3, 37, 7, 16, 8),
 }
 # The paths the ops can take (csrc/cuda/kernel_options.h): the warp rows, and the dispatch's choice.
 KERNEL_SWITCHES = [{"CAPSROUTE_ROUTING_CLUSTER": "0"}, {}]

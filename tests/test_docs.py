@@ -135,6 +135,9 @@ def test_checks_catch_stale_names(tmp_path):
         "em_routing_pose",
         "self_attention_routing",
         "inverted_attention_routing",
+        "dense_self_attention_routing",
+        "dense_inverted_attention_routing",
+        "dense_inverted_attention_routing_pose",
     ],
 )
 def test_op_docstrings_explain_every_argument(name):

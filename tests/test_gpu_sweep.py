@@ -25,6 +25,8 @@ def test_quick_sweep_on_cpu(tmp_path):
         "dense_capsules",
         "self_attention_routing",
         "inverted_attention_routing",
+        "dense_self_attention_routing",
+        "dense_inverted_attention_routing",
         "em_routing",
         "em_routing_pose",
     }

@@ -24,9 +24,17 @@ OPS = {  # op -> the short name that `--op` also accepts
     "em_routing_pose": "em-pose",
     "self_attention_routing": "self-attention",
     "inverted_attention_routing": "inverted-attention",
+    "dense_self_attention_routing": "dense-self-attention",
+    "dense_inverted_attention_routing": "dense-inverted-attention",
 }
 EM_OPS = ("em_routing", "em_routing_pose")
 ATTENTION_OPS = ("self_attention_routing", "inverted_attention_routing")
+# The attention routings on votes made on the fly from u and a weight: the same shapes as the
+# vote-input ops, and the same tensors (u, the weight and the parameters the votes of
+# ATTENTION_OPS are made from), their baseline the reference's einsum votes then routing.
+DENSE_ATTENTION_OPS = ("dense_self_attention_routing", "dense_inverted_attention_routing")
+DENSE_OPS = ("dense_capsules", *DENSE_ATTENTION_OPS)  # (B, I, Din) and (I, J, D, Din) inputs
+ONE_STEP_OPS = ("self_attention_routing", "dense_self_attention_routing")  # no iterations
 CONV_OPS = {  # convolutional capsule layers: their shapes are ConvShape grids (CONV_SHAPES)
     "conv_em_routing": "conv-em",
     "conv_dynamic_routing": "conv-dynamic",
@@ -46,7 +54,7 @@ UNCHECKED_IMPLS = ("per-window",)
 # The layouts of the first input (votes, u) the ops with a layout dimension are timed in; every
 # implementation of a case gets the same tensors. The other ops run on contiguous inputs.
 LAYOUTS = ("contiguous", "einsum")
-LAYOUT_OPS = ("dynamic_routing", "dense_capsules", *ATTENTION_OPS)
+LAYOUT_OPS = ("dynamic_routing", *DENSE_OPS, *ATTENTION_OPS)
 SHAPES = {  # the canonical shapes (bench/README.md); for EM ops D is the pose size H (16: 4x4 matrices)
     "mnist": dict(I=1152, J=10, D=16, Din=8),  # MNIST DigitCaps
     "large": dict(I=4608, J=100, D=16, Din=8),
@@ -165,7 +173,7 @@ class Case:
         if self.op in EM_OPS:
             return {"B": self.B, "I": self.I, "J": self.J, "H": self.D}
         s = {"B": self.B, "I": self.I, "J": self.J, "D": self.D}
-        if self.op == "dense_capsules":
+        if self.op in DENSE_OPS:
             s["Din"] = self.Din
         return s
 
@@ -230,7 +238,7 @@ def make_cases(ops, shapes, batches, device_type: str, layouts=("contiguous",)) 
         if shapes is None:
             if op in CONV_OPS:
                 names = DEFAULT_CONV_SHAPES[op]
-            elif op in ATTENTION_OPS:
+            elif op in ATTENTION_OPS + DENSE_ATTENTION_OPS:
                 names = ATTENTION_SHAPES[device_type]
             else:
                 names = DEFAULT_SHAPES["em" if op in EM_OPS else device_type]
@@ -277,19 +285,20 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
 
     if op == "dynamic_routing":
         inputs = (randn(case.B, case.I, case.J, case.D, std=VOTE_STD),)
-    elif op == "self_attention_routing":
+    elif op in ("self_attention_routing", "dense_self_attention_routing"):
         # SelfAttentionCapsules: primary capsules squashed by Efficient-CapsNet's squash, weight
         # of he_normal's standard deviation sqrt(2 / (I J Din))
         u = reference.squash_exp(randn(case.B, case.I, case.Din, cast=False))
-        votes = layer_votes(u, case.J, case.D, (2 / (case.I * case.J * case.Din)) ** 0.5, randn)
-        inputs = (votes.to(dtype), randn(case.I, case.J, std=COUPLING_BIAS_STD))
-    elif op == "inverted_attention_routing":
+        inputs = (
+            *attention_votes(op, u, case, (2 / (case.I * case.J * case.Din)) ** 0.5, randn, dtype),
+            randn(case.I, case.J, std=COUPLING_BIAS_STD),
+        )
+    elif op in ("inverted_attention_routing", "dense_inverted_attention_routing"):
         # InvertedAttentionCapsules: primary capsules LayerNorm'd (Tsai et al.'s), weight
         # N(0, J / (I Din)); the LayerNorm's affine parameters near their initial 1 and 0
         u = torch.nn.functional.layer_norm(randn(case.B, case.I, case.Din, cast=False), (case.Din,))
-        votes = layer_votes(u, case.J, case.D, (case.J / (case.I * case.Din)) ** 0.5, randn)
         inputs = (
-            votes.to(dtype),
+            *attention_votes(op, u, case, (case.J / (case.I * case.Din)) ** 0.5, randn, dtype),
             (1 + randn(case.D, std=NORM_STD, cast=False)).to(dtype),
             randn(case.D, std=NORM_STD),
         )
@@ -338,6 +347,21 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
     return inputs, randn(case.B, case.J, case.D)
 
 
+def attention_votes(op: str, u: torch.Tensor, case: Case, std: float, randn, dtype) -> tuple:
+    """The first inputs of an attention routing of a layer with weight ~ N(0, std^2): its votes
+    (layer_votes) for the vote-input ops, (u, weight) for the dense ones, the same values either
+    way (the weight is drawn VOTE_CHUNK input capsules at a time in both)."""
+    if op in ATTENTION_OPS:
+        return (layer_votes(u, case.J, case.D, std, randn).to(dtype),)
+    weight = torch.cat(
+        [
+            randn(min(VOTE_CHUNK, case.I - i), case.J, case.D, case.Din, std=std, cast=False)
+            for i in range(0, case.I, VOTE_CHUNK)
+        ]
+    )
+    return u.to(dtype), weight.to(dtype)
+
+
 def layer_votes(u: torch.Tensor, J: int, D: int, std: float, randn) -> torch.Tensor:
     """The votes W_ij u_i (B, I, J, D) of a dense capsule layer with weight W ~ N(0, std^2) (I, J, D,
     Din), as the attention layers compute them (reference.dense_votes), in float32. The weight is
@@ -365,7 +389,7 @@ def get_impl(case: Case, impl: str) -> Callable:
         return per_window_conv_em(case.conv)
     fn = {"capsroute": capsroute, "eager": reference, "compiled": reference}[impl]
     fn = getattr(fn, case.op)
-    if case.op in ATTENTION_OPS:
+    if case.op in ATTENTION_OPS + DENSE_ATTENTION_OPS:
         fn = attention_call(case.op, fn)
     if case.conv is not None:
         fn = functools.partial(fn, stride=case.conv.stride, padding=case.conv.padding)
@@ -376,16 +400,18 @@ def attention_call(op: str, fn: Callable) -> Callable:
     """An attention routing (capsroute's or the reference's) called as the bench calls ops,
     fn(*inputs, iters): self_attention_routing(votes, coupling_bias) has no iterations (iters is
     not used; its default squash, Efficient-CapsNet's), inverted_attention_routing(votes,
-    norm_weight, norm_bias) routes iters times."""
-    if op == "self_attention_routing":
+    norm_weight, norm_bias) routes iters times; their dense forms take (u, weight) for votes."""
+    if op in ("self_attention_routing", "dense_self_attention_routing"):
 
-        def call(votes, coupling_bias, iters):
-            return fn(votes, coupling_bias=coupling_bias)
+        def call(*args):
+            *operands, coupling_bias, iters = args
+            return fn(*operands, coupling_bias=coupling_bias)
 
     else:
 
-        def call(votes, norm_weight, norm_bias, iters):
-            return fn(votes, iters, norm_weight=norm_weight, norm_bias=norm_bias)
+        def call(*args):
+            *operands, norm_weight, norm_bias, iters = args
+            return fn(*operands, iters, norm_weight=norm_weight, norm_bias=norm_bias)
 
     return call
 

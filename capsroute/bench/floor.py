@@ -111,9 +111,12 @@ def floor_model(case: Case, itemsize: int, iters: int) -> dict:
     elif case.op == "inverted_attention_routing":  # votes, norm_weight and norm_bias (D,)
         inp = (B * I * J * D + 2 * D) * itemsize
         flops_fwd = B * route
-    else:
-        inp = (B * I * Din + I * J * D * Din) * itemsize
-        flops_fwd = B * (2 * I * J * D * Din + route)
+    else:  # the dense ops: the vote transform, then their routing and its parameters
+        dense_self_attention = case.op == "dense_self_attention_routing"
+        rule = _self_attention_flops(I, J, D) if dense_self_attention else route
+        params = {"dense_self_attention_routing": I * J, "dense_inverted_attention_routing": 2 * D}
+        inp = (B * I * Din + I * J * D * Din + params.get(case.op, 0)) * itemsize
+        flops_fwd = B * (2 * I * J * D * Din + rule)
     return {
         "bytes_fwd": inp + out,
         "flops_fwd": flops_fwd,

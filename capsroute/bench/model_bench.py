@@ -35,7 +35,7 @@ MODEL_BACKENDS = {"capsroute": "fused", "eager": "reference", "compiled": "refer
 MODEL_KERNELS = {
     "capsnet": ("squash", "dense_capsules"),
     "matrixcapsnet": ("em_routing_pose", "em_routing"),
-    "efficientcapsnet": ("self_attention_routing",),
+    "efficientcapsnet": ("dense_self_attention_routing",),
 }
 MODEL_ITERATIVE = ("capsnet", "matrixcapsnet")  # built with --iters (EfficientCapsNet routes once)
 MODEL_LR = 1e-3  # Adam, as `capsroute train`

@@ -13,6 +13,7 @@ import torch
 from .._runinfo import dtype_name
 from .cases import (
     ATTENTION_OPS,
+    ONE_STEP_OPS,
     UNCHECKED_IMPLS,
     Case,
     get_impl,
@@ -164,7 +165,7 @@ def bench_case(
             "peak_mb": None,
             "floor_ms": f_all,
             "shape_name": case.shape_name,
-            "iters": None if case.op == "self_attention_routing" else iters,  # one step
+            "iters": None if case.op in ONE_STEP_OPS else iters,
             "floor_fwd_ms": f_fwd,
             "floor_bound": bound,
             **fm,

@@ -317,12 +317,13 @@ inline std::string shape_tuple(at::IntArrayRef shape) {
   return text + (shape.size() == 1 ? ",)" : ")");
 }
 
-// An optional parameter of the attention routings: on the device and in the dtype of votes, with
-// the given shape.
-inline void check_routing_parameter(const std::optional<at::Tensor>& t, const at::Tensor& votes,
-                                    at::IntArrayRef shape, const char* name, const char* layout) {
+// An optional parameter of the attention routings: on the device and in the dtype of the capsule
+// input ref (votes, or u of the dense routings), with the given shape.
+inline void check_routing_parameter(const std::optional<at::Tensor>& t, const at::Tensor& ref,
+                                    at::IntArrayRef shape, const char* name, const char* layout,
+                                    const char* ref_name = "votes") {
   if (!t.has_value()) return;
-  check_same(*t, votes, name, "votes");
+  check_same(*t, ref, name, ref_name);
   TORCH_CHECK(t->sizes() == shape, "capsroute: ", name, " must have shape ", layout, " = ",
               shape_tuple(shape), ", got shape ", t->sizes());
 }
@@ -355,20 +356,52 @@ inline void check_self_attention_routing_inputs(const at::Tensor& votes,
   check_eps(eps);
 }
 
-// s_hist (B, 2, J, D): s^0 and s^1.
+// grad_v (B, J, D) and s_hist (B, 2, J, D): s^0 and s^1.
+inline void check_self_attention_state(const at::Tensor& grad_v, const at::Tensor& s_hist,
+                                       int64_t B, int64_t J, int64_t D) {
+  check_routing_backward_inputs(grad_v, s_hist, B, J, D);
+  TORCH_CHECK(s_hist.size(1) == 2, "capsroute: s_hist must have shape (", B, ", 2, ", J, ", ", D,
+              "), got ", s_hist.sizes());
+}
+
 inline void check_self_attention_routing_backward_inputs(
     const at::Tensor& grad_v, const at::Tensor& votes,
     const std::optional<at::Tensor>& coupling_bias, const at::Tensor& s_hist,
     std::string_view squash, double eps) {
   check_self_attention_routing_inputs(votes, coupling_bias, squash, eps);
-  check_routing_backward_inputs(grad_v, s_hist, votes.size(0), votes.size(2), votes.size(3));
-  TORCH_CHECK(s_hist.size(1) == 2, "capsroute: s_hist must have shape (", votes.size(0), ", 2, ",
-              votes.size(2), ", ", votes.size(3), "), got ", s_hist.sizes());
+  check_self_attention_state(grad_v, s_hist, votes.size(0), votes.size(2), votes.size(3));
+}
+
+// u (B, I, Din), weight (I, J, D, Din), coupling_bias (I, J)
+inline void check_dense_self_attention_routing_inputs(
+    const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& coupling_bias,
+    std::string_view squash, double eps) {
+  check_dense_shapes(u, weight);
+  check_routing_parameter(coupling_bias, u, {weight.size(0), weight.size(1)}, "coupling_bias",
+                          "(I, J)", "u");
+  self_attention_squash(squash);
+  check_eps(eps);
+}
+
+inline void check_dense_self_attention_routing_backward_inputs(
+    const at::Tensor& grad_v, const at::Tensor& u, const at::Tensor& weight,
+    const std::optional<at::Tensor>& coupling_bias, const at::Tensor& s_hist,
+    std::string_view squash, double eps) {
+  check_dense_self_attention_routing_inputs(u, weight, coupling_bias, squash, eps);
+  check_self_attention_state(grad_v, s_hist, u.size(0), weight.size(1), weight.size(2));
 }
 
 // LayerNorm's eps is inside the square root of the variance: > 0 keeps a constant capsule finite.
 inline void check_layer_norm_eps(double eps) {
   TORCH_CHECK(std::isfinite(eps) && eps > 0, "capsroute: eps must be finite and > 0, got ", eps);
+}
+
+// norm_weight and norm_bias (D,), on the device and in the dtype of ref (votes or u).
+inline void check_norm_parameters(const std::optional<at::Tensor>& norm_weight,
+                                  const std::optional<at::Tensor>& norm_bias, const at::Tensor& ref,
+                                  int64_t D, const char* ref_name) {
+  check_routing_parameter(norm_weight, ref, {D}, "norm_weight", "(D,)", ref_name);
+  check_routing_parameter(norm_bias, ref, {D}, "norm_bias", "(D,)", ref_name);
 }
 
 // votes (B, I, J, D), norm_weight and norm_bias (D,)
@@ -377,8 +410,7 @@ inline void check_inverted_attention_routing_inputs(const at::Tensor& votes,
                                                     const std::optional<at::Tensor>& norm_bias,
                                                     int64_t iters, double eps) {
   check_attention_votes(votes);
-  check_routing_parameter(norm_weight, votes, {votes.size(3)}, "norm_weight", "(D,)");
-  check_routing_parameter(norm_bias, votes, {votes.size(3)}, "norm_bias", "(D,)");
+  check_norm_parameters(norm_weight, norm_bias, votes, votes.size(3), "votes");
   TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
   check_layer_norm_eps(eps);
 }
@@ -387,9 +419,28 @@ inline void check_inverted_attention_routing_backward_inputs(
     const at::Tensor& grad_v, const at::Tensor& votes, const std::optional<at::Tensor>& norm_weight,
     const std::optional<at::Tensor>& norm_bias, const at::Tensor& s_hist, double eps) {
   check_attention_votes(votes);
-  check_routing_parameter(norm_weight, votes, {votes.size(3)}, "norm_weight", "(D,)");
-  check_routing_parameter(norm_bias, votes, {votes.size(3)}, "norm_bias", "(D,)");
+  check_norm_parameters(norm_weight, norm_bias, votes, votes.size(3), "votes");
   check_routing_backward_inputs(grad_v, s_hist, votes.size(0), votes.size(2), votes.size(3));
+  check_layer_norm_eps(eps);
+}
+
+// u (B, I, Din), weight (I, J, D, Din), norm_weight and norm_bias (D,)
+inline void check_dense_inverted_attention_routing_inputs(
+    const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& norm_weight,
+    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
+  check_dense_shapes(u, weight);
+  check_norm_parameters(norm_weight, norm_bias, u, weight.size(2), "u");
+  TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
+  check_layer_norm_eps(eps);
+}
+
+inline void check_dense_inverted_attention_routing_backward_inputs(
+    const at::Tensor& grad_v, const at::Tensor& u, const at::Tensor& weight,
+    const std::optional<at::Tensor>& norm_weight, const std::optional<at::Tensor>& norm_bias,
+    const at::Tensor& s_hist, double eps) {
+  check_dense_shapes(u, weight);
+  check_norm_parameters(norm_weight, norm_bias, u, weight.size(2), "u");
+  check_routing_backward_inputs(grad_v, s_hist, u.size(0), weight.size(1), weight.size(2));
   check_layer_norm_eps(eps);
 }
 

@@ -1,9 +1,13 @@
 // route_votes and route_votes_backward (agreement_routing.h): the element loops of
-// route_elements.h on the CPU, in every storage dtype, compiled once for the three routings.
+// route_elements.h on the CPU, in every storage dtype, compiled once for the three routings; and
+// the parameters' gradient items that route_dense shares.
 #include "agreement_routing.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+
+#include <initializer_list>
+#include <vector>
 
 #include "../common/checks.h"
 #include "../common/layout.h"
@@ -11,47 +15,30 @@
 
 namespace capsroute {
 namespace cpu {
-namespace {
 
-// The rule's parameters in the accumulation dtype, contiguous, and the rule that reads them.
-struct AccParameters {
-  AccParameters(const RuleTensors& rule, at::ScalarType acc)
-      : rule_(rule.rule),
-        coupling_bias_(to_acc(rule.coupling_bias, acc)),
-        norm_weight_(to_acc(rule.norm_weight, acc)),
-        norm_bias_(to_acc(rule.norm_bias, acc)) {}
-
-  template <typename acc_t>
-  RoutingRule<acc_t> rule() const {
-    RoutingRule<acc_t> rule;
-    rule.logits = rule_.logits;
-    rule.nonlinearity = rule_.nonlinearity;
-    rule.logit_scale = static_cast<acc_t>(rule_.logit_scale);
-    rule.coupling_bias = data_or_null<acc_t>(coupling_bias_);
-    rule.norm_weight = data_or_null<acc_t>(norm_weight_);
-    rule.norm_bias = data_or_null<acc_t>(norm_bias_);
-    return rule;
-  }
-
- private:
-  static at::Tensor to_acc(const at::Tensor& t, at::ScalarType acc) {
-    return t.defined() ? t.to(acc).contiguous() : t;
-  }
-  template <typename acc_t>
-  static const acc_t* data_or_null(const at::Tensor& t) {
-    return t.defined() ? t.const_data_ptr<acc_t>() : nullptr;
-  }
-
-  RoutingRule<double> rule_;
-  at::Tensor coupling_bias_, norm_weight_, norm_bias_;
-};
-
-template <typename acc_t>
-acc_t* mutable_data_or_null(at::Tensor& t) {
-  return t.defined() ? t.mutable_data_ptr<acc_t>() : nullptr;
+GradItems::GradItems(const RuleTensors& rule, bool with_bias, const RoutingDims& dims,
+                     const at::TensorOptions& acc_options)
+    : dims_(dims), options_(acc_options) {
+  const auto zeros_if = [&](bool wanted, std::initializer_list<int64_t> shape) {
+    std::vector<int64_t> sizes{dims.B};
+    sizes.insert(sizes.end(), shape.begin(), shape.end());
+    return wanted ? at::zeros(sizes, acc_options) : at::Tensor();
+  };
+  bias_ = zeros_if(with_bias, {dims.J, dims.D});
+  coupling_bias_ = zeros_if(rule.coupling_bias.defined(), {dims.I, dims.J});
+  norm_weight_ = zeros_if(rule.norm_weight.defined(), {dims.D});
+  norm_bias_ = zeros_if(rule.norm_bias.defined(), {dims.D});
 }
 
-}  // namespace
+void GradItems::sum_into(RoutingGrads& grads, at::ScalarType dtype) const {
+  const auto total = [&](const at::Tensor& items, at::IntArrayRef shape) {
+    return items.defined() ? items.sum(0).to(dtype) : at::zeros(shape, options_.dtype(dtype));
+  };
+  grads.bias = total(bias_, {dims_.J, dims_.D});
+  grads.coupling_bias = total(coupling_bias_, {dims_.I, dims_.J});
+  grads.norm_weight = total(norm_weight_, {dims_.D});
+  grads.norm_bias = total(norm_bias_, {dims_.D});
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& votes_in,
                                                            const at::Tensor& bias_in,
@@ -93,39 +80,20 @@ RoutingGrads route_votes_backward(const at::Tensor& grad_v_in, const at::Tensor&
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   const AccParameters params(rule, acc);
-  at::Tensor grad_votes = empty_capsule_gradient(votes, 1);
-  // Per-element parameter gradients, summed afterwards in a fixed order so results are
-  // deterministic; none for an absent parameter.
-  const auto items = [&](bool wanted, at::IntArrayRef shape) {
-    std::vector<int64_t> sizes{B};
-    sizes.insert(sizes.end(), shape.begin(), shape.end());
-    return wanted ? at::zeros(sizes, votes.options().dtype(acc)) : at::Tensor();
-  };
-  const std::vector<int64_t> jd{dims.J, dims.D}, ij{dims.I, dims.J}, d{dims.D};
-  at::Tensor bias_items = items(with_bias, jd);
-  at::Tensor coupling_bias_items = items(rule.coupling_bias.defined(), ij);
-  at::Tensor norm_weight_items = items(rule.norm_weight.defined(), d);
-  at::Tensor norm_bias_items = items(rule.norm_bias.defined(), d);
+  RoutingGrads grads{empty_capsule_gradient(votes, 1)};
+  GradItems items(rule, with_bias, dims, votes.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, votes.scalar_type(), "route_votes_backward_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const ParameterGrads<acc_t> grad_items{mutable_data_or_null<acc_t>(bias_items),
-                                               mutable_data_or_null<acc_t>(coupling_bias_items),
-                                               mutable_data_or_null<acc_t>(norm_weight_items),
-                                               mutable_data_or_null<acc_t>(norm_bias_items)};
         route_elements_backward(votes.const_data_ptr<scalar_t>(), strides,
                                 grad_v.const_data_ptr<acc_t>(), s_hist.const_data_ptr<acc_t>(),
                                 params.rule<acc_t>(), dims, static_cast<acc_t>(eps), detach,
-                                grad_items, grad_votes.mutable_data_ptr<scalar_t>(),
-                                capsule_strides(grad_votes, 3));
+                                items.items<acc_t>(), grads.votes.mutable_data_ptr<scalar_t>(),
+                                capsule_strides(grads.votes, 3));
       });
-  const auto total = [&](const at::Tensor& items, at::IntArrayRef shape) {
-    return items.defined() ? items.sum(0).to(votes.scalar_type())
-                           : at::zeros(shape, votes.options());
-  };
-  return {grad_votes, total(bias_items, jd), total(coupling_bias_items, ij),
-          total(norm_weight_items, d), total(norm_bias_items, d)};
+  items.sum_into(grads, votes.scalar_type());
+  return grads;
 }
 
 }  // namespace cpu

@@ -1,10 +1,11 @@
-// dense_capsules on the CPU. The votes weight_ij @ u_i are computed a group of batch elements at
-// a time into a slab, input capsule by input capsule so that weight_i (J*D x Din values, 5 KB at
-// MNIST's shape), transposed once per group, stays in L1 while the group's elements use it; each
-// element is then routed on its rows of the slab. The backward recomputes the slabs instead of
-// keeping votes from the forward, then rebuilds the elements' vote gradient rows from the routing
-// state a block of input capsules at a time and contracts them with u_i and weight_i, input
-// capsule by input capsule, while they are in L2.
+// dense_capsules on the CPU, and route_dense (agreement_routing.h) under any rule, which the dense
+// attention routings call (dense_attention_routing_cpu.cpp). The votes weight_ij @ u_i are computed
+// a group of batch elements at a time into a slab, input capsule by input capsule so that weight_i
+// (J*D x Din values, 5 KB at MNIST's shape), transposed once per group, stays in L1 while the
+// group's elements use it; each element is then routed on its rows of the slab. The backward
+// recomputes the slabs instead of keeping votes from the forward, then rebuilds the elements' vote
+// gradient rows from the routing state a block of input capsules at a time and contracts them with
+// u_i and weight_i, input capsule by input capsule, while they are in L2.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -18,9 +19,10 @@
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
 #include "../common/layout.h"
-#include "routing_element.h"
+#include "agreement_routing.h"
 
 namespace capsroute {
+namespace cpu {
 namespace {
 
 // Bytes of vote slab per thread: a group holds this times the thread count (8 elements at MNIST's
@@ -61,12 +63,12 @@ struct VoteOperands {
 // L1, instead of a transposed copy of the whole weight in memory.
 template <typename acc_t>
 void transpose_weight_rows(const acc_t* w_i, int64_t JD, int64_t Din, acc_t* w_t) {
-  constexpr int kRows = cpu::Vec<acc_t>::size();
+  constexpr int kRows = Vec<acc_t>::size();
   int64_t c0 = 0;
   for (; c0 + kRows <= JD; c0 += kRows) {
     int64_t k0 = 0;
     for (; k0 + 8 <= Din; k0 += 8)
-      cpu::transpose<acc_t, kRows, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
+      transpose<acc_t, kRows, 8>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD);
     if (k0 < Din)
       at::vec::transpose_mxn<acc_t>(w_i + c0 * Din + k0, Din, w_t + k0 * JD + c0, JD, kRows,
                                     Din - k0);
@@ -79,24 +81,24 @@ void transpose_weight_rows(const acc_t* w_i, int64_t JD, int64_t Din, acc_t* w_t
 // (a vector summed over k) leaves the FMA units idle for its latency at every step.
 template <typename acc_t>
 inline void vote_row(const acc_t* u, const acc_t* w, int64_t Din, int64_t JD, acc_t* votes) {
-  constexpr int64_t W = cpu::Vec<acc_t>::size(), kChains = 4;
+  constexpr int64_t W = Vec<acc_t>::size(), kChains = 4;
   int64_t c0 = 0;
   for (; c0 + kChains * W <= JD; c0 += kChains * W) {
-    cpu::Vec<acc_t> sum[kChains];
-    for (int64_t b = 0; b < kChains; ++b) sum[b] = cpu::Vec<acc_t>(acc_t(0));
+    Vec<acc_t> sum[kChains];
+    for (int64_t b = 0; b < kChains; ++b) sum[b] = Vec<acc_t>(acc_t(0));
     for (int64_t k = 0; k < Din; ++k) {
-      const cpu::Vec<acc_t> u_k(u[k]);
+      const Vec<acc_t> u_k(u[k]);
       for (int64_t b = 0; b < kChains; ++b)
-        sum[b] = at::vec::fmadd(u_k, cpu::Vec<acc_t>::loadu(w + k * JD + c0 + b * W), sum[b]);
+        sum[b] = at::vec::fmadd(u_k, Vec<acc_t>::loadu(w + k * JD + c0 + b * W), sum[b]);
     }
     for (int64_t b = 0; b < kChains; ++b) sum[b].store(votes + c0 + b * W);
   }
   for (; c0 < JD; c0 += W) {
     const int64_t n = std::min(W, JD - c0);
-    cpu::Vec<acc_t> sum(acc_t(0));
+    Vec<acc_t> sum(acc_t(0));
     for (int64_t k = 0; k < Din; ++k)
-      sum = at::vec::fmadd(cpu::Vec<acc_t>(u[k]), cpu::load_part(w + k * JD + c0, n), sum);
-    cpu::store_part(sum, votes + c0, n);
+      sum = at::vec::fmadd(Vec<acc_t>(u[k]), load_part(w + k * JD + c0, n), sum);
+    store_part(sum, votes + c0, n);
   }
 }
 
@@ -142,21 +144,21 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
 template <int kRows, typename acc_t>
 void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_stride, int64_t Din,
                       int64_t JD, int64_t k0, acc_t* g_w_i) {
-  constexpr int64_t W = cpu::Vec<acc_t>::size();
+  constexpr int64_t W = Vec<acc_t>::size();
   for (int64_t c0 = 0; c0 < JD; c0 += W) {
     const int64_t n = std::min(W, JD - c0);
-    cpu::Vec<acc_t> sum[kRows];
-    for (int r = 0; r < kRows; ++r) sum[r] = cpu::Vec<acc_t>(acc_t(0));
+    Vec<acc_t> sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = Vec<acc_t>(acc_t(0));
     for (int64_t e = 0; e < B; ++e) {
-      const cpu::Vec<acc_t> g = cpu::load_part(G + e * JD + c0, n);
+      const Vec<acc_t> g = load_part(G + e * JD + c0, n);
       const acc_t* u = u_i + e * u_stride + k0;
-      for (int r = 0; r < kRows; ++r) sum[r] = at::vec::fmadd(cpu::Vec<acc_t>(u[r]), g, sum[r]);
+      for (int r = 0; r < kRows; ++r) sum[r] = at::vec::fmadd(Vec<acc_t>(u[r]), g, sum[r]);
     }
     alignas(64) acc_t columns[kRows][W];
     for (int r = 0; r < kRows; ++r) sum[r].store(columns[r]);
     if (n ==
         W)  // a register transpose where there is one (cpu::transpose), not kRows * W scalar stores
-      cpu::transpose<acc_t, kRows, W>(columns[0], W, g_w_i + c0 * Din + k0, Din);
+      transpose<acc_t, kRows, W>(columns[0], W, g_w_i + c0 * Din + k0, Din);
     else
       at::vec::transpose_mxn<acc_t>(columns[0], W, g_w_i + c0 * Din + k0, Din, kRows, n);
   }
@@ -165,23 +167,23 @@ void weight_grad_rows(const acc_t* G, const acc_t* u_i, int64_t B, int64_t u_str
 template <int kRows, typename acc_t>
 void input_grad_rows(const acc_t* G, const acc_t* w_t, int64_t B, int64_t g_u_stride, int64_t JD,
                      int64_t k0, acc_t* g_u_i) {
-  constexpr int64_t W = cpu::Vec<acc_t>::size();
+  constexpr int64_t W = Vec<acc_t>::size();
   for (int64_t e = 0; e < B; ++e) {
-    cpu::Vec<acc_t> sum[kRows];
-    for (int r = 0; r < kRows; ++r) sum[r] = cpu::Vec<acc_t>(acc_t(0));
+    Vec<acc_t> sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = Vec<acc_t>(acc_t(0));
     for (int64_t c0 = 0; c0 < JD; c0 += W) {
       const int64_t n = std::min(W, JD - c0);
-      const cpu::Vec<acc_t> g = cpu::load_part(G + e * JD + c0, n);
+      const Vec<acc_t> g = load_part(G + e * JD + c0, n);
       for (int r = 0; r < kRows; ++r)
-        sum[r] = at::vec::fmadd(cpu::load_part(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
+        sum[r] = at::vec::fmadd(load_part(w_t + (k0 + r) * JD + c0, n), g, sum[r]);
     }
     if constexpr (kRows > 1 &&
                   kRows <= W) {  // the rows' horizontal sums together (lanes past kRows: 0)
-      cpu::Vec<acc_t> sums[W];
-      for (int r = 0; r < W; ++r) sums[r] = r < kRows ? sum[r] : cpu::Vec<acc_t>(acc_t(0));
-      cpu::lane_sums(sums).store(g_u_i + e * g_u_stride + k0, kRows);
+      Vec<acc_t> sums[W];
+      for (int r = 0; r < W; ++r) sums[r] = r < kRows ? sum[r] : Vec<acc_t>(acc_t(0));
+      lane_sums(sums).store(g_u_i + e * g_u_stride + k0, kRows);
     } else {
-      for (int r = 0; r < kRows; ++r) g_u_i[e * g_u_stride + k0 + r] = cpu::reduce_sum(sum[r]);
+      for (int r = 0; r < kRows; ++r) g_u_i[e * g_u_stride + k0 + r] = reduce_sum(sum[r]);
     }
   }
 }
@@ -194,31 +196,36 @@ void for_each_row_block(int64_t Din, F&& f) {
   for (; k0 < Din; ++k0) f(std::integral_constant<int, 1>{}, k0);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(
-    const at::Tensor& u_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias_in,
-    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps) {
-  check_dense_capsules_inputs(u_in, weight_in, bias_in, iters, eps);
-  record_kernel_path("dense_capsules", Direction::forward, "cpu");
-  const at::Tensor bias = bias_in.has_value() ? bias_in->contiguous() : at::Tensor();
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const at::Tensor& u_in,
+                                                           const at::Tensor& weight_in,
+                                                           const at::Tensor& bias_in,
+                                                           const RuleTensors& rule, int64_t iters,
+                                                           bool leaky, double eps) {
+  record_kernel_path(op, Direction::forward, "cpu");
+  const at::Tensor bias = bias_in.defined() ? bias_in.contiguous() : at::Tensor();
   const int64_t B = u_in.size(0);
   const RoutingDims dims{B, weight_in.size(0), weight_in.size(1), weight_in.size(2), iters, leaky};
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
+  const AccParameters params(rule, acc);
   at::Tensor v = at::empty({B, dims.J, dims.D}, u_in.options());
   at::Tensor c = at::empty({B, dims.I, dims.J}, u_in.options());
   at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, u_in.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_cpu", [&] {
+      at::kHalf, at::kBFloat16, u_in.scalar_type(), "route_dense_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
         const scalar_t* b = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-        cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+        const RoutingRule<acc_t> acc_rule = params.rule<acc_t>();
+        dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
           for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
-            cpu::ForwardScratch<acc_t> scratch(dims);
+            ForwardScratch<acc_t> scratch(dims);
             for (int64_t n = n0; n < n0 + T; ++n) {
-              cpu::route_forward<decltype(capsule_dim)::value>(
-                  cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd(), dims.D}, b,
-                  RoutingRule<acc_t>{}, dims, static_cast<acc_t>(eps), scratch,
+              route_forward<decltype(capsule_dim)::value>(
+                  VoteRows<acc_t>{slab + (n - n0) * dims.I * dims.jd(), dims.jd(), dims.D}, b,
+                  acc_rule, dims, static_cast<acc_t>(eps), scratch,
                   s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
                   v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
                   c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
@@ -229,20 +236,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(
   return {v, c, s_hist};
 }
 
+namespace {
+
 // Backward step 1: the routing backward of every element, on the votes recomputed a group of
 // elements at a time; fills each element's BackwardState and adds its dL/dbias.
 template <typename Backward, typename acc_t>
-void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, acc_t eps,
-                             bool detach, const acc_t* g_v, const acc_t* s_hist,
-                             acc_t* grad_bias_items, acc_t* states) {
-  using State = cpu::BackwardState<acc_t>;
+void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims,
+                             const RoutingRule<acc_t>& rule, acc_t eps, bool detach,
+                             const acc_t* g_v, const acc_t* s_hist,
+                             const ParameterGrads<acc_t>& grad_items, acc_t* states) {
+  using State = BackwardState<acc_t>;
   const int64_t JD = dims.jd();
   for_each_vote_group<acc_t>(ops, dims, [&](int64_t n0, int64_t T, const acc_t* slab) {
-    Backward backward(dims, RoutingRule<acc_t>{}, eps, detach);
+    Backward backward(dims, rule, eps, detach);
     for (int64_t n = n0; n < n0 + T; ++n) {
-      backward.run(cpu::VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD, dims.D}, g_v + n * JD,
-                   s_hist + n * dims.iters * JD,
-                   cpu::ParameterGrads<acc_t>{grad_bias_items + n * JD},
+      backward.run(VoteRows<acc_t>{slab + (n - n0) * dims.I * JD, JD, dims.D}, g_v + n * JD,
+                   s_hist + n * dims.iters * JD, grad_items.element(n, dims),
                    State(states + n * State::numel(dims), dims));
     }
   });
@@ -255,7 +264,7 @@ void routing_backward_states(const VoteOperands& ops, const RoutingDims& dims, a
 template <typename Backward, typename acc_t>
 void vote_grad_block(const Backward& backward, const RoutingDims& dims, acc_t* states, int64_t i0,
                      int64_t rows, acc_t* G) {
-  using State = cpu::BackwardState<acc_t>;
+  using State = BackwardState<acc_t>;
   const int64_t B = dims.B, JD = dims.jd();
   for (int64_t n = 0; n < B; ++n) {
     const State state(states + n * State::numel(dims), dims);
@@ -268,16 +277,16 @@ void vote_grad_block(const Backward& backward, const RoutingDims& dims, acc_t* s
 // in L2) contracted with u_i into grad_weight_i and with weight_i into grad_u_i. Each task owns
 // its capsules' rows of both, so the sum over elements runs in order whatever the thread count.
 template <typename Backward, typename acc_t>
-void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t eps, bool detach,
-                         int64_t Din, acc_t* states, acc_t* g_u, acc_t* g_w) {
+void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims,
+                         const RoutingRule<acc_t>& rule, acc_t eps, bool detach, int64_t Din,
+                         acc_t* states, acc_t* g_u, acc_t* g_w) {
   const int64_t B = dims.B, JD = dims.jd();
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
   const int64_t u_stride = ops.u_strides.element, g_u_stride = dims.I * Din;  // grad_u: contiguous
   const int64_t row_bytes = std::max<int64_t>(B * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
-  const int64_t block =
-      std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, cpu::kTileRows<acc_t>);
+  const int64_t block = std::clamp<int64_t>(kVoteGradBlockBytes / row_bytes, 1, kTileRows<acc_t>);
   at::parallel_for(0, dims.I, kContractionGrain, [&](int64_t begin, int64_t end) {
-    const Backward backward(dims, RoutingRule<acc_t>{}, eps, detach);
+    const Backward backward(dims, rule, eps, detach);
     std::vector<acc_t> G(block * B * JD), w_t(Din * JD);
     for (int64_t i0 = begin; i0 < end; i0 += block) {
       const int64_t rows = std::min(block, end - i0);
@@ -296,50 +305,77 @@ void contract_vote_grads(const VoteOperands& ops, const RoutingDims& dims, acc_t
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(
-    const at::Tensor& grad_v_in, const at::Tensor& u_in, const at::Tensor& weight_in,
-    const at::Tensor& s_hist_in, bool leaky, bool detach, double eps) {
-  check_dense_capsules_backward_inputs(grad_v_in, u_in, weight_in, s_hist_in, eps);
-  record_kernel_path("dense_capsules", Direction::backward, "cpu");
+}  // namespace
+
+DenseGrads route_dense_backward(const char* op, const at::Tensor& grad_v_in, const at::Tensor& u_in,
+                                const at::Tensor& weight_in, const at::Tensor& s_hist_in,
+                                const RuleTensors& rule, bool leaky, bool detach, double eps) {
+  record_kernel_path(op, Direction::backward, "cpu");
   const int64_t B = u_in.size(0), Din = u_in.size(2);
   const RoutingDims dims{
       B, weight_in.size(0), weight_in.size(1), weight_in.size(2), s_hist_in.size(1), leaky};
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
+  const AccParameters params(rule, acc);
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u_in.options().dtype(acc));
+  GradItems items(rule, /*with_bias=*/true, dims, u_in.options().dtype(acc));
   at::Tensor grad_u, grad_weight;  // allocated once the vote slabs are freed: a lower peak
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, u_in.scalar_type(), "dense_capsules_backward_cpu", [&] {
+      at::kHalf, at::kBFloat16, u_in.scalar_type(), "route_dense_backward_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
+        const RoutingRule<acc_t> acc_rule = params.rule<acc_t>();
         // The backward state of every element (about a third of the votes' size at iters = 3).
         at::Tensor states =
-            at::empty({B, cpu::BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
-        cpu::dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
-          using Backward = cpu::RoutingBackward<decltype(capsule_dim)::value, acc_t>;
-          routing_backward_states<Backward>(
-              ops, dims, static_cast<acc_t>(eps), detach, grad_v.const_data_ptr<acc_t>(),
-              s_hist.const_data_ptr<acc_t>(), grad_bias_items.mutable_data_ptr<acc_t>(),
-              states.mutable_data_ptr<acc_t>());
+            at::empty({B, BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
+        dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
+          using Backward = RoutingBackward<decltype(capsule_dim)::value, acc_t>;
+          routing_backward_states<Backward>(ops, dims, acc_rule, static_cast<acc_t>(eps), detach,
+                                            grad_v.const_data_ptr<acc_t>(),
+                                            s_hist.const_data_ptr<acc_t>(), items.items<acc_t>(),
+                                            states.mutable_data_ptr<acc_t>());
           grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
           grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
-          contract_vote_grads<Backward>(
-              ops, dims, static_cast<acc_t>(eps), detach, Din, states.mutable_data_ptr<acc_t>(),
-              grad_u.mutable_data_ptr<acc_t>(), grad_weight.mutable_data_ptr<acc_t>());
+          contract_vote_grads<Backward>(ops, dims, acc_rule, static_cast<acc_t>(eps), detach, Din,
+                                        states.mutable_data_ptr<acc_t>(),
+                                        grad_u.mutable_data_ptr<acc_t>(),
+                                        grad_weight.mutable_data_ptr<acc_t>());
         });
       });
   const at::ScalarType dtype = u_in.scalar_type();
-  return {grad_u.to(dtype), grad_weight.to(dtype), grad_bias_items.sum(0).to(dtype)};
+  DenseGrads grads{grad_u.to(dtype), grad_weight.to(dtype)};
+  items.sum_into(grads.parameters, dtype);
+  return grads;
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(
+    const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps) {
+  check_dense_capsules_inputs(u, weight, bias, iters, eps);
+  return route_dense("dense_capsules", u, weight, bias.value_or(at::Tensor()), RuleTensors{}, iters,
+                     leaky, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(
+    const at::Tensor& grad_v, const at::Tensor& u, const at::Tensor& weight,
+    const at::Tensor& s_hist, bool leaky, bool detach, double eps) {
+  check_dense_capsules_backward_inputs(grad_v, u, weight, s_hist, eps);
+  const DenseGrads grads = route_dense_backward("dense_capsules", grad_v, u, weight, s_hist,
+                                                RuleTensors{}, leaky, detach, eps);
+  return {grads.u, grads.weight, grads.parameters.bias};
 }
 
 }  // namespace
 
+}  // namespace cpu
+
 TORCH_LIBRARY_IMPL(capsroute, CPU, m) {
-  m.impl("dense_capsules", &dense_capsules_cpu);
-  m.impl("_dense_capsules_backward", &dense_capsules_backward_cpu);
+  m.impl("dense_capsules", &cpu::dense_capsules_cpu);
+  m.impl("_dense_capsules_backward", &cpu::dense_capsules_backward_cpu);
 }
 
 }  // namespace capsroute

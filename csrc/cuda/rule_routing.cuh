@@ -1,5 +1,6 @@
 // Host side of the routings that run dynamic routing's block kernels under a rule of their own
-// (self_attention_routing_cuda.cu, inverted_attention_routing_cuda.cu): votes read in place as
+// (self_attention_routing_cuda.cu, inverted_attention_routing_cuda.cu; dense_routing.cuh takes
+// the rules and the gradient items from here): votes read in place as
 // dynamic_routing reads them, the rule's parameters in the accumulation dtype, the forward and
 // the backward with the vote gradient, and the parameters' gradient items summed in a fixed order.
 // The ops check their arguments (common/checks.h) before calling these.
@@ -72,9 +73,43 @@ struct RuleParameterGrads {
   bool coupling_bias = false, norm_weight = false, norm_bias = false;
 };
 
+// The per-element items of the parameter gradients a backward makes (RuleGradItems), zeroed in
+// the accumulation dtype, undefined where not wanted; summed over the batch (and the capsules) by
+// at::sum, in a fixed order.
+class RuleGradItemTensors {
+ public:
+  RuleGradItemTensors(RuleParameterGrads wanted, const RoutingDims& dims,
+                      const at::TensorOptions& acc_options)
+      : coupling_bias_(zeros_if(wanted.coupling_bias, {dims.B, dims.I, dims.J}, acc_options)),
+        norm_weight_(zeros_if(wanted.norm_weight, {dims.B, dims.J, dims.D}, acc_options)),
+        norm_bias_(zeros_if(wanted.norm_bias, {dims.B, dims.J, dims.D}, acc_options)) {}
+
+  // The items from element b0 on.
+  template <typename acc_t>
+  RuleGradItems<acc_t> items(int64_t b0 = 0) {
+    return {from<acc_t>(coupling_bias_, b0), from<acc_t>(norm_weight_, b0),
+            from<acc_t>(norm_bias_, b0)};
+  }
+  // The sums into grads' parameter gradients, in the accumulation dtype.
+  void sum_into(RuleRoutingGradients& grads) const {
+    if (coupling_bias_.defined()) grads.coupling_bias = coupling_bias_.sum(0);
+    if (norm_weight_.defined()) grads.norm_weight = norm_weight_.sum({0, 1});
+    if (norm_bias_.defined()) grads.norm_bias = norm_bias_.sum({0, 1});
+  }
+
+ private:
+  static at::Tensor zeros_if(bool wanted, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return wanted ? at::zeros(sizes, options) : at::Tensor();
+  }
+  template <typename acc_t>
+  static acc_t* from(at::Tensor& t, int64_t b0) {
+    return t.defined() ? t.mutable_data_ptr<acc_t>() + b0 * t.stride(0) : nullptr;
+  }
+
+  at::Tensor coupling_bias_, norm_weight_, norm_bias_;
+};
+
 // The backward of op's forward under rule_of(acc_t()) (s_hist (B, iters, J, D) as it returned).
-// The parameter gradients are their per-element items (RuleGradItems) summed over the batch (and
-// the capsules) by at::sum, in a fixed order.
 template <typename RuleOf>
 RuleRoutingGradients rule_routing_backward(const char* op, const at::Tensor& grad_v_in,
                                            const at::Tensor& votes_in, const at::Tensor& s_hist_in,
@@ -92,12 +127,7 @@ RuleRoutingGradients rule_routing_backward(const char* op, const at::Tensor& gra
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   RuleRoutingGradients grads{empty_capsule_gradient(votes, 2)};
   const CapsuleStrides grad_rows = capsule_strides(grads.votes, 2);
-  const auto items = [&](bool needed, at::IntArrayRef sizes) {
-    return needed ? at::zeros(sizes, votes.options().dtype(acc)) : at::Tensor();
-  };
-  at::Tensor coupling_bias_items = items(wanted.coupling_bias, {B, I, J});
-  at::Tensor norm_weight_items = items(wanted.norm_weight, {B, J, D});
-  at::Tensor norm_bias_items = items(wanted.norm_bias, {B, J, D});
+  RuleGradItemTensors items(wanted, dims, votes.options().dtype(acc));
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, votes.scalar_type(), "rule_routing_backward", [&] {
@@ -108,9 +138,7 @@ RuleRoutingGradients rule_routing_backward(const char* op, const at::Tensor& gra
           const BackwardBuffers<acc_t> buf = launch_routing_backward(
               src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, /*detach=*/false, eps,
               no_bias_items, grad_rows, grads.votes.mutable_data_ptr<scalar_t>(), rule_of(acc_t()),
-              RuleGradItems<acc_t>{data_or_null<acc_t>(coupling_bias_items),
-                                   data_or_null<acc_t>(norm_weight_items),
-                                   data_or_null<acc_t>(norm_bias_items)});
+              items.items<acc_t>());
           record_kernel_path(op, Direction::backward, buf.path);
           if (grads.votes.numel() > 0)
             StreamLaunch{c10::cuda::getCurrentCUDAStream()}(
@@ -118,9 +146,7 @@ RuleRoutingGradients rule_routing_backward(const char* op, const at::Tensor& gra
                 buf.state, B, grad_rows, grads.votes.mutable_data_ptr<scalar_t>());
         });
   }
-  if (wanted.coupling_bias) grads.coupling_bias = coupling_bias_items.sum(0);
-  if (wanted.norm_weight) grads.norm_weight = norm_weight_items.sum({0, 1});
-  if (wanted.norm_bias) grads.norm_bias = norm_bias_items.sum({0, 1});
+  items.sum_into(grads);
   return grads;
 }
 
