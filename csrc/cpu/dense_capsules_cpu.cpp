@@ -25,10 +25,11 @@ namespace capsroute {
 namespace cpu {
 namespace {
 
-// Bytes of vote slab per thread: a group holds this times the thread count (8 elements at MNIST's
-// shape on 2 threads), at least an element per thread. Each group transposes every weight_i once,
-// so larger groups transpose less.
-constexpr int64_t kVoteSlabBytes = 3 << 20;
+// Bytes of votes in the slab, whatever the thread count (8 elements at MNIST's shape), and at
+// least an element per thread. Each group streams and transposes every weight_i once, so larger
+// groups read the weight less often (B = 8 on 1 thread: once per pass, where half this size took
+// two); a fixed size keeps the slab no larger than the weight gradient at MNIST's shape.
+constexpr int64_t kVoteSlabBytes = 6 << 20;
 // Input capsules per task of the vote transform.
 constexpr int64_t kVoteRowGrain = 16;
 // Input capsules per task of the backward's contractions.
@@ -113,7 +114,7 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
   const int64_t B = d.B, I = d.I, JD = d.jd(), Din = ops.u.size(2);
   const int64_t element_bytes = std::max<int64_t>(I * JD * static_cast<int64_t>(sizeof(acc_t)), 1);
   const int64_t threads = at::get_num_threads();
-  const int64_t group = std::min(std::max(kVoteSlabBytes * threads / element_bytes, threads), B);
+  const int64_t group = std::min(std::max(kVoteSlabBytes / element_bytes, threads), B);
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
   // Left uninitialised: every value is written. Not a tensor: malloc hands the same pages back
   // call after call, where the torch allocator's fresh pages were page-faulted on every call
