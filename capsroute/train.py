@@ -142,8 +142,10 @@ class Trainer:
         self.net = (
             nn.parallel.DistributedDataParallel(self.model) if ddp.world_size > 1 else self.model
         )
+        # fused: one pass over all parameters (docs/training.md); a resumed run keeps the
+        # implementation its checkpoint names.
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+            self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True
         )
         self.steps_per_epoch = data.num_batches(
             self.train_size, args.batch_size, world_size=ddp.world_size
