@@ -83,13 +83,9 @@ class EmElement {
     }
     const acc_t lam = em_lambda(d_.final_lambda, t);
     for (int64_t j = 0; j < J; ++j) {
-      acc_t cost = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        acc_t& vr = var[j * H + h];
-        vr = vr / (mass_[j] + eps) + eps;
-        cost += (static_cast<acc_t>(beta_u[j]) + acc_t(0.5) * std::log(vr)) * mass_[j];
-      }
-      logit[j] = lam * (static_cast<acc_t>(beta_a[j]) - cost);
+      for (int64_t h = 0; h < H; ++h) var[j * H + h] = var[j * H + h] / (mass_[j] + eps) + eps;
+      logit[j] = em_activation_logit(lam, static_cast<acc_t>(beta_u[j]),
+                                     static_cast<acc_t>(beta_a[j]), mass_[j], var + j * H, H);
     }
   }
 

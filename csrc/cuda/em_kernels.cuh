@@ -139,10 +139,8 @@ template <typename acc_t, typename scalar_t>
 __device__ __forceinline__ void em_capsule_logit(int64_t j, int64_t H, acc_t m, const acc_t* var,
                                                  scalar_t beta_u, scalar_t beta_a, acc_t lam,
                                                  bool before_e_step, acc_t* logit, acc_t* norm) {
-  const acc_t bu = static_cast<acc_t>(beta_u);
-  acc_t cost = 0;
-  for (int64_t h = 0; h < H; ++h) cost += (bu + acc_t(0.5) * acc_log(var[j * H + h])) * m;
-  const acc_t lg = lam * (static_cast<acc_t>(beta_a) - cost);
+  const acc_t lg = em_activation_logit(lam, static_cast<acc_t>(beta_u), static_cast<acc_t>(beta_a),
+                                       m, var + j * H, H);
   logit[j] = lg;
   if (before_e_step) norm[j] = em_e_step_norm(lg, var + j * H, H);
 }
