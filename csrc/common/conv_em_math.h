@@ -19,6 +19,17 @@ CAPSROUTE_HD acc_t conv_em_initial(const ConvEmDims& d, int64_t iy, int64_t ix) 
   return acc_t(1) / static_cast<acc_t>((cover > 0 ? cover : 1) * d.C_out);
 }
 
+// Calls f(window, ky, kx) for every window that contains input position (b, iy, ix), row by row
+// (the order both backends sum in): the window's index (b, y, x) into (B, Ho, Wo) and the
+// position's place in it.
+template <typename F>
+CAPSROUTE_HD void conv_em_for_each_covering_window(const ConvEmDims& d, int64_t Ho, int64_t Wo,
+                                                   int64_t b, int64_t iy, int64_t ix, F&& f) {
+  for (int64_t y = d.first_window(iy); y <= d.last_window(iy, Ho); ++y)
+    for (int64_t x = d.first_window(ix); x <= d.last_window(ix, Wo); ++x)
+      f((b * Ho + y) * Wo + x, iy + d.padding - y * d.stride, ix + d.padding - x * d.stride);
+}
+
 // A vote's assignment gradient g_r = co0 + sum_h co1_h d_h + co2_h (d_h^2 - (var_h - eps)),
 // d = V - mu (em_m_step_backward's coefficients co: g_mass, g_mu / M, g_var / M), is
 // c + sum_h d_h (co1_h + co2_h d_h): this returns c, the part without the vote.

@@ -93,9 +93,7 @@ struct ConvEmLayout {
   // fixed order.
   template <typename F>
   void for_each_covering_window(int64_t b, int64_t iy, int64_t ix, F&& f) const {
-    for (int64_t y = d.first_window(iy); y <= d.last_window(iy, Ho); ++y)
-      for (int64_t x = d.first_window(ix); x <= d.last_window(ix, Wo); ++x)
-        f((b * Ho + y) * Wo + x, iy + d.padding - y * d.stride, ix + d.padding - x * d.stride);
+    conv_em_for_each_covering_window(d, Ho, Wo, b, iy, ix, f);
   }
 
   // One window's tables, each a row of Jp lanes per value: the E-step tables of iterations
@@ -697,7 +695,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, pose.scalar_type(), "conv_em_routing_backward_cpu", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        using V = Vec<acc_t>;
         const ConvEmLayout<scalar_t, acc_t> L =
             layout_of<scalar_t>(d, pose, weight_t, a_in, log_prior);
         const acc_t* st = stats.const_data_ptr<acc_t>();

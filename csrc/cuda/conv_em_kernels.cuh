@@ -171,10 +171,7 @@ struct ConvEmIndex {
     const int64_t pos = i / d.C_in;
     ix = pos % d.W;
     iy = pos / d.W % d.H;
-    const int64_t b = pos / (d.W * d.H);
-    for (int64_t y = d.first_window(iy); y <= d.last_window(iy, Ho); ++y)
-      for (int64_t x = d.first_window(ix); x <= d.last_window(ix, Wo); ++x)
-        f((b * Ho + y) * Wo + x, iy + d.padding - y * d.stride, ix + d.padding - x * d.stride);
+    conv_em_for_each_covering_window(d, Ho, Wo, pos / (d.W * d.H), iy, ix, f);
   }
 };
 
