@@ -10,51 +10,11 @@
 
 #include "../common/dims.h"
 #include "../common/routing_rule.h"
+#include "../common/rule_tensors.h"
 #include "routing_element.h"
 
 namespace capsroute {
 namespace cpu {
-
-// A routing's rule with its parameters as tensors in the votes' dtype (undefined: absent); the
-// pointers of `rule` are unused.
-struct RuleTensors {
-  RoutingRule<double> rule;
-  at::Tensor coupling_bias, norm_weight, norm_bias;
-};
-
-// The rule's parameters in the accumulation dtype, contiguous, and the rule that reads them.
-class AccParameters {
- public:
-  AccParameters(const RuleTensors& rule, at::ScalarType acc)
-      : rule_(rule.rule),
-        coupling_bias_(to_acc(rule.coupling_bias, acc)),
-        norm_weight_(to_acc(rule.norm_weight, acc)),
-        norm_bias_(to_acc(rule.norm_bias, acc)) {}
-
-  template <typename acc_t>
-  RoutingRule<acc_t> rule() const {
-    RoutingRule<acc_t> rule;
-    rule.logits = rule_.logits;
-    rule.nonlinearity = rule_.nonlinearity;
-    rule.logit_scale = static_cast<acc_t>(rule_.logit_scale);
-    rule.coupling_bias = data_or_null<acc_t>(coupling_bias_);
-    rule.norm_weight = data_or_null<acc_t>(norm_weight_);
-    rule.norm_bias = data_or_null<acc_t>(norm_bias_);
-    return rule;
-  }
-
- private:
-  static at::Tensor to_acc(const at::Tensor& t, at::ScalarType acc) {
-    return t.defined() ? t.to(acc).contiguous() : t;
-  }
-  template <typename acc_t>
-  static const acc_t* data_or_null(const at::Tensor& t) {
-    return t.defined() ? t.const_data_ptr<acc_t>() : nullptr;
-  }
-
-  RoutingRule<double> rule_;
-  at::Tensor coupling_bias_, norm_weight_, norm_bias_;
-};
 
 // The gradients in the votes' dtype: of the votes (in their layout where it has contiguous
 // capsules), of the bias (J, D) and of the rule's parameters (zeros where absent).

@@ -10,29 +10,15 @@ namespace capsroute {
 namespace cpu {
 namespace {
 
-// weight (I, J, D, Din)
-RuleTensors self_attention_rule_of(const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& coupling_bias,
-                                   std::string_view squash) {
-  return {self_attention_rule<double>(weight.size(1), weight.size(2), self_attention_squash(squash),
-                                      nullptr),
-          coupling_bias.value_or(at::Tensor())};
-}
-
-RuleTensors inverted_attention_rule_of(const at::Tensor& weight,
-                                       const std::optional<at::Tensor>& norm_weight,
-                                       const std::optional<at::Tensor>& norm_bias) {
-  return {inverted_attention_rule<double>(weight.size(2), nullptr, nullptr), at::Tensor(),
-          norm_weight.value_or(at::Tensor()), norm_bias.value_or(at::Tensor())};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_cpu(
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& coupling_bias,
     std::string_view squash, double eps) {
   check_dense_self_attention_routing_inputs(u, weight, coupling_bias, squash, eps);
-  return route_dense("dense_self_attention_routing", u, weight, at::Tensor(),
-                     self_attention_rule_of(weight, coupling_bias, squash), kSelfAttentionPasses,
-                     /*leaky=*/false, eps);
+  return route_dense(
+      "dense_self_attention_routing", u, weight, at::Tensor(),
+      self_attention_rule_tensors(weight.size(1), weight.size(2), coupling_bias, squash),
+      kSelfAttentionPasses,
+      /*leaky=*/false, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_backward_cpu(
@@ -41,10 +27,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_back
     std::string_view squash, double eps) {
   check_dense_self_attention_routing_backward_inputs(grad_v, u, weight, coupling_bias, s_hist,
                                                      squash, eps);
-  const DenseGrads grads =
-      route_dense_backward("dense_self_attention_routing", grad_v, u, weight, s_hist,
-                           self_attention_rule_of(weight, coupling_bias, squash), /*leaky=*/false,
-                           /*detach=*/false, eps);
+  const DenseGrads grads = route_dense_backward(
+      "dense_self_attention_routing", grad_v, u, weight, s_hist,
+      self_attention_rule_tensors(weight.size(1), weight.size(2), coupling_bias, squash),
+      /*leaky=*/false,
+      /*detach=*/false, eps);
   return {grads.u, grads.weight, grads.parameters.coupling_bias};
 }
 
@@ -53,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_inverted_attention_routing_
     const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
   check_dense_inverted_attention_routing_inputs(u, weight, norm_weight, norm_bias, iters, eps);
   return route_dense("dense_inverted_attention_routing", u, weight, at::Tensor(),
-                     inverted_attention_rule_of(weight, norm_weight, norm_bias), iters,
+                     inverted_attention_rule_tensors(weight.size(2), norm_weight, norm_bias), iters,
                      /*leaky=*/false, eps);
 }
 
@@ -67,7 +54,7 @@ dense_inverted_attention_routing_backward_cpu(const at::Tensor& grad_v, const at
                                                          s_hist, eps);
   const DenseGrads grads = route_dense_backward(
       "dense_inverted_attention_routing", grad_v, u, weight, s_hist,
-      inverted_attention_rule_of(weight, norm_weight, norm_bias), /*leaky=*/false,
+      inverted_attention_rule_tensors(weight.size(2), norm_weight, norm_bias), /*leaky=*/false,
       /*detach=*/false, eps);
   return {grads.u, grads.weight, grads.parameters.norm_weight, grads.parameters.norm_bias};
 }

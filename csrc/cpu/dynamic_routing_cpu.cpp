@@ -14,8 +14,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(
     bool /*detach: backward only*/, double eps) {
   check_dynamic_routing_inputs(votes, bias, iters, eps);
   record_kernel_path("dynamic_routing", Direction::forward, "cpu");
-  return cpu::route_votes(votes, bias.value_or(at::Tensor()), cpu::RuleTensors{}, iters, leaky,
-                          eps);
+  return cpu::route_votes(votes, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor& grad_v,
@@ -25,8 +24,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
                                                                 double eps) {
   check_dynamic_routing_backward_inputs(grad_v, votes, s_hist, eps);
   record_kernel_path("dynamic_routing", Direction::backward, "cpu");
-  const cpu::RoutingGrads grads = cpu::route_votes_backward(
-      grad_v, votes, s_hist, cpu::RuleTensors{}, /*with_bias=*/true, leaky, detach, eps);
+  const cpu::RoutingGrads grads = cpu::route_votes_backward(grad_v, votes, s_hist, RuleTensors{},
+                                                            /*with_bias=*/true, leaky, detach, eps);
   return {grads.votes, grads.bias};
 }
 

@@ -9,18 +9,14 @@
 namespace capsroute {
 namespace {
 
-cpu::RuleTensors rule_of(const at::Tensor& votes, const std::optional<at::Tensor>& norm_weight,
-                         const std::optional<at::Tensor>& norm_bias) {
-  return {inverted_attention_rule<double>(votes.size(3), nullptr, nullptr), at::Tensor(),
-          norm_weight.value_or(at::Tensor()), norm_bias.value_or(at::Tensor())};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_cpu(
     const at::Tensor& votes, const std::optional<at::Tensor>& norm_weight,
     const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
   check_inverted_attention_routing_inputs(votes, norm_weight, norm_bias, iters, eps);
   record_kernel_path("inverted_attention_routing", Direction::forward, "cpu");
-  return cpu::route_votes(votes, at::Tensor(), rule_of(votes, norm_weight, norm_bias), iters,
+  return cpu::route_votes(votes, at::Tensor(),
+                          inverted_attention_rule_tensors(votes.size(3), norm_weight, norm_bias),
+                          iters,
                           /*leaky=*/false, eps);
 }
 
@@ -30,9 +26,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_backwa
   check_inverted_attention_routing_backward_inputs(grad_v, votes, norm_weight, norm_bias, s_hist,
                                                    eps);
   record_kernel_path("inverted_attention_routing", Direction::backward, "cpu");
-  const cpu::RoutingGrads grads =
-      cpu::route_votes_backward(grad_v, votes, s_hist, rule_of(votes, norm_weight, norm_bias),
-                                /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+  const cpu::RoutingGrads grads = cpu::route_votes_backward(
+      grad_v, votes, s_hist, inverted_attention_rule_tensors(votes.size(3), norm_weight, norm_bias),
+      /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
   return {grads.votes, grads.norm_weight, grads.norm_bias};
 }
 

@@ -9,20 +9,15 @@
 namespace capsroute {
 namespace {
 
-cpu::RuleTensors rule_of(const at::Tensor& votes, const std::optional<at::Tensor>& coupling_bias,
-                         std::string_view squash) {
-  return {self_attention_rule<double>(votes.size(2), votes.size(3), self_attention_squash(squash),
-                                      nullptr),
-          coupling_bias.value_or(at::Tensor())};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> self_attention_routing_cpu(
     const at::Tensor& votes, const std::optional<at::Tensor>& coupling_bias,
     std::string_view squash, double eps) {
   check_self_attention_routing_inputs(votes, coupling_bias, squash, eps);
   record_kernel_path("self_attention_routing", Direction::forward, "cpu");
-  return cpu::route_votes(votes, at::Tensor(), rule_of(votes, coupling_bias, squash),
-                          kSelfAttentionPasses, /*leaky=*/false, eps);
+  return cpu::route_votes(
+      votes, at::Tensor(),
+      self_attention_rule_tensors(votes.size(2), votes.size(3), coupling_bias, squash),
+      kSelfAttentionPasses, /*leaky=*/false, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cpu(
@@ -31,9 +26,10 @@ std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cpu(
     std::string_view squash, double eps) {
   check_self_attention_routing_backward_inputs(grad_v, votes, coupling_bias, s_hist, squash, eps);
   record_kernel_path("self_attention_routing", Direction::backward, "cpu");
-  const cpu::RoutingGrads grads =
-      cpu::route_votes_backward(grad_v, votes, s_hist, rule_of(votes, coupling_bias, squash),
-                                /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+  const cpu::RoutingGrads grads = cpu::route_votes_backward(
+      grad_v, votes, s_hist,
+      self_attention_rule_tensors(votes.size(2), votes.size(3), coupling_bias, squash),
+      /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
   return {grads.votes, grads.coupling_bias};
 }
 

@@ -79,12 +79,11 @@ void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_a
 }
 
 // The forward of op: u (B, I, Din), weight (I, J, D, Din), bias (J, D) or undefined, routed for
-// `iters` passes under rule_of(acc_t()) (a RoutingRule<acc_t>). Returns (v (B, J, D), final
-// coupling c (B, I, J), s_hist (B, iters, J, D) in the accumulation dtype).
-template <typename RuleOf>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_routing_forward(
+// `iters` passes under rule. Returns (v (B, J, D), final coupling c (B, I, J), s_hist (B, iters, J,
+// D) in the accumulation dtype).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_routing_forward(
     const char* op, const at::Tensor& u_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
-    int64_t iters, bool leaky, double eps, const RuleOf& rule_of) {
+    const RuleTensors& rule_tensors, int64_t iters, bool leaky, double eps) {
   check_cuda(u_in, "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
   const at::Tensor u = gemm_readable(u_in);
@@ -96,12 +95,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_routing_forward(
   at::Tensor s_hist =
       at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
   if (dims.B == 0) return {v, c, s_hist};
+  const at::ScalarType acc = s_hist.scalar_type();
+  const AccParameters params(rule_tensors, acc);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, u.scalar_type(), "dense_routing", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* bias_ptr = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
-    const at::ScalarType acc = s_hist.scalar_type();
-    const RoutingRule<acc_t> rule = rule_of(acc_t());
+    const RoutingRule<acc_t> rule = params.rule<acc_t>();
     std::string routing_paths;
     for_each_chunk_of_votes(
         u.to(acc), weight.to(acc), dims,
@@ -120,21 +120,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_routing_forward(
   return {v, c, s_hist};
 }
 
-// The backward's results: grad_u and grad_weight in u's dtype, the bias's gradient (J, D) summed
-// in the accumulation dtype, and the rule's parameters' gradients (RuleRoutingGradients, votes
-// undefined).
+// The backward's results: grad_u and grad_weight in u's dtype, and the bias's and the rule's
+// parameters' gradients in u's dtype (RoutingGrads, votes undefined).
 struct DenseRoutingGradients {
-  at::Tensor u, weight, bias;
-  RuleRoutingGradients rule;
+  at::Tensor u, weight;
+  RoutingGrads parameters;
 };
 
 // The backward of dense_routing_forward at grad_v (B, J, D), from its s_hist.
-template <typename RuleOf>
-DenseRoutingGradients dense_routing_backward(const char* op, const at::Tensor& grad_v_in,
-                                             const at::Tensor& u_in, const at::Tensor& weight_in,
-                                             const at::Tensor& s_hist_in, bool leaky, bool detach,
-                                             double eps, RuleParameterGrads wanted,
-                                             const RuleOf& rule_of) {
+inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Tensor& grad_v_in,
+                                                    const at::Tensor& u_in,
+                                                    const at::Tensor& weight_in,
+                                                    const at::Tensor& s_hist_in,
+                                                    const RuleTensors& rule_tensors, bool leaky,
+                                                    bool detach, double eps) {
   const int64_t B = u_in.size(0), Din = u_in.size(2);
   check_cuda(u_in, "u");
   check_same_device(grad_v_in, u_in, "grad_v", "u");
@@ -153,14 +152,15 @@ DenseRoutingGradients dense_routing_backward(const char* op, const at::Tensor& g
   grads.weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
   // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
   at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
-  RuleGradItemTensors rule_items(wanted, dims, u.options().dtype(acc));
+  RuleGradItemTensors rule_items(rule_tensors, dims, u.options().dtype(acc));
 
   if (B > 0) {
+    const AccParameters params(rule_tensors, acc);
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, u.scalar_type(), "dense_routing_backward", [&] {
           using acc_t = at::opmath_type<scalar_t>;
           const int64_t I = dims.I, JD = dims.J * dims.D;
-          const RoutingRule<acc_t> rule = rule_of(acc_t());
+          const RoutingRule<acc_t> rule = params.rule<acc_t>();
           const at::Tensor weight_acc = weight.to(acc);
           at::Tensor grad_u_acc = at::empty({B, I, Din}, u.options().dtype(acc));
           at::Tensor grad_weight_acc = at::zeros({I, JD, Din}, u.options().dtype(acc));
@@ -198,8 +198,8 @@ DenseRoutingGradients dense_routing_backward(const char* op, const at::Tensor& g
           grads.weight.copy_(grad_weight_acc.view_as(weight));
         });
   }
-  grads.bias = grad_bias_items.sum(0);
-  rule_items.sum_into(grads.rule);
+  grads.parameters.bias = grad_bias_items.sum(0).to(u.scalar_type());
+  rule_items.sum_into(grads.parameters, u.scalar_type());
   return grads;
 }
 
