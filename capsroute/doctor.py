@@ -35,6 +35,9 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # (tests/helpers.py, tests/op_db.py); EM routing divides by variances and gets a factor more.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 EM_TOLERANCE_FACTOR = {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}
+# Self-attention's logits sum products over every input capsule, so their float32 rounding grows
+# with the logits (tens at the test shapes) and the softmax passes it on.
+SELF_ATTENTION_TOLERANCE_FACTOR = {torch.float32: 2}
 
 # The environment switches of the CUDA kernels (csrc/cuda/kernel_options.h and the launch files).
 SWITCHES = (
@@ -93,7 +96,11 @@ class OpCheck:
         return self.small if quick else {**self.small, **self.canonical}
 
     def tolerance(self, dtype) -> float:
-        return TOLERANCE[dtype] * (EM_TOLERANCE_FACTOR.get(dtype, 1) if "em" in self.family else 1)
+        if "em" in self.family:
+            return TOLERANCE[dtype] * EM_TOLERANCE_FACTOR.get(dtype, 1)
+        if "self_attention" in self.name:
+            return TOLERANCE[dtype] * SELF_ATTENTION_TOLERANCE_FACTOR.get(dtype, 1)
+        return TOLERANCE[dtype]
 
 
 OPS = [
@@ -183,7 +190,7 @@ OPS = [
             "1,4,4,2,3,32,3 K=3": (1, 4, 4, 2, 3, 32, 3, 3),
         },
         {"segcaps 16x16 8->8 B=2": (2, 16, 16, 8, 8, 16, 16, 5)},
-        ("segcaps 32x32 8->8", (2, 32, 32, 8, 8, 16, 16, 5), (16, 64, 64, 8, 8, 16, 16, 5)),
+        ("segcaps 8->8", (2, 32, 32, 8, 8, 16, 16, 5), (16, 64, 64, 8, 8, 16, 16, 5)),
         "conv",
     ),
     # Efficient-CapsNet's class capsules: 16 primary capsules vote for 10 of 16D.
@@ -430,7 +437,7 @@ def time_op(check: OpCheck, device: torch.device, repeats: int) -> dict:
     inputs = [t.requires_grad_() for t in check.make(shape, device, torch.float32, generator)]
     outs = check.call(reference, *inputs)[: check.grad_outputs]
     cotangents = [_randn(o.shape, device, torch.float32, generator) for o in outs]
-    row = {"op": check.name, "case": f"{check.name} {label} B={shape[0]}"}
+    row = {"op": check.name, "case": f"{check.name} {label} B={shape[0]}", "shape": list(shape)}
     for impl, module in (("capsroute", capsroute), ("eager", reference)):
 
         def step():

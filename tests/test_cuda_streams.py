@@ -17,22 +17,12 @@ from op_db import OP_DB
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
 
 TESTS = Path(__file__).resolve().parent
-SHAPES = {
-    "squash": (7, 16),
-    "dynamic_routing": (3, 37, 7, 16),
-    "dense_capsules": (3, 37, 7, 16, 8),
-    "em_routing": (3, 37, 7, 16),
-    "em_routing_pose": (3, 37, 7),
-    "conv_em_routing": (2, 5, 5, 3, 4, 3),
-    "self_attention_routing": (3, 37, 7, 16),
-    "inverted_attention_routing": (3, 37, 7, 16),
-    "dense_self_attention_routing": (3, 37, 7, 16, 8),
-    "dense_inverted_attention_routing": (3, 37, 7, 16, 8),
-}
+# Each op at its first float32 test shape of the op table.
+SHAPES = {spec.name: spec.shapes[torch.float32][0] for spec in OP_DB}
 # The paths the ops can take (csrc/cuda/kernel_options.h): the warp rows, and the dispatch's choice.
 KERNEL_SWITCHES = [{"CAPSROUTE_ROUTING_CLUSTER": "0"}, {}]
-# The same kernels on the same values; dense_capsules' GEMMs are cuBLAS's, whose algorithm may
-# depend on the stream's workspace, so a last-bit difference there is not a failure.
+# The same kernels on the same values; the dense and conv ops' GEMMs are cuBLAS's, whose algorithm
+# may depend on the stream's workspace, so a last-bit difference there is not a failure.
 SAME = dict(rtol=1e-6, atol=1e-7)
 
 
