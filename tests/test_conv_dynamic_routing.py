@@ -18,6 +18,7 @@ from op_db import CONV_DYNAMIC_ROUTING, conv_dynamic_inputs
         ((2, 7, 8, 2, 3, 16, 4, 3), 2, 0),
         ((1, 5, 5, 2, 2, 4, 3, 2), 3, 2),
         ((1, 4, 6, 3, 2, 8, 2, 4), 1, 3),
+        ((1, 5, 7, 2, 2, 4, 3, 3), 2, 4),  # windows on padding alone
     ],
 )
 def test_strides_and_paddings_match_reference(device, shape, stride, padding):

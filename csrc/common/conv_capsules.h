@@ -84,24 +84,26 @@ void for_each_position_chunk(const ConvCapsuleDims& d, int64_t iters, int64_t ac
     }
 }
 
-// Output positions [first, first + count) along one spatial dimension whose window offset k
-// lands inside the input (0 <= o * stride + k - padding < size), within [begin, end); `input` is
-// the input index of the first: the padding never needs a padded copy of u or of its gradient.
-struct OffsetSpan {
-  int64_t first, count, input;
+// Along one spatial dimension, the input indices [start, start + length) a chunk's windows cover
+// (start = first output * stride - padding) against the input's [0, size): the `count` indices
+// inside it, from input index `input`, at `block` in the covered range (both in range where the
+// count is 0: windows on padding alone).
+struct BlockOverlap {
+  int64_t input, block, count;
 };
 
-inline OffsetSpan offset_span(int64_t k, int64_t size, int64_t stride, int64_t padding,
-                              int64_t begin, int64_t end) {
-  const int64_t lead = padding - k;  // inside from o * stride >= lead to o * stride < size + lead
-  const int64_t first = std::max(begin, lead > 0 ? (lead + stride - 1) / stride : int64_t(0));
-  const int64_t last = size + lead > 0 ? std::min(end, (size + lead - 1) / stride + 1) : first;
-  return {first, std::max<int64_t>(0, last - first), first * stride - lead};
+inline BlockOverlap block_overlap(int64_t start, int64_t length, int64_t size) {
+  const int64_t first = std::clamp<int64_t>(start, 0, size);
+  const int64_t last = std::clamp<int64_t>(start + length, first, size);
+  return {first, std::clamp<int64_t>(first - start, 0, length), last - first};
 }
 
 // The operands in the accumulation dtype, laid out for batched GEMMs over the child types c:
 // u (B, H, W, C_in, Din) read in place through a type-major view, weight_t (C_in, K*K*Din,
 // C_out*D), weight_t[c] holding weight[ky, kx, c, o, d, i] at row (ky, kx, i), column (o, d).
+// A chunk's windows are strided views of its input block (the input it covers, zero-padded), and
+// its window gradient is summed back onto such a block by col2im: a few large ATen calls a chunk,
+// whatever K, for the launches of a GPU.
 class ConvVoteOperands {
  public:
   ConvVoteOperands(const at::Tensor& u, const at::Tensor& weight, const ConvCapsuleDims& d,
@@ -117,14 +119,23 @@ class ConvVoteOperands {
   // The chunk's windows (C_in, count, K*K*Din): position p's K x K children of type c, in (ky, kx,
   // i) order, zero where the window covers padding.
   at::Tensor windows(const PositionChunk& chunk) const {
-    const auto shape = {d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din};
-    at::Tensor out = d_.padding > 0 ? at::zeros(shape, u_by_type_.options())
-                                    : at::empty(shape, u_by_type_.options());
-    for_each_offset(chunk, [&](int64_t ky, int64_t kx, const OffsetSpan& y, const OffsetSpan& x) {
-      chunk_children(out.select(4, ky).select(4, kx), chunk, y, x)
-          .copy_(input_children(u_by_type_, chunk, y, x));
-    });
-    return out.view({d_.C_in, chunk.count, d_.window()});
+    const BlockOverlap y = rows_overlap(chunk), x = columns_overlap();
+    const auto shape = {d_.C_in, chunk.images, block_rows(chunk), block_columns(), d_.Din};
+    const bool inside = y.count == block_rows(chunk) && x.count == block_columns();
+    at::Tensor block =
+        inside ? at::empty(shape, u_by_type_.options()) : at::zeros(shape, u_by_type_.options());
+    block.narrow(2, y.block, y.count)
+        .narrow(3, x.block, x.count)
+        .copy_(u_by_type_.narrow(1, chunk.b0, chunk.images)
+                   .narrow(2, y.input, y.count)
+                   .narrow(3, x.input, x.count));
+    const int64_t s = d_.stride;
+    const auto st = block.strides();
+    return block
+        .as_strided({d_.C_in, chunk.images, chunk.rows, d_.Wo(), d_.K, d_.K, d_.Din},
+                    {st[0], st[1], s * st[2], s * st[3], st[2], st[3], st[4]})
+        .contiguous()
+        .view({d_.C_in, chunk.count, d_.window()});
   }
 
   // votes (count, C_in, C_out, D), contiguous, of the chunk's windows: one GEMM per child type,
@@ -143,22 +154,28 @@ class ConvVoteOperands {
   }
 
   // Adds the chunk's input gradient, from its vote gradient (count, C_in, C_out, D), into grad_u
-  // (B, H, W, C_in, Din): the window gradient as one GEMM per type, regrouped by window offset (so
-  // that an offset's values are adjacent, as the input's are), then added offset by offset, each
-  // offset's positions distinct (so no sum races and the order is fixed).
+  // (B, H, W, C_in, Din): the window gradient as one GEMM per type, laid out as col2im takes it
+  // (one batch, channels (images, C_in, Din), columns the chunk's rows x Wo), summed onto the
+  // chunk's block by col2im (each element gathers its windows in a fixed order: no atomics), and
+  // the block's part inside the input added.
   void add_input_gradient(const PositionChunk& chunk, const at::Tensor& grad_votes,
                           at::Tensor& grad_u) const {
-    const at::Tensor by_offset =
+    const int64_t K = d_.K, s = d_.stride;
+    const at::Tensor grad_windows =
         at::bmm(by_type(grad_votes), weight_t_.transpose(1, 2))
-            .view({d_.C_in, chunk.count, d_.K * d_.K, d_.Din})
-            .transpose(1, 2)
-            .contiguous()
-            .view({d_.C_in, d_.K, d_.K, chunk.images, chunk.rows, d_.Wo(), d_.Din});
-    const at::Tensor grad_by_type = grad_u.permute({3, 0, 1, 2, 4});
-    for_each_offset(chunk, [&](int64_t ky, int64_t kx, const OffsetSpan& y, const OffsetSpan& x) {
-      input_children(grad_by_type, chunk, y, x)
-          .add_(chunk_children(by_offset.select(1, ky).select(1, kx), chunk, y, x));
-    });
+            .view({d_.C_in, chunk.images, chunk.rows * d_.Wo(), K, K, d_.Din})
+            .permute({1, 0, 5, 3, 4, 2})
+            .reshape({1, chunk.images * d_.C_in * d_.Din * K * K, chunk.rows * d_.Wo()});
+    const at::Tensor block =
+        at::col2im(grad_windows, {block_rows(chunk), block_columns()}, {K, K}, {1, 1}, {0, 0},
+                   {s, s})
+            .view({chunk.images, d_.C_in, d_.Din, block_rows(chunk), block_columns()});
+    const BlockOverlap y = rows_overlap(chunk), x = columns_overlap();
+    grad_u.narrow(0, chunk.b0, chunk.images)
+        .narrow(1, y.input, y.count)
+        .narrow(2, x.input, x.count)
+        .add_(
+            block.narrow(3, y.block, y.count).narrow(4, x.block, x.count).permute({0, 3, 4, 1, 2}));
   }
 
   // grad_weight_t += windows^T @ grad_votes, per type.
@@ -179,35 +196,15 @@ class ConvVoteOperands {
     return votes.view({votes.size(0), d_.C_in, d_.C_out * d_.D}).transpose(0, 1);
   }
 
-  // Calls body(ky, kx, rows, columns) for every window offset with the chunk's output rows and
-  // columns whose child at that offset lies inside the input.
-  template <typename Body>
-  void for_each_offset(const PositionChunk& chunk, Body&& body) const {
-    for (int64_t ky = 0; ky < d_.K; ++ky) {
-      const OffsetSpan y =
-          offset_span(ky, d_.H, d_.stride, d_.padding, chunk.y0, chunk.y0 + chunk.rows);
-      if (y.count == 0) continue;
-      for (int64_t kx = 0; kx < d_.K; ++kx) {
-        const OffsetSpan x = offset_span(kx, d_.W, d_.stride, d_.padding, 0, d_.Wo());
-        if (x.count > 0) body(ky, kx, y, x);
-      }
-    }
+  // The chunk's block: the input rows and columns its windows cover, padding included.
+  int64_t block_rows(const PositionChunk& chunk) const {
+    return (chunk.rows - 1) * d_.stride + d_.K;
   }
-
-  // Of a chunk-shaped (C_in, images, rows, Wo, Din) tensor, the positions of spans y and x.
-  static at::Tensor chunk_children(const at::Tensor& t, const PositionChunk& chunk,
-                                   const OffsetSpan& y, const OffsetSpan& x) {
-    return t.narrow(2, y.first - chunk.y0, y.count).narrow(3, x.first, x.count);
+  int64_t block_columns() const { return (d_.Wo() - 1) * d_.stride + d_.K; }
+  BlockOverlap rows_overlap(const PositionChunk& chunk) const {
+    return block_overlap(chunk.y0 * d_.stride - d_.padding, block_rows(chunk), d_.H);
   }
-
-  // Of a type-major input-shaped (C_in, B, H, W, Din) tensor, the children at spans y and x.
-  at::Tensor input_children(const at::Tensor& t, const PositionChunk& chunk, const OffsetSpan& y,
-                            const OffsetSpan& x) const {
-    const int64_t s = d_.stride;
-    return t.narrow(1, chunk.b0, chunk.images)
-        .slice(2, y.input, y.input + (y.count - 1) * s + 1, s)
-        .slice(3, x.input, x.input + (x.count - 1) * s + 1, s);
-  }
+  BlockOverlap columns_overlap() const { return block_overlap(-d_.padding, block_columns(), d_.W); }
 
   ConvCapsuleDims d_;
   at::Tensor u_by_type_, weight_t_;
