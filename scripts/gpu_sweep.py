@@ -1,7 +1,8 @@
 """GPU correctness sweep: every capsroute op against capsroute.reference in float64, on the device,
 at the sizes the test suite can't afford on a CPU (MNIST B = 1, 7, 512, 2048; I = 16384 and J = 100;
-EM at the conv-capsule shape B = 64 x 36), forward and every gradient; then float32 against the same
-float64 reference; then bitwise determinism (two float32 runs, outputs and gradients equal).
+EM at the conv-capsule shape B = 64 x 36; the conv ops at SegCaps' and MatrixCapsNet's conv1
+shapes), forward and every gradient; then float32 against the same float64 reference; then bitwise
+determinism (two float32 runs, outputs and gradients equal).
 
     python scripts/gpu_sweep.py [--device cuda] [--quick] [--match TEXT ...] [--out DIR]
 
@@ -137,6 +138,37 @@ def em_pose_case(B, I, J):
     return run, inputs, [(B, J, 16), (B, J)], EM_FLOAT32_TOLERANCE
 
 
+def conv_dynamic_case(B, H, W, C_in, C_out, D, Din, K, padding):
+    inputs = [
+        _randn(B, H, W, C_in, Din),
+        _randn(K, K, C_in, C_out, D, Din, scale=(K * K * Din) ** -0.5),
+        _randn(C_out, D, scale=0.1),
+    ]
+    Ho, Wo = H + 2 * padding - K + 1, W + 2 * padding - K + 1
+
+    def run(impl, u, weight, bias):
+        return (impl.conv_dynamic_routing(u, weight, 3, bias=bias, padding=padding),)
+
+    return run, inputs, [(B, Ho, Wo, C_out, D)], ROUTING_FLOAT32_TOLERANCE
+
+
+def conv_em_case(B, H, W, C_in, C_out, K):
+    a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64)
+    inputs = [
+        _randn(B, H, W, C_in, 4, 4),
+        a_in,
+        _randn(K, K, C_in, C_out, 4, 4, scale=0.5),
+        _randn(C_out, scale=0.5),
+        _randn(C_out, scale=0.5),
+    ]
+    Ho, Wo = H - K + 1, W - K + 1
+
+    def run(impl, pose, a_in, weight, beta_u, beta_a):
+        return impl.conv_em_routing(pose, a_in, weight, beta_u, beta_a, 3, final_lambda=0.5)
+
+    return run, inputs, [(B, Ho, Wo, C_out, 16), (B, Ho, Wo, C_out)], EM_FLOAT32_TOLERANCE
+
+
 def cases(quick: bool):
     """(name, builder) for every case of the sweep."""
     mnist = dict(I=1152, J=10, D=16) if not quick else dict(I=40, J=10, D=16)
@@ -212,6 +244,20 @@ def cases(quick: bool):
     yield f"em_routing conv B={em_conv['B']}", lambda: em_case(**em_conv)
     yield f"em_routing_pose class B={em_class['B']}", lambda: em_pose_case(**em_class)
     yield f"em_routing_pose conv B={em_conv['B']}", lambda: em_pose_case(**em_conv)
+    # SegCaps-like: rows of an image a chunk (64 x 64, B = 2), whole images (32 x 32, B = 16)
+    segcaps = dict(C_in=8, C_out=8, D=16, Din=16, K=5, padding=2)
+    grids = ((2, 64), (16, 32)) if not quick else ((1, 6), (2, 4))
+    for B, side in grids:
+        yield (
+            f"conv_dynamic_routing segcaps {side}x{side} B={B}",
+            lambda B=B, side=side: conv_dynamic_case(B, side, side, **segcaps),
+        )
+    conv1 = (
+        dict(B=8, H=12, W=12, C_in=8, C_out=16, K=3)
+        if not quick
+        else dict(B=2, H=4, W=5, C_in=2, C_out=3, K=3)
+    )
+    yield f"conv_em_routing mcn-conv1 B={conv1['B']}", lambda: conv_em_case(**conv1)
 
 
 def outputs_and_grads(run, impl, inputs, cotangents):

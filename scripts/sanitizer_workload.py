@@ -254,6 +254,48 @@ for dtype, (B, H, W, C_in, C_out, K, stride, padding), iters in itertools.produc
         tol,
     )
 
+# conv_dynamic_routing: gradients w.r.t. u, weight and bias, every storage dtype, against the CPU
+# backend in float64 on the same rounded values. Shapes: padding; stride 2 with padding >= K
+# (windows on padding alone) and J = 33 (the block kernels); whole images a chunk and
+# (CAPSROUTE_CONV_CHUNK) rows of one image, a short last chunk included (the warp rows).
+for dtype, (B, H, W, C_in, C_out, D, Din, K, stride, padding), chunk in itertools.product(
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+    [
+        (2, 6, 5, 3, 4, 8, 5, 3, 1, 1),
+        (1, 5, 7, 2, 33, 4, 3, 3, 2, 4),
+        (3, 7, 8, 2, 3, 16, 4, 3, 2, 1),
+    ],
+    [None, "5"],
+):
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}[
+        dtype
+    ]
+    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+    inputs = (
+        torch.randn(B, H, W, C_in, Din, dtype=torch.float64),
+        torch.randn(K, K, C_in, C_out, D, Din, dtype=torch.float64) * (K * K * Din) ** -0.5,
+        torch.randn(C_out, D, dtype=torch.float64) * 0.1,
+    )
+    grad = torch.randn(B, Ho, Wo, C_out, D, dtype=torch.float64)
+
+    def conv_dynamic(u, weight, bias):
+        return capsroute.conv_dynamic_routing(u, weight, bias=bias, stride=stride, padding=padding)
+
+    if chunk is None:
+        os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
+    else:
+        os.environ["CAPSROUTE_CONV_CHUNK"] = chunk
+    cuda_out = run(conv_dynamic, [t.to("cuda", dtype) for t in inputs], grad.cuda())
+    note_paths("conv_dynamic_routing")
+    check(
+        f"conv_dynamic_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} D={D} K={K} "
+        f"stride={stride} padding={padding} chunk={chunk}",
+        cuda_out,
+        run(conv_dynamic, [t.to(dtype).double() for t in inputs], grad),
+        tol,
+    )
+os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
+
 
 # The attention routings (dynamic routing's block kernels under their rules), on given votes and
 # on votes made from u and a weight (the dense forms: GEMM-made chunks), every storage dtype, with
@@ -332,6 +374,8 @@ expected_paths = {
 }
 if CLUSTERS:
     expected_paths |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
+# conv_dynamic_routing's chunks on the warp rows (5 positions) and the block kernels (J = 33)
+expected_paths |= {"conv-gemm+v2-warp-rows", "conv-gemm+v2-block"}
 if expected_paths - covered:
     failures.append(f"kernel paths never run: {sorted(expected_paths - covered)}")
 print(f"kernel paths run: {', '.join(sorted(covered))}")

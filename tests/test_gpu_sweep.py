@@ -29,6 +29,8 @@ def test_quick_sweep_on_cpu(tmp_path):
         "dense_inverted_attention_routing",
         "em_routing",
         "em_routing_pose",
+        "conv_dynamic_routing",
+        "conv_em_routing",
     }
     assert {r["dtype"] for r in report["results"]} == {"float64", "float32"}
     assert all(r["passed"] and r["deterministic"] for r in report["results"])
