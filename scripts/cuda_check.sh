@@ -260,7 +260,11 @@ for k in "${!stages[@]}"; do
     bench-attention)  # every impl, the vote-input ops and their dense forms on the same tensors
       attention=(--op self-attention inverted-attention dense-self-attention dense-inverted-attention)
       gpu_bench attention "${attention[@]}" --shape efficientcapsnet mnist --batch 32 512 || status=1
-      gpu_bench attention "${attention[@]}" --shape large-16k --batch 8 || status=1 ;;
+      gpu_bench attention "${attention[@]}" --shape large-16k --batch 8 || status=1
+      # the dense forms in chunks of 182 elements (as dense_capsules' chunk182 row): their block
+      # kernels' row ranges and reduce launches, a chunk at a time, against the default 45
+      CAPSROUTE_DENSE_CHUNK=182 gpu_bench attention-chunk182 --impl capsroute \
+        --op dense-self-attention dense-inverted-attention --shape mnist --batch 512 || status=1 ;;
     bench-conv)  # every impl; conv EM's kernel against its prediction (docs/kernels.md)
       gpu_bench conv --op conv-em --shape mcn-conv1 mcn-conv2 --batch 512 || status=1
       gpu_bench conv --op conv-em conv-dynamic --shape conv-image --batch 1 || status=1
