@@ -269,8 +269,8 @@ for k in "${!stages[@]}"; do
       gpu_bench conv --op conv-em --shape mcn-conv1 mcn-conv2 --batch 512 || status=1
       gpu_bench conv --op conv-em conv-dynamic --shape conv-image --batch 1 || status=1
       gpu_bench conv --op conv-dynamic --shape segcaps --batch 16 || status=1
-      # conv_dynamic_routing an image a chunk (4096 positions, 140 MB at segcaps, past the 50 MB
-      # L2) against the default 978 positions (32 MiB): 16 chunks instead of 80, their launches
+      # conv_dynamic_routing an image a chunk (4096 positions, 145 MB at segcaps, past the 50 MB
+      # L2) against the default 896 positions (32 MiB): 16 chunks instead of 80, their launches
       CAPSROUTE_CONV_CHUNK=4096 gpu_bench conv-chunk4096 --impl capsroute --op conv-dynamic \
         --shape segcaps --batch 16 || status=1 ;;
     train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)

@@ -39,6 +39,15 @@ def test_chunks_of_positions_match_reference(device, monkeypatch, chunk):
         assert_rel_close(actual, expected, 1e-10, name)
 
 
+@pytest.mark.parametrize("C_in,Din", [(2, 0), (0, 3)])
+def test_no_input_capsules_or_values_match_reference(device, C_in, Din):
+    """Empty child types or capsules: v is the squashed bias, the gradients empty or the bias'."""
+    shape = (2, 5, 5, C_in, 2, 2, Din, 3)
+    sample = CONV_DYNAMIC_ROUTING.draw(shape, device, torch.float64, padding=1)
+    for name, actual, expected in CONV_DYNAMIC_ROUTING.compare(sample):
+        assert_rel_close(actual, expected, 1e-10, name)
+
+
 def test_rejects_a_bad_chunk(monkeypatch):
     monkeypatch.setenv("CAPSROUTE_CONV_CHUNK", "0")
     u, weight, bias = conv_dynamic_inputs((1, 4, 4, 2, 2, 4, 3, 3))

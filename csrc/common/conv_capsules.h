@@ -46,10 +46,12 @@ struct PositionChunk {
   int64_t b0, images, y0, rows, first, count;
 };
 
-// The workspace of a chunk, in bytes of the accumulation dtype: its windows, votes, vote gradient
-// and window gradient. At most 32 MiB, which stays in an H100's L2 between the GEMM and the
-// routing that reads it, and at most half of what the op keeps anyway (s_hist and v), so that the
-// workspace does not set the peak memory of a small problem.
+// The workspace of a chunk, in bytes of the accumulation dtype: its windows and votes, then its
+// vote gradient (over the votes) and window gradient (two buffers, the windows freed), and its
+// input block and the block's gradient (stride^2 children a position, not counting the rows the
+// windows share at a chunk's edge). At most 32 MiB, which stays in an H100's L2 between the GEMM
+// and the routing that reads it, and at most half of what the op keeps anyway (s_hist and v), so
+// that the workspace does not set the peak memory of a small problem.
 constexpr int64_t kConvChunkBytes = int64_t(32) << 20;
 
 // Output positions per chunk of a routing of `iters` iterations (CAPSROUTE_CONV_CHUNK=N forces N,
@@ -57,7 +59,8 @@ constexpr int64_t kConvChunkBytes = int64_t(32) << 20;
 inline int64_t conv_chunk_positions(const ConvCapsuleDims& d, int64_t iters, int64_t acc_bytes) {
   if (const std::optional<int64_t> forced = forced_count("CAPSROUTE_CONV_CHUNK")) return *forced;
   const int64_t per_position =
-      acc_bytes * d.C_in * (2 * d.window() + 2 * d.C_out * d.D) + acc_bytes * d.C_out * d.D;
+      acc_bytes * d.C_in * (2 * d.window() + 2 * d.C_out * d.D + 2 * d.stride * d.stride * d.Din) +
+      acc_bytes * d.C_out * d.D;
   const int64_t kept = acc_bytes * d.B * d.Ho() * d.Wo() * (iters + 1) * d.C_out * d.D;
   return std::max<int64_t>(1, std::min(kConvChunkBytes, kept / 2) / per_position);
 }
@@ -161,15 +164,19 @@ class ConvVoteOperands {
   void add_input_gradient(const PositionChunk& chunk, const at::Tensor& grad_votes,
                           at::Tensor& grad_u) const {
     const int64_t K = d_.K, s = d_.stride;
+    if (d_.C_in * d_.Din == 0) return;  // no input values (col2im refuses zero channels)
     const at::Tensor grad_windows =
         at::bmm(by_type(grad_votes), weight_t_.transpose(1, 2))
             .view({d_.C_in, chunk.images, chunk.rows * d_.Wo(), K, K, d_.Din})
             .permute({1, 0, 5, 3, 4, 2})
             .reshape({1, chunk.images * d_.C_in * d_.Din * K * K, chunk.rows * d_.Wo()});
-    const at::Tensor block =
-        at::col2im(grad_windows, {block_rows(chunk), block_columns()}, {K, K}, {1, 1}, {0, 0},
-                   {s, s})
-            .view({chunk.images, d_.C_in, d_.Din, block_rows(chunk), block_columns()});
+    // (col2im_out: at::col2im would keep the window gradient's storage for the smaller block)
+    at::Tensor block =
+        at::empty({1, chunk.images * d_.C_in * d_.Din, block_rows(chunk), block_columns()},
+                  grad_windows.options());
+    at::col2im_out(block, grad_windows, {block_rows(chunk), block_columns()}, {K, K}, {1, 1},
+                   {0, 0}, {s, s});
+    block = block.view({chunk.images, d_.C_in, d_.Din, block_rows(chunk), block_columns()});
     const BlockOverlap y = rows_overlap(chunk), x = columns_overlap();
     grad_u.narrow(0, chunk.b0, chunk.images)
         .narrow(1, y.input, y.count)
@@ -231,8 +238,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_forward(
   std::string paths;
   if (v.numel() > 0) {
     const ConvVoteOperands operands(u, weight, d, acc);
-    const at::Tensor v_rows = v.view({-1, d.C_out, d.D}), c_rows = c.view({-1, d.C_in, d.C_out});
-    const at::Tensor s_rows = s_hist.view({-1, iters, d.C_out, d.D});
+    const int64_t positions = d.B * d.Ho() * d.Wo();  // (not -1: C_in may be 0)
+    const at::Tensor v_rows = v.view({positions, d.C_out, d.D});
+    const at::Tensor c_rows = c.view({positions, d.C_in, d.C_out});
+    const at::Tensor s_rows = s_hist.view({positions, iters, d.C_out, d.D});
     for_each_position_chunk(d, iters, at::elementSize(acc), [&](const PositionChunk& chunk) {
       const RoutingDims dims{chunk.count, d.C_in, d.C_out, d.D, iters, leaky};
       add_distinct_path(paths, route(operands.votes(operands.windows(chunk)), bias_acc, dims,
@@ -268,15 +277,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_dynamic_routing_backward(
   if (grad_v.size(0) > 0) {
     for_each_position_chunk(d, iters, at::elementSize(acc), [&](const PositionChunk& chunk) {
       const RoutingDims dims{chunk.count, d.C_in, d.C_out, d.D, iters, leaky};
-      const at::Tensor windows = operands.windows(chunk);
+      at::Tensor windows = operands.windows(chunk);
       at::Tensor votes = operands.votes(windows);
       at::Tensor grad_bias_items = at::zeros({chunk.count, d.C_out, d.D}, acc_options);
       // The vote gradient goes over the votes: the routing backward is their last reader.
       add_distinct_path(paths, route_backward(votes, grad_v.narrow(0, chunk.first, chunk.count),
                                               s_hist.narrow(0, chunk.first, chunk.count), dims,
                                               grad_bias_items, votes));
-      operands.add_input_gradient(chunk, votes, grad_u);
       operands.add_weight_gradient(windows, votes, grad_weight_t);
+      windows.reset();  // before the input gradient's two window-sized buffers
+      operands.add_input_gradient(chunk, votes, grad_u);
       grad_bias.add_(grad_bias_items.sum(0));
     });
   }
