@@ -474,11 +474,16 @@ def format_results(results: list[Result]) -> str:
 
 
 def format_timings(rows: list[dict]) -> str:
-    lines = [f"{'case':<32} {'capsroute ms':>12} {'eager ms':>10} {'speedup':>8}  path (fwd/bwd)"]
+    """The timing table; a row where capsroute is slower than eager says so."""
+    width = max([len("case"), *(len(r["case"]) for r in rows)])
+    lines = [
+        f"{'case':<{width}} {'capsroute ms':>12} {'eager ms':>10} {'speedup':>8}  path (fwd/bwd)"
+    ]
     for r in rows:
+        slower = "  slower than eager" if r["speedup"] is not None and r["speedup"] < 1 else ""
         lines.append(
-            f"{r['case']:<32} {r['capsroute_ms']:>12.3f} {r['eager_ms']:>10.3f} "
-            f"{r['speedup']:>7.1f}x  {r['path']}"
+            f"{r['case']:<{width}} {r['capsroute_ms']:>12.3f} {r['eager_ms']:>10.3f} "
+            f"{r['speedup']:>7.1f}x  {r['path']}{slower}"
         )
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ def test_doctor_on_the_cpu_passes_and_prints_what_ran(capsys, tmp_path):
     assert all(row[4] == "cpu" and row[-1] == "ok" for row in rows), rows
     for check in doctor.OPS:  # a timing against eager for every op
         assert any(
-            line.startswith(check.name) and line.endswith("cpu/cpu") for line in out.splitlines()
+            line.startswith(check.name) and " cpu/cpu" in line for line in out.splitlines()
         ), check.name
     assert "0 failed" in out
     report = json.loads(json_path.read_text())
@@ -83,6 +83,17 @@ def test_doctor_on_cuda_runs_every_path(capsys):
     if torch.cuda.get_device_capability() >= (9, 0):
         expected |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
     assert expected <= ran, expected - ran
+
+
+def test_timing_table_aligns_long_cases_and_flags_slower_rows():
+    rows = [
+        dict(case="squash B=2", capsroute_ms=1.0, eager_ms=2.0, speedup=2.0, path="cpu/cpu"),
+        dict(case="x" * 45, capsroute_ms=4.0, eager_ms=1.0, speedup=0.25, path="cpu/cpu"),
+    ]
+    header, fast, slow = doctor.format_timings(rows).splitlines()
+    column_end = header.index("capsroute ms") + len("capsroute ms")  # right-aligned numbers
+    assert fast.index("1.000") + 5 == slow.index("4.000") + 5 == column_end
+    assert not fast.endswith("slower than eager") and slow.endswith("slower than eager")
 
 
 def test_capsroute_doctor_is_a_command(capsys):
