@@ -79,6 +79,7 @@ def test_doctor_on_cuda_runs_every_path(capsys):
         "dense-v2-gemm+v2-block",
         "em-row-ranges",
         "conv-em-parent-child",
+        "conv-gemm+v2-block",  # the quick conv_dynamic_routing shapes: J = 33, D = 32
     }
     if torch.cuda.get_device_capability() >= (9, 0):
         expected |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
