@@ -1,6 +1,7 @@
 // A routing's rule with its parameters as tensors, as an op hands it to either backend's agreement
-// routing (csrc/cpu/agreement_routing.h, csrc/cuda/rule_routing.cuh), and the attention routings'
-// rules made from their arguments. Host code only.
+// routing (csrc/cpu/agreement_routing.h, csrc/cuda/rule_routing.cuh), the attention routings'
+// rules made from their arguments, and the gradients of the parameters as both backends' backwards
+// collect them. Host code only.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include <string_view>
 
 #include "checks.h"
+#include "dims.h"
 #include "routing_rule.h"
 
 namespace capsroute {
@@ -18,6 +20,13 @@ namespace capsroute {
 struct RuleTensors {
   RoutingRule<double> rule;
   at::Tensor coupling_bias, norm_weight, norm_bias;
+
+  // The parameters of the op that runs the rule, whose gradients its backward returns (zeros for
+  // one the call did not give): dynamic routing's bias (J, D) added to every s, the self-attention
+  // coupling bias and LayerNorm's affine pair.
+  bool takes_bias() const { return rule.logits == LogitRule::accumulate; }
+  bool takes_coupling_bias() const { return rule.logits == LogitRule::agree_with_mean; }
+  bool takes_norm_parameters() const { return rule.nonlinearity == Nonlinearity::layer_norm; }
 };
 
 // self_attention_routing's rule over J outputs of D dims: coupling_bias (I, J) or none, squash
@@ -70,6 +79,60 @@ class AccParameters {
 
   RoutingRule<double> rule_;
   at::Tensor coupling_bias_, norm_weight_, norm_bias_;
+};
+
+// The gradients of the votes and of the op's parameters (RuleTensors::takes_*) in the votes'
+// dtype; undefined where the op has no such parameter, or the backward makes no vote gradient.
+struct RoutingGrads {
+  at::Tensor votes, bias, coupling_bias, norm_weight, norm_bias;
+};
+
+// Per-element items of the parameters' gradients, zeroed in the accumulation dtype, for the
+// kernels to add into: the bias's (B, J, D) where the op takes one, coupling_bias's (B, I, J) and
+// LayerNorm's (B, norm_rows, D) where the call gave them (an element's J outputs add into one row
+// on the CPU, norm_rows = 1, and into a row each on CUDA, norm_rows = J). sum_into adds them over
+// the batch and the rows in a fixed order, so results are deterministic.
+class ParameterGradItems {
+ public:
+  ParameterGradItems(const RuleTensors& rule, const RoutingDims& dims, int64_t norm_rows,
+                     const at::TensorOptions& acc_options)
+      : bias(zeros_if(rule.takes_bias(), {dims.B, dims.J, dims.D}, acc_options)),
+        coupling_bias(
+            zeros_if(rule.coupling_bias.defined(), {dims.B, dims.I, dims.J}, acc_options)),
+        norm_weight(zeros_if(rule.norm_weight.defined(), {dims.B, norm_rows, dims.D}, acc_options)),
+        norm_bias(zeros_if(rule.norm_bias.defined(), {dims.B, norm_rows, dims.D}, acc_options)),
+        dims_(dims),
+        options_(acc_options) {}
+
+  // The gradients of rule's op in dtype, into grads (all but its votes).
+  void sum_into(const RuleTensors& rule, RoutingGrads& grads, at::ScalarType dtype) const {
+    grads.bias = total(bias, 0, rule.takes_bias(), {dims_.J, dims_.D}, dtype);
+    grads.coupling_bias =
+        total(coupling_bias, 0, rule.takes_coupling_bias(), {dims_.I, dims_.J}, dtype);
+    grads.norm_weight = total(norm_weight, {0, 1}, rule.takes_norm_parameters(), {dims_.D}, dtype);
+    grads.norm_bias = total(norm_bias, {0, 1}, rule.takes_norm_parameters(), {dims_.D}, dtype);
+  }
+
+  // The data of items from element b0 on; null where absent.
+  template <typename acc_t>
+  static acc_t* data(at::Tensor& items, int64_t b0 = 0) {
+    return items.defined() ? items.mutable_data_ptr<acc_t>() + b0 * items.stride(0) : nullptr;
+  }
+
+  at::Tensor bias, coupling_bias, norm_weight, norm_bias;
+
+ private:
+  static at::Tensor zeros_if(bool wanted, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return wanted ? at::zeros(sizes, options) : at::Tensor();
+  }
+  at::Tensor total(const at::Tensor& items, at::IntArrayRef over, bool taken, at::IntArrayRef sizes,
+                   at::ScalarType dtype) const {
+    if (items.defined()) return items.sum(over).to(dtype);
+    return taken ? at::zeros(sizes, options_.dtype(dtype)) : at::Tensor();
+  }
+
+  RoutingDims dims_;
+  at::TensorOptions options_;
 };
 
 }  // namespace capsroute

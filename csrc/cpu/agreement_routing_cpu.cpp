@@ -1,13 +1,9 @@
 // route_votes and route_votes_backward (agreement_routing.h): the element loops of
-// route_elements.h on the CPU, in every storage dtype, compiled once for the three routings; and
-// the parameters' gradient items that route_dense shares.
+// route_elements.h on the CPU, in every storage dtype, compiled once for the three routings.
 #include "agreement_routing.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-
-#include <initializer_list>
-#include <vector>
 
 #include "../common/checks.h"
 #include "../common/layout.h"
@@ -15,30 +11,6 @@
 
 namespace capsroute {
 namespace cpu {
-
-GradItems::GradItems(const RuleTensors& rule, bool with_bias, const RoutingDims& dims,
-                     const at::TensorOptions& acc_options)
-    : dims_(dims), options_(acc_options) {
-  const auto zeros_if = [&](bool wanted, std::initializer_list<int64_t> shape) {
-    std::vector<int64_t> sizes{dims.B};
-    sizes.insert(sizes.end(), shape.begin(), shape.end());
-    return wanted ? at::zeros(sizes, acc_options) : at::Tensor();
-  };
-  bias_ = zeros_if(with_bias, {dims.J, dims.D});
-  coupling_bias_ = zeros_if(rule.coupling_bias.defined(), {dims.I, dims.J});
-  norm_weight_ = zeros_if(rule.norm_weight.defined(), {dims.D});
-  norm_bias_ = zeros_if(rule.norm_bias.defined(), {dims.D});
-}
-
-void GradItems::sum_into(RoutingGrads& grads, at::ScalarType dtype) const {
-  const auto total = [&](const at::Tensor& items, at::IntArrayRef shape) {
-    return items.defined() ? items.sum(0).to(dtype) : at::zeros(shape, options_.dtype(dtype));
-  };
-  grads.bias = total(bias_, {dims_.J, dims_.D});
-  grads.coupling_bias = total(coupling_bias_, {dims_.I, dims_.J});
-  grads.norm_weight = total(norm_weight_, {dims_.D});
-  grads.norm_bias = total(norm_bias_, {dims_.D});
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& votes_in,
                                                            const at::Tensor& bias_in,
@@ -68,8 +40,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& vot
 }
 
 RoutingGrads route_votes_backward(const at::Tensor& grad_v_in, const at::Tensor& votes_in,
-                                  const at::Tensor& s_hist_in, const RuleTensors& rule,
-                                  bool with_bias, bool leaky, bool detach, double eps) {
+                                  const at::Tensor& s_hist_in, const RuleTensors& rule, bool leaky,
+                                  bool detach, double eps) {
   const int64_t B = votes_in.size(0);
   const RoutingDims dims{
       B, votes_in.size(1), votes_in.size(2), votes_in.size(3), s_hist_in.size(1), leaky};
@@ -81,7 +53,7 @@ RoutingGrads route_votes_backward(const at::Tensor& grad_v_in, const at::Tensor&
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   const AccParameters params(rule, acc);
   RoutingGrads grads{empty_capsule_gradient(votes, 1)};
-  GradItems items(rule, with_bias, dims, votes.options().dtype(acc));
+  ParameterGradItems items(rule, dims, /*norm_rows=*/1, votes.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, votes.scalar_type(), "route_votes_backward_cpu", [&] {
@@ -89,10 +61,10 @@ RoutingGrads route_votes_backward(const at::Tensor& grad_v_in, const at::Tensor&
         route_elements_backward(votes.const_data_ptr<scalar_t>(), strides,
                                 grad_v.const_data_ptr<acc_t>(), s_hist.const_data_ptr<acc_t>(),
                                 params.rule<acc_t>(), dims, static_cast<acc_t>(eps), detach,
-                                items.items<acc_t>(), grads.votes.mutable_data_ptr<scalar_t>(),
+                                item_data<acc_t>(items), grads.votes.mutable_data_ptr<scalar_t>(),
                                 capsule_strides(grads.votes, 3));
       });
-  items.sum_into(grads, votes.scalar_type());
+  items.sum_into(rule, grads, votes.scalar_type());
   return grads;
 }
 

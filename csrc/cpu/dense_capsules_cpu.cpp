@@ -321,7 +321,7 @@ DenseGrads route_dense_backward(const char* op, const at::Tensor& grad_v_in, con
   // In the accumulation dtype: a float16 storage dtype would turn a gradient above 65504 into inf.
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  GradItems items(rule, /*with_bias=*/true, dims, u_in.options().dtype(acc));
+  ParameterGradItems items(rule, dims, /*norm_rows=*/1, u_in.options().dtype(acc));
   at::Tensor grad_u, grad_weight;  // allocated once the vote slabs are freed: a lower peak
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -335,7 +335,7 @@ DenseGrads route_dense_backward(const char* op, const at::Tensor& grad_v_in, con
           using Backward = RoutingBackward<decltype(capsule_dim)::value, acc_t>;
           routing_backward_states<Backward>(ops, dims, acc_rule, static_cast<acc_t>(eps), detach,
                                             grad_v.const_data_ptr<acc_t>(),
-                                            s_hist.const_data_ptr<acc_t>(), items.items<acc_t>(),
+                                            s_hist.const_data_ptr<acc_t>(), item_data<acc_t>(items),
                                             states.mutable_data_ptr<acc_t>());
           grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
           grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
@@ -347,7 +347,7 @@ DenseGrads route_dense_backward(const char* op, const at::Tensor& grad_v_in, con
       });
   const at::ScalarType dtype = u_in.scalar_type();
   DenseGrads grads{grad_u.to(dtype), grad_weight.to(dtype)};
-  items.sum_into(grads.parameters, dtype);
+  items.sum_into(rule, grads.parameters, dtype);
   return grads;
 }
 

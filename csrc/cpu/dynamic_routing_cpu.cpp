@@ -24,8 +24,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor
                                                                 double eps) {
   check_dynamic_routing_backward_inputs(grad_v, votes, s_hist, eps);
   record_kernel_path("dynamic_routing", Direction::backward, "cpu");
-  const cpu::RoutingGrads grads = cpu::route_votes_backward(grad_v, votes, s_hist, RuleTensors{},
-                                                            /*with_bias=*/true, leaky, detach, eps);
+  const RoutingGrads grads =
+      cpu::route_votes_backward(grad_v, votes, s_hist, RuleTensors{}, leaky, detach, eps);
   return {grads.votes, grads.bias};
 }
 

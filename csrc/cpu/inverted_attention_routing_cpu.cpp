@@ -26,9 +26,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_backwa
   check_inverted_attention_routing_backward_inputs(grad_v, votes, norm_weight, norm_bias, s_hist,
                                                    eps);
   record_kernel_path("inverted_attention_routing", Direction::backward, "cpu");
-  const cpu::RoutingGrads grads = cpu::route_votes_backward(
+  const RoutingGrads grads = cpu::route_votes_backward(
       grad_v, votes, s_hist, inverted_attention_rule_tensors(votes.size(3), norm_weight, norm_bias),
-      /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+      /*leaky=*/false, /*detach=*/false, eps);
   return {grads.votes, grads.norm_weight, grads.norm_bias};
 }
 

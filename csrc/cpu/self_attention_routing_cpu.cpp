@@ -26,10 +26,10 @@ std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cpu(
     std::string_view squash, double eps) {
   check_self_attention_routing_backward_inputs(grad_v, votes, coupling_bias, s_hist, squash, eps);
   record_kernel_path("self_attention_routing", Direction::backward, "cpu");
-  const cpu::RoutingGrads grads = cpu::route_votes_backward(
+  const RoutingGrads grads = cpu::route_votes_backward(
       grad_v, votes, s_hist,
       self_attention_rule_tensors(votes.size(2), votes.size(3), coupling_bias, squash),
-      /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+      /*leaky=*/false, /*detach=*/false, eps);
   return {grads.votes, grads.coupling_bias};
 }
 

@@ -150,9 +150,7 @@ inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Te
   grads.u = at::empty(u.sizes(), u.options());  // contiguous, whatever u's layout
   // With B == 0 the sums over the batch are empty: zero gradients.
   grads.weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
-  // Per-item bias gradients, summed afterwards in a fixed order so results are deterministic.
-  at::Tensor grad_bias_items = at::zeros({B, dims.J, dims.D}, u.options().dtype(acc));
-  RuleGradItemTensors rule_items(rule_tensors, dims, u.options().dtype(acc));
+  ParameterGradItems items(rule_tensors, dims, /*norm_rows=*/dims.J, u.options().dtype(acc));
 
   if (B > 0) {
     const AccParameters params(rule_tensors, acc);
@@ -173,7 +171,8 @@ inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Te
               [&](int64_t b0, const RoutingDims& chunk_dims, const at::Tensor& u_chunk,
                   const at::Tensor& votes) {
                 const int64_t Bc = chunk_dims.B;
-                at::Tensor grad_bias_chunk = grad_bias_items.narrow(0, b0, Bc);
+                at::Tensor grad_bias_chunk =
+                    items.bias.defined() ? items.bias.narrow(0, b0, Bc) : at::Tensor();
                 // (The cluster backward writes the gradient over the votes itself: each block reads
                 // its rows' votes into shared memory before it writes their gradient.)
                 const CapsuleStrides rows = packed_rows(I, JD);
@@ -181,7 +180,7 @@ inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Te
                     MemoryVotes<acc_t, acc_t>{votes.const_data_ptr<acc_t>(), rows},
                     grad_v.const_data_ptr<acc_t>() + b0 * JD, s_hist.narrow(0, b0, Bc), chunk_dims,
                     detach, eps, grad_bias_chunk, rows, votes.mutable_data_ptr<acc_t>(), rule,
-                    rule_items.items<acc_t>(b0));
+                    rule_item_data<acc_t>(items, b0));
                 add_distinct_path(routing_paths, buf.path);
                 if (votes.numel() > 0 && !buf.vote_grad_written)
                   launch(write_vote_grad_rows_kernel<acc_t, acc_t>, vote_grad_rows_blocks(Bc, I),
@@ -198,8 +197,7 @@ inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Te
           grads.weight.copy_(grad_weight_acc.view_as(weight));
         });
   }
-  grads.parameters.bias = grad_bias_items.sum(0).to(u.scalar_type());
-  rule_items.sum_into(grads.parameters, u.scalar_type());
+  items.sum_into(rule_tensors, grads.parameters, u.scalar_type());
   return grads;
 }
 

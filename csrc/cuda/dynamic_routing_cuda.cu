@@ -25,8 +25,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tenso
                                                                  bool leaky, bool detach,
                                                                  double eps) {
   check_dynamic_routing_backward_inputs(grad_v, votes, s_hist, eps);
-  const RoutingGrads grads = route_votes_backward(kOp, grad_v, votes, s_hist, RuleTensors{},
-                                                  /*with_bias=*/true, leaky, detach, eps);
+  const RoutingGrads grads =
+      route_votes_backward(kOp, grad_v, votes, s_hist, RuleTensors{}, leaky, detach, eps);
   return {grads.votes, grads.bias};
 }
 

@@ -30,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_backwa
   const RoutingGrads grads =
       route_votes_backward(kOp, grad_v, votes, s_hist,
                            inverted_attention_rule_tensors(votes.size(3), norm_weight, norm_bias),
-                           /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+                           /*leaky=*/false, /*detach=*/false, eps);
   return {grads.votes, grads.norm_weight, grads.norm_bias};
 }
 

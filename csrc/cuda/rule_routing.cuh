@@ -1,11 +1,9 @@
 // Host side of the agreement routings on votes read from memory, dynamic routing and the routings
 // under a rule of their own (dynamic_routing_cuda.cu, self_attention_routing_cuda.cu,
-// inverted_attention_routing_cuda.cu; dense_routing.cuh takes RoutingGrads and the gradient
-// items from here), as
-// csrc/cpu/agreement_routing.h is the CPU's: votes read in place, the rule's parameters in the
-// accumulation dtype (AccParameters), the forward and the backward with the vote gradient, and the
-// bias's and parameters' gradient items summed in a fixed order. The ops check their arguments
-// (common/checks.h) before calling these.
+// inverted_attention_routing_cuda.cu), as csrc/cpu/agreement_routing.h is the CPU's: votes read in
+// place, the rule's parameters in the accumulation dtype (AccParameters), the forward, and the
+// backward with the vote gradient and the parameters' gradients (ParameterGradItems,
+// common/rule_tensors.h). The ops check their arguments (common/checks.h) before calling these.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -55,69 +53,20 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(
   return {v, c, s_hist};
 }
 
-// The gradients of the votes (the dtype and layout of votes), of the bias (J, D) and of the rule's
-// parameters, in the votes' dtype; undefined where the backward does not make them.
-struct RoutingGrads {
-  at::Tensor votes, bias, coupling_bias, norm_weight, norm_bias;
-};
+// Where the kernels add the rule's items of a ParameterGradItems made with norm_rows = J, from
+// element b0 on.
+template <typename acc_t>
+RuleGradItems<acc_t> rule_item_data(ParameterGradItems& items, int64_t b0 = 0) {
+  return {ParameterGradItems::data<acc_t>(items.coupling_bias, b0),
+          ParameterGradItems::data<acc_t>(items.norm_weight, b0),
+          ParameterGradItems::data<acc_t>(items.norm_bias, b0)};
+}
 
-// The per-element items of the gradients of the rule's parameters present (RuleGradItems),
-// zeroed in the accumulation dtype; summed over the batch (and the capsules) by at::sum, in a
-// fixed order.
-class RuleGradItemTensors {
- public:
-  RuleGradItemTensors(const RuleTensors& rule, const RoutingDims& dims,
-                      const at::TensorOptions& acc_options)
-      : rule_(rule.rule),
-        dims_(dims),
-        options_(acc_options),
-        coupling_bias_(zeros_if(rule.coupling_bias, {dims.B, dims.I, dims.J})),
-        norm_weight_(zeros_if(rule.norm_weight, {dims.B, dims.J, dims.D})),
-        norm_bias_(zeros_if(rule.norm_bias, {dims.B, dims.J, dims.D})) {}
-
-  // The items from element b0 on.
-  template <typename acc_t>
-  RuleGradItems<acc_t> items(int64_t b0 = 0) {
-    return {from<acc_t>(coupling_bias_, b0), from<acc_t>(norm_weight_, b0),
-            from<acc_t>(norm_bias_, b0)};
-  }
-  // The sums in dtype into grads, and zeros for the parameters that the rule takes and the call
-  // did not give (the ops return them; the Python layer drops them).
-  void sum_into(RoutingGrads& grads, at::ScalarType dtype) const {
-    const bool biased = rule_.logits == LogitRule::agree_with_mean;
-    const bool normed = rule_.nonlinearity == Nonlinearity::layer_norm;
-    grads.coupling_bias = total(coupling_bias_, 0, biased, {dims_.I, dims_.J}, dtype);
-    grads.norm_weight = total(norm_weight_, {0, 1}, normed, {dims_.D}, dtype);
-    grads.norm_bias = total(norm_bias_, {0, 1}, normed, {dims_.D}, dtype);
-  }
-
- private:
-  at::Tensor zeros_if(const at::Tensor& parameter, at::IntArrayRef sizes) const {
-    return parameter.defined() ? at::zeros(sizes, options_) : at::Tensor();
-  }
-  template <typename acc_t>
-  static acc_t* from(at::Tensor& t, int64_t b0) {
-    return t.defined() ? t.mutable_data_ptr<acc_t>() + b0 * t.stride(0) : nullptr;
-  }
-  at::Tensor total(const at::Tensor& items, at::IntArrayRef over, bool taken, at::IntArrayRef sizes,
-                   at::ScalarType dtype) const {
-    if (items.defined()) return items.sum(over).to(dtype);
-    return taken ? at::zeros(sizes, options_.dtype(dtype)) : at::Tensor();
-  }
-
-  RoutingRule<double> rule_;
-  RoutingDims dims_;
-  at::TensorOptions options_;
-  at::Tensor coupling_bias_, norm_weight_, norm_bias_;
-};
-
-// The backward of route_votes at grad_v (B, J, D), from its s_hist; with_bias: whether the
-// gradient of a bias is wanted (dynamic_routing's backward returns it, the attention routings
-// have none).
+// The backward of route_votes at grad_v (B, J, D), from its s_hist.
 inline RoutingGrads route_votes_backward(const char* op, const at::Tensor& grad_v_in,
                                          const at::Tensor& votes_in, const at::Tensor& s_hist_in,
-                                         const RuleTensors& rule, bool with_bias, bool leaky,
-                                         bool detach, double eps) {
+                                         const RuleTensors& rule, bool leaky, bool detach,
+                                         double eps) {
   check_cuda(votes_in, "votes");
   check_same_device(grad_v_in, votes_in, "grad_v", "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
@@ -130,10 +79,7 @@ inline RoutingGrads route_votes_backward(const char* op, const at::Tensor& grad_
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
   RoutingGrads grads{empty_capsule_gradient(votes, 2)};
   const CapsuleStrides grad_rows = capsule_strides(grads.votes, 2);
-  // Per-element bias gradients, summed afterwards in a fixed order so results are deterministic.
-  at::Tensor bias_items =
-      with_bias ? at::zeros({B, J, D}, votes.options().dtype(acc)) : at::Tensor();
-  RuleGradItemTensors rule_items(rule, dims, votes.options().dtype(acc));
+  ParameterGradItems items(rule, dims, /*norm_rows=*/J, votes.options().dtype(acc));
   if (B > 0) {
     const AccParameters params(rule, acc);
     AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -142,9 +88,9 @@ inline RoutingGrads route_votes_backward(const char* op, const at::Tensor& grad_
           const MemoryVotes<scalar_t, acc_t> src{votes.const_data_ptr<scalar_t>(),
                                                  capsule_strides(votes, 2)};
           const BackwardBuffers<acc_t> buf = launch_routing_backward(
-              src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, bias_items, grad_rows,
+              src, grad_v.const_data_ptr<acc_t>(), s_hist, dims, detach, eps, items.bias, grad_rows,
               grads.votes.mutable_data_ptr<scalar_t>(), params.rule<acc_t>(),
-              rule_items.items<acc_t>());
+              rule_item_data<acc_t>(items));
           record_kernel_path(op, Direction::backward, buf.path);
           if (!buf.vote_grad_written && grads.votes.numel() > 0)
             StreamLaunch{c10::cuda::getCurrentCUDAStream()}(
@@ -152,8 +98,7 @@ inline RoutingGrads route_votes_backward(const char* op, const at::Tensor& grad_
                 buf.state, B, grad_rows, grads.votes.mutable_data_ptr<scalar_t>());
         });
   }
-  if (with_bias) grads.bias = bias_items.sum(0).to(dtype);
-  rule_items.sum_into(grads, dtype);
+  items.sum_into(rule, grads, dtype);
   return grads;
 }
 

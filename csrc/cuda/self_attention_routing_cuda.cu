@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cuda(
   const RoutingGrads grads = route_votes_backward(
       kOp, grad_v, votes, s_hist,
       self_attention_rule_tensors(votes.size(2), votes.size(3), coupling_bias, squash),
-      /*with_bias=*/false, /*leaky=*/false, /*detach=*/false, eps);
+      /*leaky=*/false, /*detach=*/false, eps);
   return {grads.votes, grads.coupling_bias};
 }
 
