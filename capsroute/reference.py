@@ -13,10 +13,20 @@ from torch import Tensor
 from ._autocast import like_op
 
 
-def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
+def _norm_and_nonzero(s: Tensor, dim: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(q = |s|^2, n = sqrt(q + eps), n > 0) over `dim`, with n = 1 where q + eps = 0 (s = 0 at
+    eps = 0): the squashes take their limits there, and the gradients through the unused branch
+    of their torch.where stay 0, not 0/0."""
     q = (s * s).sum(dim, keepdim=True)
+    nonzero = q + eps > 0
+    return q, torch.sqrt(torch.where(nonzero, q + eps, torch.ones_like(q))), nonzero
+
+
+def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
+    q, n, nonzero = _norm_and_nonzero(s, dim, eps)
+    scale = torch.where(nonzero, q / ((1 + q) * n), torch.zeros_like(q))
     # CUDA autocast sums in float32; the op returns the input's dtype (docs/ops.md, Autocast).
-    return (q / (1 + q) * s / torch.sqrt(q + eps)).to(s.dtype)
+    return (scale * s).to(s.dtype)
 
 
 def _coupling(logits: Tensor, leaky: bool) -> Tensor:
@@ -86,9 +96,11 @@ def dense_capsules(
 
 
 def squash_exp(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
-    """Efficient-CapsNet's squash (1 - exp(-n)) s / n, n = sqrt(|s|^2 + eps), over `dim`."""
-    n = torch.sqrt((s * s).sum(dim, keepdim=True) + eps)
-    return (-torch.expm1(-n) * s / n).to(s.dtype)
+    """Efficient-CapsNet's squash (1 - exp(-n)) s / n, n = sqrt(|s|^2 + eps), over `dim`; its scale
+    (1 - exp(-n)) / n is 1 at n = 0 (s = 0 at eps = 0), its limit."""
+    q, n, nonzero = _norm_and_nonzero(s, dim, eps)
+    scale = torch.where(nonzero, -torch.expm1(-n) / n, torch.ones_like(q))
+    return (scale * s).to(s.dtype)
 
 
 SQUASHES = {"sabour": squash, "efficient": squash_exp}

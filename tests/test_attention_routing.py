@@ -37,6 +37,20 @@ def test_both_squash_forms(device, squash, with_bias):
     )
 
 
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+@pytest.mark.parametrize("squash", ["efficient", "sabour"])
+def test_an_output_with_zero_votes(device, squash, eps):
+    """s_j = 0 where every vote for j is 0: v_j = 0, and the votes' gradient through the squash's
+    Jacobian at 0 (Efficient-CapsNet's: (1 - e^-n) / n times the identity, n = sqrt(eps))."""
+    votes, coupling_bias = self_attention_inputs((3, 13, 6, 8), device)
+    votes = votes.detach().clone()
+    votes[:, :, 2] = 0
+    sample = SELF_ATTENTION_ROUTING.sample(
+        (votes.requires_grad_(), coupling_bias), squash=squash, eps=eps
+    )
+    assert_matches_reference(SELF_ATTENTION_ROUTING, sample)
+
+
 def test_squash_forms_differ(device):
     """The squash option reaches the kernel: "efficient" is not "sabour"."""
     votes, bias = self_attention_inputs((2, 7, 3, 4), device)

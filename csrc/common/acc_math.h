@@ -41,6 +41,20 @@ CAPSROUTE_HD double acc_exp(double x) {
   return std::exp(x);
 #endif
 }
+CAPSROUTE_HD float acc_expm1(float x) {
+#if defined(__CUDA_ARCH__)
+  return expm1f(x);
+#else
+  return std::expm1(x);
+#endif
+}
+CAPSROUTE_HD double acc_expm1(double x) {
+#if defined(__CUDA_ARCH__)
+  return ::expm1(x);
+#else
+  return std::expm1(x);
+#endif
+}
 
 // squash(s) = scale(q) * s with q = |s|^2 and scale(q) = q / ((1 + q) sqrt(q + eps)).
 // q == 0 gives 0 even for eps == 0, where the formula would read 0/0.

@@ -81,26 +81,27 @@ CAPSROUTE_HD RoutingRule<acc_t> inverted_attention_rule(int64_t D, const acc_t* 
   return rule;
 }
 
-// Efficient-CapsNet's squash: v = squash_exp_scale(q) s with q = |s|^2; 0 at q == 0 (also for
-// eps == 0, where the formula would read 0/0).
+// Efficient-CapsNet's squash: v = squash_exp_scale(q) s with q = |s|^2, n = sqrt(q + eps). Smooth
+// at s = 0, where the scale is (1 - e^-n) / n at n = sqrt(eps), and its limit 1 for eps == 0 (the
+// formula would read 0/0): v's Jacobian there is that scale times the identity. expm1: 1 - e^-n
+// loses every digit to cancellation as n goes to 0.
 template <typename T>
 CAPSROUTE_HD T squash_exp_scale(T q, T eps) {
-  if (q == T(0)) return T(0);
   const T n = acc_sqrt(q + eps);
-  return (T(1) - acc_exp(-n)) / n;
+  return n == T(0) ? T(1) : -acc_expm1(-n) / n;
 }
 
 // Its vector-Jacobian product in SquashVjp form: g_s = scale g_v + radial <s, g_v> s, where
-// radial = 2 d scale / dq = (n e^-n - (1 - e^-n)) / n^3, finite wherever n > 0.
+// radial = 2 d scale / dq = (n e^-n - (1 - e^-n)) / n^3, finite wherever n > 0; at s = 0 the radial
+// term vanishes (0 for eps == 0, where radial diverges as -1 / (2n) but <s, g_v> s as n^2).
 template <typename T>
 CAPSROUTE_HD SquashVjp<T> squash_exp_vjp_coeffs(T q, T eps) {
-  if (q == T(0)) return {T(0), T(0)};
-  const T n = acc_sqrt(q + eps), e = acc_exp(-n);
-  const T scale = (T(1) - e) / n;
-  return {scale, (e - scale) / (n * n)};
+  const T scale = squash_exp_scale(q, eps);
+  if (q == T(0)) return {scale, T(0)};
+  const T n = acc_sqrt(q + eps);
+  return {scale, (acc_exp(-n) - scale) / (n * n)};
 }
 
-// A radial nonlinearity's scale and VJP coefficients (identity: 1 and 0).
 template <typename T>
 CAPSROUTE_HD T radial_scale(Nonlinearity f, T q, T eps) {
   if (f == Nonlinearity::squash) return squash_scale(q, eps);
