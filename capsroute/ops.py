@@ -37,20 +37,23 @@ OPS = (
 SCHEMA_OPS = tuple(name for op in OPS for name in (op, f"_{op}_backward"))
 
 
-def _transformed(*tensors: Tensor | None) -> bool:
-    """Whether a torch.func transform or forward-mode AD sees one of the tensors: the fused
-    operators have reverse-mode formulas only, so the reference computes instead."""
+def _reference_computes(op: str, *args) -> bool:
+    """Whether a torch.func transform or forward-mode AD sees a tensor of args (op's schema arguments):
+    the fused ops have reverse-mode formulas only, so the reference computes, after op's checks."""
     if torch.compiler.is_compiling():
         return False
     dual = fwAD._current_level >= 0
-    return any(
-        t is not None
+    transformed = any(
+        isinstance(t, Tensor)
         and (
             torch._C._functorch.is_functorch_wrapped_tensor(t)
             or (dual and fwAD.unpack_dual(t).tangent is not None)
         )
-        for t in tensors
+        for t in args
     )
+    if transformed:
+        _fake.check_arguments(op, args)
+    return transformed
 
 
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
@@ -66,7 +69,7 @@ def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     Returns:
         v, the shape and dtype of `s`: the direction of s with a length in [0, 1).
     """
-    if _transformed(s):
+    if _reference_computes("squash", s, eps):
         return reference.squash(s, dim, eps)
     if dim in (-1, s.dim() - 1):
         return _ops.squash(s, eps)
@@ -134,7 +137,7 @@ def dynamic_routing_coupling(
     Takes the arguments of dynamic_routing. Returns (v (B, J, D), c (B, I, J)); c is not
     differentiable (v is).
     """
-    if _transformed(votes, bias):
+    if _reference_computes("dynamic_routing", votes, bias, iters, leaky, detach, eps):
         v, c = reference.dynamic_routing_coupling(
             votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
         )
@@ -165,7 +168,7 @@ def dense_capsules(
         Returns:
             v: (B, J, D), differentiable w.r.t. u, weight and bias.
     """
-    if _transformed(u, weight, bias):
+    if _reference_computes("dense_capsules", u, weight, bias, iters, leaky, detach, eps):
         return reference.dense_capsules(
             u, weight, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
         )
@@ -210,7 +213,7 @@ def em_routing(
                 autocast).
     {args}
     """
-    if _transformed(votes, a_in, beta_u, beta_a):
+    if _reference_computes("em_routing", votes, a_in, beta_u, beta_a, iters, final_lambda, eps):
         return reference.em_routing(
             votes, a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps
         )
@@ -240,7 +243,9 @@ def em_routing_pose(
     """
     if pose.dim() == 3 and pose.shape[-1] == 16:
         pose = pose.unflatten(-1, (4, 4))
-    if _transformed(pose, weight, a_in, beta_u, beta_a):
+    if _reference_computes(
+        "em_routing_pose", pose, weight, a_in, beta_u, beta_a, iters, final_lambda, eps
+    ):
         return reference.em_routing_pose(
             pose, weight, a_in, beta_u, beta_a, iters, final_lambda=final_lambda, eps=eps
         )
@@ -288,7 +293,19 @@ def conv_em_routing(
     """
     if pose.dim() == 5 and pose.shape[-1] == 16:
         pose = pose.unflatten(-1, (4, 4))
-    if _transformed(pose, a_in, weight, beta_u, beta_a):
+    if _reference_computes(
+        "conv_em_routing",
+        pose,
+        a_in,
+        weight,
+        beta_u,
+        beta_a,
+        iters,
+        stride,
+        padding,
+        final_lambda,
+        eps,
+    ):
         return reference.conv_em_routing(
             pose,
             a_in,
@@ -344,7 +361,9 @@ def conv_dynamic_routing(
             v: (B, H', W', C_out, D), H' = (H + 2 padding - K) // stride + 1 (W' likewise),
             differentiable w.r.t. u, weight and bias.
     """
-    if _transformed(u, weight, bias):
+    if _reference_computes(
+        "conv_dynamic_routing", u, weight, bias, iters, stride, padding, leaky, detach, eps
+    ):
         return reference.conv_dynamic_routing(
             u,
             weight,
@@ -401,7 +420,7 @@ def self_attention_routing_coupling(
     Takes the arguments of self_attention_routing. Returns (v (B, J, D), c (B, I, J)); c is not
     differentiable (v is).
     """
-    if _transformed(votes, coupling_bias):
+    if _reference_computes("self_attention_routing", votes, coupling_bias, squash, eps):
         v, c = reference.self_attention_routing_coupling(
             votes, coupling_bias=coupling_bias, squash=squash, eps=eps
         )
@@ -458,7 +477,7 @@ def inverted_attention_routing_coupling(
     Takes the arguments of inverted_attention_routing. Returns (v (B, J, D), c (B, I, J)); c is
     not differentiable (v is).
     """
-    if _transformed(votes, norm_weight, norm_bias):
+    if _reference_computes("inverted_attention_routing", votes, norm_weight, norm_bias, iters, eps):
         v, c = reference.inverted_attention_routing_coupling(
             votes, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
         )
@@ -486,7 +505,7 @@ def dense_self_attention_routing(
     Returns:
         v: (B, J, D), differentiable w.r.t. u, weight and coupling_bias.
     """
-    if _transformed(u, weight, coupling_bias):
+    if _reference_computes("dense_self_attention_routing", u, weight, coupling_bias, squash, eps):
         return reference.dense_self_attention_routing(
             u, weight, coupling_bias=coupling_bias, squash=squash, eps=eps
         )
@@ -514,7 +533,7 @@ def dense_inverted_attention_routing(
         v: (B, J, D), differentiable w.r.t. u, weight, norm_weight and norm_bias.
     """
     tensors = (u, weight, norm_weight, norm_bias)
-    if _transformed(*tensors):
+    if _reference_computes("dense_inverted_attention_routing", *tensors, iters, eps):
         return reference.dense_inverted_attention_routing(
             u, weight, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
         )

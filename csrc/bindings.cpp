@@ -1,9 +1,11 @@
 // The extension module: loading it registers the operators (ops.cpp, cpu/, cuda/); the module
-// itself only reports how it was built.
-#include <pybind11/pybind11.h>
+// itself reports how it was built, and holds each operator's argument checks (checks).
+#include <torch/extension.h>
 
+#include <optional>
 #include <string>
 
+#include "common/checks.h"
 #include "common/kernel_path.h"
 
 #ifndef CAPSROUTE_TORCH_VERSION
@@ -38,4 +40,59 @@ PYBIND11_MODULE(_C, m) {
     return capsroute::KernelPathRecord::instance().get(op, direction);
   });
   m.def("clear_kernel_paths", [] { capsroute::KernelPathRecord::instance().clear(); });
+
+  // checks.<op>(the schema op's arguments): what both backends check before they compute, for
+  // the fakes (capsroute/_fake.py: meta and fake tensors refused as the kernels refuse them) and
+  // for the Python functions where the reference computes (torch.func, forward mode).
+  namespace cr = capsroute;
+  using Tensor = at::Tensor;
+  using OptionalTensor = std::optional<at::Tensor>;
+  pybind11::module_ checks = m.def_submodule("checks");
+  checks.def("squash", &cr::check_squash_inputs);
+  checks.def("_squash_backward", &cr::check_squash_backward_inputs);
+  checks.def("dynamic_routing",
+             [](const Tensor& votes, const OptionalTensor& bias, int64_t iters, bool, bool,
+                double eps) { cr::check_dynamic_routing_inputs(votes, bias, iters, eps); });
+  checks.def("_dynamic_routing_backward", [](const Tensor& grad_v, const Tensor& votes,
+                                             const Tensor& s_hist, bool, bool, double eps) {
+    cr::check_dynamic_routing_backward_inputs(grad_v, votes, s_hist, eps);
+  });
+  checks.def("dense_capsules", [](const Tensor& u, const Tensor& weight, const OptionalTensor& bias,
+                                  int64_t iters, bool, bool, double eps) {
+    cr::check_dense_capsules_inputs(u, weight, bias, iters, eps);
+  });
+  checks.def("_dense_capsules_backward",
+             [](const Tensor& grad_v, const Tensor& u, const Tensor& weight, const Tensor& s_hist,
+                bool, bool, double eps) {
+               cr::check_dense_capsules_backward_inputs(grad_v, u, weight, s_hist, eps);
+             });
+  checks.def("em_routing", &cr::check_em_routing_inputs);
+  checks.def("_em_routing_backward", &cr::check_em_routing_backward_inputs);
+  checks.def("em_routing_pose", &cr::check_em_routing_pose_inputs);
+  checks.def("_em_routing_pose_backward", &cr::check_em_routing_pose_backward_inputs);
+  checks.def("conv_em_routing", &cr::check_conv_em_routing_inputs);
+  checks.def("_conv_em_routing_backward", &cr::check_conv_em_routing_backward_inputs);
+  checks.def("conv_dynamic_routing",
+             [](const Tensor& u, const Tensor& weight, const OptionalTensor& bias, int64_t iters,
+                int64_t stride, int64_t padding, bool, bool, double eps) {
+               cr::check_conv_dynamic_routing_inputs(u, weight, bias, iters, stride, padding, eps);
+             });
+  checks.def("_conv_dynamic_routing_backward",
+             [](const Tensor& grad_v, const Tensor& u, const Tensor& weight, const Tensor& s_hist,
+                int64_t stride, int64_t padding, bool, bool, double eps) {
+               cr::check_conv_dynamic_routing_backward_inputs(grad_v, u, weight, s_hist, stride,
+                                                              padding, eps);
+             });
+  checks.def("self_attention_routing", &cr::check_self_attention_routing_inputs);
+  checks.def("_self_attention_routing_backward", &cr::check_self_attention_routing_backward_inputs);
+  checks.def("inverted_attention_routing", &cr::check_inverted_attention_routing_inputs);
+  checks.def("_inverted_attention_routing_backward",
+             &cr::check_inverted_attention_routing_backward_inputs);
+  checks.def("dense_self_attention_routing", &cr::check_dense_self_attention_routing_inputs);
+  checks.def("_dense_self_attention_routing_backward",
+             &cr::check_dense_self_attention_routing_backward_inputs);
+  checks.def("dense_inverted_attention_routing",
+             &cr::check_dense_inverted_attention_routing_inputs);
+  checks.def("_dense_inverted_attention_routing_backward",
+             &cr::check_dense_inverted_attention_routing_backward_inputs);
 }

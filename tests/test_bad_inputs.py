@@ -17,195 +17,230 @@ def votes(*shape, **kw):
     return randn(*(shape or (2, 5, 3, 4)), **kw)
 
 
-@pytest.mark.parametrize(
-    "call,message",
-    [
-        (
-            lambda d: capsroute.dynamic_routing(votes(2, 5, 3, device=d)),
-            r"votes must have shape \(B, I, J, D\)",
+# (call(device), the message it raises): through capsroute's functions, the kernels' checks.
+BAD_INPUTS = [
+    (
+        lambda d: capsroute.dynamic_routing(votes(2, 5, 3, device=d)),
+        r"votes must have shape \(B, I, J, D\)",
+    ),
+    (
+        lambda d: capsroute.dynamic_routing(votes(device=d), bias=randn(4, 3, device=d)),
+        r"bias must have shape \(J, D\) = \(3, 4\)",
+    ),
+    (
+        lambda d: capsroute.dynamic_routing(votes(device=d), iters=0),
+        "iters must be >= 1, got 0",
+    ),
+    (
+        lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("nan")),
+        "eps must be finite",
+    ),
+    (
+        lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("inf")),
+        "eps must be finite",
+    ),
+    (
+        lambda d: capsroute.dynamic_routing(votes(device=d), eps=-1.0),
+        "eps must be finite and >= 0",
+    ),
+    (lambda d: capsroute.dynamic_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
+    (
+        lambda d: capsroute.dense_capsules(randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)),
+        r"u must have shape \(B, I, Din\)",
+    ),
+    (
+        lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, device=d)),
+        r"weight must have shape \(I, J, D, Din\)",
+    ),
+    (
+        lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)),
+        "I = 5 and Din = 8",
+    ),
+    (
+        lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, 7, device=d)),
+        "I = 5 and Din = 8",
+    ),
+    (
+        lambda d: capsroute.dense_capsules(
+            randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=-2
         ),
-        (
-            lambda d: capsroute.dynamic_routing(votes(device=d), bias=randn(4, 3, device=d)),
-            r"bias must have shape \(J, D\) = \(3, 4\)",
+        "iters must be >= 1",
+    ),
+    (
+        lambda d: capsroute.dense_capsules(
+            randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), bias=randn(3, 5, device=d)
         ),
-        (
-            lambda d: capsroute.dynamic_routing(votes(device=d), iters=0),
-            "iters must be >= 1, got 0",
+        r"bias must have shape \(J, D\)",
+    ),
+    (lambda d: capsroute.squash(randn(3, 4, device=d), eps=float("nan")), "eps must be finite"),
+    (
+        lambda d: capsroute.self_attention_routing(votes(2, 5, 3, device=d)),
+        r"votes must have shape \(B, I, J, D\)",
+    ),
+    (
+        lambda d: capsroute.self_attention_routing(
+            votes(device=d), coupling_bias=randn(3, 5, device=d)
         ),
-        (
-            lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("nan")),
-            "eps must be finite",
+        r"coupling_bias must have shape \(I, J\) = \(5, 3\), got shape \[3, 5\]",
+    ),
+    (
+        lambda d: capsroute.self_attention_routing(votes(device=d), squash="hinton"),
+        'squash must be "efficient" or "sabour", got "hinton"',
+    ),
+    (
+        lambda d: capsroute.self_attention_routing(votes(device=d), eps=-1.0),
+        "eps must be finite and >= 0",
+    ),
+    (lambda d: capsroute.self_attention_routing(votes(2, 5, 3, 0, device=d)), "D >= 1"),
+    (
+        lambda d: torch.ops.capsroute._self_attention_routing_backward(
+            randn(2, 3, 4, device=d),
+            votes(device=d),
+            None,
+            randn(2, 3, 3, 4, device=d),
+            "efficient",
+            1e-8,
         ),
-        (
-            lambda d: capsroute.dynamic_routing(votes(device=d), eps=float("inf")),
-            "eps must be finite",
+        r"s_hist must have shape \(2, 2, 3, 4\)",
+    ),
+    (
+        lambda d: capsroute.inverted_attention_routing(votes(2, 5, 3, device=d)),
+        r"votes must have shape \(B, I, J, D\)",
+    ),
+    (
+        lambda d: capsroute.inverted_attention_routing(
+            votes(device=d), norm_weight=randn(3, device=d)
         ),
-        (
-            lambda d: capsroute.dynamic_routing(votes(device=d), eps=-1.0),
-            "eps must be finite and >= 0",
+        r"norm_weight must have shape \(D,\) = \(4,\), got shape \[3\]",
+    ),
+    (
+        lambda d: capsroute.inverted_attention_routing(
+            votes(device=d), norm_bias=randn(1, 4, device=d)
         ),
-        (lambda d: capsroute.dynamic_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
-        (
-            lambda d: capsroute.dense_capsules(randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)),
-            r"u must have shape \(B, I, Din\)",
+        r"norm_bias must have shape \(D,\) = \(4,\), got shape \[1, 4\]",
+    ),
+    (
+        lambda d: capsroute.inverted_attention_routing(votes(device=d), iters=0),
+        "iters must be >= 1, got 0",
+    ),
+    (
+        lambda d: capsroute.inverted_attention_routing(votes(device=d), eps=0.0),
+        "eps must be finite and > 0",
+    ),
+    (
+        lambda d: capsroute.inverted_attention_routing(votes(device=d), eps=float("nan")),
+        "eps must be finite and > 0",
+    ),
+    (lambda d: capsroute.inverted_attention_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
+    (
+        lambda d: capsroute.dense_self_attention_routing(
+            randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)
         ),
-        (
-            lambda d: capsroute.dense_capsules(randn(2, 5, 8, device=d), randn(5, 3, 4, device=d)),
-            r"weight must have shape \(I, J, D, Din\)",
+        r"u must have shape \(B, I, Din\)",
+    ),
+    (
+        lambda d: capsroute.dense_self_attention_routing(
+            randn(2, 5, 8, device=d),
+            randn(5, 3, 4, 8, device=d),
+            coupling_bias=randn(3, 5, device=d),
         ),
-        (
-            lambda d: capsroute.dense_capsules(
-                randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)
-            ),
-            "I = 5 and Din = 8",
+        r"coupling_bias must have shape \(I, J\) = \(5, 3\)",
+    ),
+    (
+        lambda d: capsroute.dense_self_attention_routing(
+            randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), squash="hinton"
         ),
-        (
-            lambda d: capsroute.dense_capsules(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 7, device=d)
-            ),
-            "I = 5 and Din = 8",
+        "squash must be",
+    ),
+    (
+        lambda d: torch.ops.capsroute._dense_self_attention_routing_backward(
+            randn(2, 3, 4, device=d),
+            randn(2, 5, 8, device=d),
+            randn(5, 3, 4, 8, device=d),
+            None,
+            randn(2, 3, 3, 4, device=d),
+            "efficient",
+            1e-8,
         ),
-        (
-            lambda d: capsroute.dense_capsules(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=-2
-            ),
-            "iters must be >= 1",
+        r"s_hist must have shape \(2, 2, 3, 4\)",
+    ),
+    (
+        lambda d: capsroute.dense_inverted_attention_routing(
+            randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)
         ),
-        (
-            lambda d: capsroute.dense_capsules(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), bias=randn(3, 5, device=d)
-            ),
-            r"bias must have shape \(J, D\)",
+        "I = 5 and Din = 8",
+    ),
+    (
+        lambda d: capsroute.dense_inverted_attention_routing(
+            randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), norm_bias=randn(8, device=d)
         ),
-        (lambda d: capsroute.squash(randn(3, 4, device=d), eps=float("nan")), "eps must be finite"),
-        (
-            lambda d: capsroute.self_attention_routing(votes(2, 5, 3, device=d)),
-            r"votes must have shape \(B, I, J, D\)",
+        r"norm_bias must have shape \(D,\) = \(4,\), got shape \[8\]",
+    ),
+    (
+        lambda d: capsroute.dense_inverted_attention_routing(
+            randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=0
         ),
-        (
-            lambda d: capsroute.self_attention_routing(
-                votes(device=d), coupling_bias=randn(3, 5, device=d)
-            ),
-            r"coupling_bias must have shape \(I, J\) = \(5, 3\), got shape \[3, 5\]",
+        "iters must be >= 1, got 0",
+    ),
+    (
+        lambda d: capsroute.dense_inverted_attention_routing(
+            randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), eps=0.0
         ),
-        (
-            lambda d: capsroute.self_attention_routing(votes(device=d), squash="hinton"),
-            'squash must be "efficient" or "sabour", got "hinton"',
+        "eps must be finite and > 0",
+    ),
+    (
+        lambda d: capsroute.dense_inverted_attention_routing(
+            randn(2, 5, 8, device=d),
+            randn(5, 3, 4, 8, device=d),
+            norm_weight=randn(4, device=d, dtype=torch.float32),
         ),
-        (
-            lambda d: capsroute.self_attention_routing(votes(device=d), eps=-1.0),
-            "eps must be finite and >= 0",
-        ),
-        (lambda d: capsroute.self_attention_routing(votes(2, 5, 3, 0, device=d)), "D >= 1"),
-        (
-            lambda d: torch.ops.capsroute._self_attention_routing_backward(
-                randn(2, 3, 4, device=d),
-                votes(device=d),
-                None,
-                randn(2, 3, 3, 4, device=d),
-                "efficient",
-                1e-8,
-            ),
-            r"s_hist must have shape \(2, 2, 3, 4\)",
-        ),
-        (
-            lambda d: capsroute.inverted_attention_routing(votes(2, 5, 3, device=d)),
-            r"votes must have shape \(B, I, J, D\)",
-        ),
-        (
-            lambda d: capsroute.inverted_attention_routing(
-                votes(device=d), norm_weight=randn(3, device=d)
-            ),
-            r"norm_weight must have shape \(D,\) = \(4,\), got shape \[3\]",
-        ),
-        (
-            lambda d: capsroute.inverted_attention_routing(
-                votes(device=d), norm_bias=randn(1, 4, device=d)
-            ),
-            r"norm_bias must have shape \(D,\) = \(4,\), got shape \[1, 4\]",
-        ),
-        (
-            lambda d: capsroute.inverted_attention_routing(votes(device=d), iters=0),
-            "iters must be >= 1, got 0",
-        ),
-        (
-            lambda d: capsroute.inverted_attention_routing(votes(device=d), eps=0.0),
-            "eps must be finite and > 0",
-        ),
-        (
-            lambda d: capsroute.inverted_attention_routing(votes(device=d), eps=float("nan")),
-            "eps must be finite and > 0",
-        ),
-        (lambda d: capsroute.inverted_attention_routing(votes(2, 5, 0, 4, device=d)), "J >= 1"),
-        (
-            lambda d: capsroute.dense_self_attention_routing(
-                randn(2, 5, device=d), randn(5, 3, 4, 8, device=d)
-            ),
-            r"u must have shape \(B, I, Din\)",
-        ),
-        (
-            lambda d: capsroute.dense_self_attention_routing(
-                randn(2, 5, 8, device=d),
-                randn(5, 3, 4, 8, device=d),
-                coupling_bias=randn(3, 5, device=d),
-            ),
-            r"coupling_bias must have shape \(I, J\) = \(5, 3\)",
-        ),
-        (
-            lambda d: capsroute.dense_self_attention_routing(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), squash="hinton"
-            ),
-            "squash must be",
-        ),
-        (
-            lambda d: torch.ops.capsroute._dense_self_attention_routing_backward(
-                randn(2, 3, 4, device=d),
-                randn(2, 5, 8, device=d),
-                randn(5, 3, 4, 8, device=d),
-                None,
-                randn(2, 3, 3, 4, device=d),
-                "efficient",
-                1e-8,
-            ),
-            r"s_hist must have shape \(2, 2, 3, 4\)",
-        ),
-        (
-            lambda d: capsroute.dense_inverted_attention_routing(
-                randn(2, 5, 8, device=d), randn(6, 3, 4, 8, device=d)
-            ),
-            "I = 5 and Din = 8",
-        ),
-        (
-            lambda d: capsroute.dense_inverted_attention_routing(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), norm_bias=randn(8, device=d)
-            ),
-            r"norm_bias must have shape \(D,\) = \(4,\), got shape \[8\]",
-        ),
-        (
-            lambda d: capsroute.dense_inverted_attention_routing(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), iters=0
-            ),
-            "iters must be >= 1, got 0",
-        ),
-        (
-            lambda d: capsroute.dense_inverted_attention_routing(
-                randn(2, 5, 8, device=d), randn(5, 3, 4, 8, device=d), eps=0.0
-            ),
-            "eps must be finite and > 0",
-        ),
-        (
-            lambda d: capsroute.dense_inverted_attention_routing(
-                randn(2, 5, 8, device=d),
-                randn(5, 3, 4, 8, device=d),
-                norm_weight=randn(4, device=d, dtype=torch.float32),
-            ),
-            "norm_weight has dtype Float but u has dtype Double",
-        ),
-    ],
-)
+        "norm_weight has dtype Float but u has dtype Double",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,message", BAD_INPUTS)
 def test_bad_input_raises_a_clear_error(device, call, message):
     with pytest.raises(RuntimeError, match=message):
         call(device)
+
+
+@pytest.mark.parametrize("call,message", BAD_INPUTS)
+def test_meta_tensors_are_refused_alike(call, message):
+    """The fakes run the kernels' checks (capsroute._C.checks): meta tensors, and torch.compile's
+    fake ones, are refused with eager's message."""
+    with pytest.raises(RuntimeError, match=message):
+        call("meta")
+
+
+def test_torch_compile_refuses_what_eager_refuses():
+    torch._dynamo.reset()
+    compiled = torch.compile(capsroute.dynamic_routing, fullgraph=True)
+    with pytest.raises(Exception, match=r"votes must have shape \(B, I, J, D\)"):
+        compiled(votes(2, 5, 3))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda v: capsroute.dynamic_routing(v, bias=v.new_ones(4)), r"bias must have shape"),
+        (lambda v: capsroute.dynamic_routing(v, 0), "iters must be >= 1, got 0"),
+        (lambda v: capsroute.dynamic_routing(v, eps=-1.0), "eps must be finite and >= 0"),
+        (lambda v: capsroute.self_attention_routing(v, squash="foo"), "squash must be"),
+        (lambda v: capsroute.inverted_attention_routing(v, 0), "iters must be >= 1, got 0"),
+        (
+            lambda v: capsroute.self_attention_routing(v, coupling_bias=v.new_ones(3)),
+            "coupling_bias must have shape",
+        ),
+    ],
+)
+def test_transforms_refuse_what_eager_refuses(call, message):
+    """Under forward mode and torch.func the reference computes, after the kernels' checks."""
+    v = votes()
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.jvp(call, (v,), (torch.ones_like(v),))
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.vmap(call)(v.unsqueeze(0))
 
 
 @pytest.mark.cuda
@@ -224,6 +259,42 @@ def test_device_mismatch():
         capsroute.dense_self_attention_routing(u, weight, coupling_bias=randn(5, 3))
     with pytest.raises(RuntimeError, match="norm_bias is on cpu but u is on"):
         capsroute.dense_inverted_attention_routing(u, weight, norm_bias=randn(4))
+
+
+def forward_and_backward_args(spec):
+    """A detached sample of spec's opcheck shape and the backward operator's arguments after it."""
+    shape, options = spec.opcheck[0]
+    sample = spec.draw(shape, "cpu", torch.float64, **options)
+    sample = replace(
+        sample, tensors=tuple(None if t is None else t.detach() for t in sample.tensors)
+    )
+    out = spec.op(*spec.schema_args(sample))
+    out = out if isinstance(out, tuple) else (out,)
+    grads = [torch.ones_like(o) for o in out[: spec.grad_outputs]]
+    return sample, spec.backward_args(sample, out, grads)
+
+
+@pytest.mark.parametrize("spec", OP_DB, ids=lambda spec: spec.name)
+def test_a_meta_tensor_among_cpu_ones(spec):
+    """One meta tensor sends the call to the fake (the Meta dispatch key wins), which refuses the
+    devices' mismatch as the kernels do, instead of returning uninitialized CPU memory."""
+    sample, (grad, *rest) = forward_and_backward_args(spec)
+    inputs = sample.tensors
+    for k, t in enumerate(inputs[1:], start=1):
+        if t is not None:
+            moved = replace(sample, tensors=(*inputs[:k], t.to("meta"), *inputs[k + 1 :]))
+            with pytest.raises(RuntimeError, match=r"is on meta but \w+ is on cpu"):
+                spec.op(*spec.schema_args(moved))
+    with pytest.raises(RuntimeError, match=r"is on cpu but grad_\w+ is on meta"):
+        spec.backward_op(grad.to("meta"), *rest)
+
+
+@pytest.mark.parametrize("spec", OP_DB, ids=lambda spec: spec.name)
+def test_backward_operators_refuse_integer_gradients(spec):
+    """An integer gradient would be converted and give a wrong result: refused instead."""
+    _, (grad, *rest) = forward_and_backward_args(spec)
+    with pytest.raises(RuntimeError, match=r"grad_\w+ must be float32, .* got Long"):
+        spec.backward_op(grad.long(), *rest)
 
 
 # ---- strides (docs/ops.md, "Layouts"): read in place, copied, or refused; never wrong ----

@@ -85,6 +85,22 @@ def test_opcheck(spec, device):
 
 
 @per_op
+def test_opcheck_non_contiguous(spec, device):
+    """Every input, output gradients included, not contiguous (helpers.noncontiguous: dense with its
+    dims reversed, or a strided vector): the fakes give each output the strides the kernels give
+    it, as torch.compile needs."""
+    shape, options = spec.opcheck[0]
+    sample = detached(spec.draw(shape, device, torch.float64, **options))
+    sample = replace(
+        sample, tensors=tuple(t if t is None else noncontiguous(t) for t in sample.tensors)
+    )
+    torch.library.opcheck(spec.op, spec.schema_args(sample))
+    out = call_op(spec, sample)
+    grads = [noncontiguous(randn(*o.shape, device=device)) for o in out[: spec.grad_outputs]]
+    torch.library.opcheck(spec.backward_op, spec.backward_args(sample, out, grads))
+
+
+@per_op
 def test_torch_compile_fullgraph(spec, device):
     # loss below is one code object for every op: dynamo's cache of its compilations holds 8
     # (recompile_limit), fewer than the ops, so each test starts from an empty one.

@@ -37,6 +37,24 @@ inline void check_eps(double eps) {
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "capsroute: eps must be finite and >= 0, got ", eps);
 }
 
+// s (..., D), squashed over its last dim.
+inline void check_squash_inputs(const at::Tensor& s, double eps) {
+  check_float_dtype(s, "s");
+  TORCH_CHECK(s.dim() >= 1,
+              "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
+  check_eps(eps);
+}
+
+inline void check_squash_backward_inputs(const at::Tensor& grad_v, const at::Tensor& s,
+                                         double eps) {
+  check_squash_inputs(s, eps);
+  check_float_dtype(grad_v, "grad_v");
+  TORCH_CHECK(grad_v.sizes() == s.sizes(), "capsroute: grad_v must have the shape of s, ",
+              s.sizes(), ", got ", grad_v.sizes());
+  TORCH_CHECK(grad_v.device() == s.device(), "capsroute: grad_v is on ", grad_v.device(),
+              " but s is on ", s.device());
+}
+
 inline void check_routing_options(int64_t iters, double eps) {
   TORCH_CHECK(iters >= 1, "capsroute: iters must be >= 1, got ", iters);
   check_eps(eps);
@@ -91,6 +109,8 @@ inline void check_dense_capsules_inputs(const at::Tensor& u, const at::Tensor& w
 // accumulation dtype.
 inline void check_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& s_hist,
                                           int64_t B, int64_t J, int64_t D) {
+  check_float_dtype(grad_v, "grad_v");
+  check_float_dtype(s_hist, "s_hist");
   check_rank(grad_v, 3, "grad_v", "(B, J, D)");
   TORCH_CHECK(grad_v.size(0) == B && grad_v.size(1) == J && grad_v.size(2) == D,
               "capsroute: grad_v must have shape (", B, ", ", J, ", ", D, "), got ",
@@ -168,6 +188,9 @@ inline int64_t em_stats_iters(const at::Tensor& stats) {
 // grad_a_out (B, J) and the saved stats (B, iters, J, 2H + 1).
 inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out,
                                      const at::Tensor& stats, int64_t B, int64_t J, int64_t H) {
+  check_float_dtype(grad_pose, "grad_pose");
+  check_float_dtype(grad_a_out, "grad_a_out");
+  check_float_dtype(stats, "stats");
   TORCH_CHECK(
       stats.dim() == 4 && stats.size(0) == B && stats.size(2) == J && stats.size(3) == 2 * H + 1,
       "capsroute: stats must have shape (B, iters, J, 2H + 1) = (", B, ", iters, ", J, ", ",
@@ -177,6 +200,28 @@ inline void check_em_backward_inputs(const at::Tensor& grad_pose, const at::Tens
               grad_pose.sizes());
   TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, J}),
               "capsroute: grad_a_out must have shape (", B, ", ", J, "), got ", grad_a_out.sizes());
+}
+
+inline void check_em_routing_backward_inputs(const at::Tensor& grad_pose,
+                                             const at::Tensor& grad_a_out, const at::Tensor& votes,
+                                             const at::Tensor& a_in, const at::Tensor& beta_u,
+                                             const at::Tensor& beta_a, const at::Tensor& stats,
+                                             double final_lambda, double eps) {
+  check_em_routing_inputs(votes, a_in, beta_u, beta_a, em_stats_iters(stats), final_lambda, eps);
+  check_em_backward_inputs(grad_pose, grad_a_out, stats, votes.size(0), votes.size(2),
+                           votes.size(3));
+}
+
+inline void check_em_routing_pose_backward_inputs(const at::Tensor& grad_pose_out,
+                                                  const at::Tensor& grad_a_out,
+                                                  const at::Tensor& pose, const at::Tensor& weight,
+                                                  const at::Tensor& a_in, const at::Tensor& beta_u,
+                                                  const at::Tensor& beta_a, const at::Tensor& stats,
+                                                  double final_lambda, double eps) {
+  check_em_routing_pose_inputs(pose, weight, a_in, beta_u, beta_a, em_stats_iters(stats),
+                               final_lambda, eps);
+  check_em_backward_inputs(grad_pose_out, grad_a_out, stats, pose.size(0), weight.size(1),
+                           kPoseSize);
 }
 
 // The K x K windows of a convolutional capsule layer over an H x W input.
@@ -231,6 +276,9 @@ inline int64_t conv_em_stats_iters(const at::Tensor& stats) {
 inline void check_conv_em_backward_inputs(const at::Tensor& grad_pose, const at::Tensor& grad_a_out,
                                           const at::Tensor& stats, int64_t B, int64_t Ho,
                                           int64_t Wo, int64_t J) {
+  check_float_dtype(grad_pose, "grad_pose");
+  check_float_dtype(grad_a_out, "grad_a_out");
+  check_float_dtype(stats, "stats");
   TORCH_CHECK(stats.dim() == 6 && stats.size(0) == B && stats.size(1) == Ho &&
                   stats.size(2) == Wo && stats.size(4) == J && stats.size(5) == 2 * kPoseSize + 1,
               "capsroute: stats must have shape (B, H', W', iters, C_out, 33) = (", B, ", ", Ho,
@@ -241,6 +289,18 @@ inline void check_conv_em_backward_inputs(const at::Tensor& grad_pose, const at:
   TORCH_CHECK(grad_a_out.sizes() == at::IntArrayRef({B, Ho, Wo, J}),
               "capsroute: grad_a_out must have shape (", B, ", ", Ho, ", ", Wo, ", ", J, "), got ",
               grad_a_out.sizes());
+}
+
+inline void check_conv_em_routing_backward_inputs(
+    const at::Tensor& grad_pose_out, const at::Tensor& grad_a_out, const at::Tensor& pose,
+    const at::Tensor& a_in, const at::Tensor& weight, const at::Tensor& beta_u,
+    const at::Tensor& beta_a, const at::Tensor& stats, int64_t stride, int64_t padding,
+    double final_lambda, double eps) {
+  const int64_t iters = conv_em_stats_iters(stats);
+  check_conv_em_routing_inputs(pose, a_in, weight, beta_u, beta_a, iters, stride, padding,
+                               final_lambda, eps);
+  const ConvEmDims d = conv_em_dims(pose, weight, iters, stride, padding, final_lambda);
+  check_conv_em_backward_inputs(grad_pose_out, grad_a_out, stats, d.B, d.Ho(), d.Wo(), d.C_out);
 }
 
 inline void check_dynamic_routing_backward_inputs(const at::Tensor& grad_v, const at::Tensor& votes,
@@ -293,6 +353,8 @@ inline void check_conv_dynamic_routing_backward_inputs(const at::Tensor& grad_v,
                                                        const at::Tensor& s_hist, int64_t stride,
                                                        int64_t padding, double eps) {
   check_conv_capsule_shapes(u, weight, stride, padding);
+  check_float_dtype(grad_v, "grad_v");
+  check_float_dtype(s_hist, "s_hist");
   const int64_t K = weight.size(0), C_out = weight.size(3), D = weight.size(4);
   const int64_t Ho = conv_out_size(u.size(1), K, stride, padding);
   const int64_t Wo = conv_out_size(u.size(2), K, stride, padding);

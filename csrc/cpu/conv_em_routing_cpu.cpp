@@ -666,12 +666,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
     const at::Tensor& a_in_in, const at::Tensor& weight_in, const at::Tensor& beta_u_in,
     const at::Tensor& beta_a_in, const at::Tensor& stats_in, int64_t stride, int64_t padding,
     double final_lambda, double eps) {
-  const int64_t iters = conv_em_stats_iters(stats_in);
-  check_conv_em_routing_inputs(pose_in, a_in_in, weight_in, beta_u_in, beta_a_in, iters, stride,
-                               padding, final_lambda, eps);
+  check_conv_em_routing_backward_inputs(grad_pose_out_in, grad_a_out_in, pose_in, a_in_in,
+                                        weight_in, beta_u_in, beta_a_in, stats_in, stride, padding,
+                                        final_lambda, eps);
+  const int64_t iters = stats_in.size(3);
   const ConvEmDims d = conv_em_dims(pose_in, weight_in, iters, stride, padding, final_lambda);
   const int64_t Ho = d.Ho(), Wo = d.Wo(), J = d.C_out;
-  check_conv_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, d.B, Ho, Wo, J);
   record_kernel_path("conv_em_routing", Direction::backward, "cpu");
   const at::ScalarType acc = acc_dtype(pose_in.scalar_type());
   const at::TensorOptions acc_options = pose_in.options().dtype(acc);

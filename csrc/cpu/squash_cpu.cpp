@@ -13,10 +13,10 @@ namespace {
 // Rows of the last dim: out = squash(s) (forward) or out = squash_vjp(s, grad) (backward).
 template <bool kBackward>
 at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, double eps) {
-  check_float_dtype(s_in, "s");
-  TORCH_CHECK(s_in.dim() >= 1,
-              "capsroute: s must have at least 1 dim (the capsule dim last), got a scalar");
-  check_eps(eps);
+  if (kBackward)
+    check_squash_backward_inputs(*grad_in, s_in, eps);
+  else
+    check_squash_inputs(s_in, eps);
   record_kernel_path("squash", kBackward ? Direction::backward : Direction::forward, "cpu");
   const at::Tensor s = s_in.contiguous();
   const at::Tensor grad = kBackward ? grad_in->to(s.scalar_type()).contiguous() : at::Tensor();

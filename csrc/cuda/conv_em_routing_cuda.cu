@@ -111,12 +111,12 @@ conv_em_routing_backward_cuda(const at::Tensor& grad_pose_out_in, const at::Tens
                               const at::Tensor& weight_in, const at::Tensor& beta_u_in,
                               const at::Tensor& beta_a_in, const at::Tensor& stats_in,
                               int64_t stride, int64_t padding, double final_lambda, double eps) {
-  const int64_t iters = conv_em_stats_iters(stats_in);
-  check_conv_em_routing_inputs(pose_in, a_in_in, weight_in, beta_u_in, beta_a_in, iters, stride,
-                               padding, final_lambda, eps);
+  check_conv_em_routing_backward_inputs(grad_pose_out_in, grad_a_out_in, pose_in, a_in_in,
+                                        weight_in, beta_u_in, beta_a_in, stats_in, stride, padding,
+                                        final_lambda, eps);
+  const int64_t iters = stats_in.size(3);
   const ConvEmDims d = conv_em_dims(pose_in, weight_in, iters, stride, padding, final_lambda);
   const int64_t J = d.C_out, windows = d.B * d.Ho() * d.Wo();
-  check_conv_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, d.B, d.Ho(), d.Wo(), J);
   check_devices(pose_in, {{&grad_pose_out_in, "grad_pose_out"},
                           {&grad_a_out_in, "grad_a_out"},
                           {&a_in_in, "a_in"},

@@ -51,11 +51,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
     const at::Tensor& grad_pose_in, const at::Tensor& grad_a_out_in, const at::Tensor& votes_in,
     const at::Tensor& a_in_in, const at::Tensor& beta_u_in, const at::Tensor& beta_a_in,
     const at::Tensor& stats_in, double final_lambda, double eps) {
-  const int64_t iters = em_stats_iters(stats_in);
-  check_em_routing_inputs(votes_in, a_in_in, beta_u_in, beta_a_in, iters, final_lambda, eps);
-  const int64_t B = votes_in.size(0);
-  check_em_backward_inputs(grad_pose_in, grad_a_out_in, stats_in, B, votes_in.size(2),
-                           votes_in.size(3));
+  check_em_routing_backward_inputs(grad_pose_in, grad_a_out_in, votes_in, a_in_in, beta_u_in,
+                                   beta_a_in, stats_in, final_lambda, eps);
+  const int64_t B = votes_in.size(0), iters = stats_in.size(1);
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
   const EmDims dims{B, votes_in.size(1), votes_in.size(2), votes_in.size(3), iters, final_lambda};

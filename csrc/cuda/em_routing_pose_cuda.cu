@@ -124,11 +124,10 @@ em_routing_pose_backward_cuda(const at::Tensor& grad_pose_out_in, const at::Tens
                               const at::Tensor& a_in_in, const at::Tensor& beta_u_in,
                               const at::Tensor& beta_a_in, const at::Tensor& stats_in,
                               double final_lambda, double eps) {
-  const int64_t iters = em_stats_iters(stats_in);
-  check_em_routing_pose_inputs(pose_in, weight_in, a_in_in, beta_u_in, beta_a_in, iters,
-                               final_lambda, eps);
+  check_em_routing_pose_backward_inputs(grad_pose_out_in, grad_a_out_in, pose_in, weight_in,
+                                        a_in_in, beta_u_in, beta_a_in, stats_in, final_lambda, eps);
+  const int64_t iters = stats_in.size(1);
   const int64_t B = pose_in.size(0), I = pose_in.size(1), J = weight_in.size(1);
-  check_em_backward_inputs(grad_pose_out_in, grad_a_out_in, stats_in, B, J, kPoseSize);
   check_cuda(pose_in, "pose");
   const c10::cuda::CUDAGuard guard(pose_in.device());
   const EmDims dims{B, I, J, kPoseSize, iters, final_lambda};
