@@ -568,10 +568,22 @@ def dense_inverted_attention_routing_pose(
         v: (B, J, 16), the output poses flattened as em_routing_pose returns them, differentiable
         w.r.t. pose, weight, norm_weight and norm_bias.
     """
+    # Checked before flattening, which would name pose u in the op's messages.
     if pose.dim() != 4 or pose.shape[2:] != (4, 4):
         raise ValueError(f"pose must have shape (B, I, 4, 4), got {tuple(pose.shape)}")
-    if weight.dim() != 4 or weight.shape[2:] != (4, 4):
-        raise ValueError(f"weight must have shape (I, J, 4, 4), got {tuple(weight.shape)}")
+    if weight.dim() != 4 or weight.shape[2:] != (4, 4) or weight.shape[0] != pose.shape[1]:
+        raise ValueError(
+            f"weight must have shape (I, J, 4, 4) with I = {pose.shape[1]} to match pose of shape "
+            f"{tuple(pose.shape)}, got {tuple(weight.shape)}"
+        )
+    if not pose.is_floating_point():
+        raise RuntimeError(
+            f"capsroute: pose must be float32, float64, float16 or bfloat16, got {pose.dtype}"
+        )
+    if (weight.dtype, weight.device) != (pose.dtype, pose.device):
+        raise RuntimeError(
+            f"capsroute: weight is {weight.dtype} on {weight.device} but pose is {pose.dtype} on {pose.device}"
+        )
     return dense_inverted_attention_routing(
         pose.flatten(2),
         pose_block_weight(weight),

@@ -112,11 +112,25 @@ def test_pose_form(device):
     [
         ((2, 3, 16), (3, 5, 4, 4), r"pose must have shape \(B, I, 4, 4\)"),
         ((2, 3, 4, 4), (3, 5, 16), r"weight must have shape \(I, J, 4, 4\)"),
+        ((2, 3, 4, 4), (4, 5, 4, 4), r"with I = 3 to match pose of shape \(2, 3, 4, 4\)"),
     ],
 )
 def test_pose_form_refuses_other_shapes(pose, weight, message):
     with pytest.raises(ValueError, match=message):
         capsroute.dense_inverted_attention_routing_pose(randn(*pose), randn(*weight))
+
+
+def test_pose_form_names_pose():
+    """The pose form checks what it flattens, so its messages name pose, not the op's u."""
+    pose, weight = randn(2, 3, 4, 4), randn(3, 5, 4, 4)
+    with pytest.raises(RuntimeError, match="pose must be float32, .* got torch.int64"):
+        capsroute.dense_inverted_attention_routing_pose(pose.long(), weight)
+    with pytest.raises(
+        RuntimeError, match="weight is torch.float32 on cpu but pose is torch.float64"
+    ):
+        capsroute.dense_inverted_attention_routing_pose(pose, weight.float())
+    with pytest.raises(RuntimeError, match="weight is torch.float64 on meta but pose is .* on cpu"):
+        capsroute.dense_inverted_attention_routing_pose(pose, weight.to("meta"))
 
 
 @pytest.mark.parametrize(
