@@ -23,6 +23,13 @@ ConvRouting = Literal["window", "cross-window"]
 CONV_ROUTINGS = typing.get_args(ConvRouting)
 
 
+def check_counts(**counts) -> None:
+    """Constructor arguments that count capsules, values or positions: each an int >= 1."""
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 def _routing_ops(backend: str):
     try:
         return BACKENDS[backend]
@@ -80,6 +87,9 @@ class PrimaryCapsules(_CapsuleLayer):
         backend: str = "fused",
     ):
         super().__init__(backend)
+        check_counts(
+            in_channels=in_channels, types=types, dim=dim, kernel_size=kernel_size, stride=stride
+        )
         self.types, self.dim = types, dim
         self.conv = nn.Conv2d(in_channels, types * dim, kernel_size, stride)
 
@@ -134,6 +144,9 @@ class DenseCapsules(_CapsuleLayer):
         backend: str = "fused",
     ):
         super().__init__(backend)
+        check_counts(
+            in_capsules=in_capsules, in_dim=in_dim, out_capsules=out_capsules, out_dim=out_dim
+        )
         self.iters, self.leaky, self.detach = iters, leaky, detach
         self.weight = nn.Parameter(0.01 * torch.randn(in_capsules, out_capsules, out_dim, in_dim))
         self.bias = nn.Parameter(torch.zeros(out_capsules, out_dim)) if bias else None
@@ -199,6 +212,14 @@ class ConvDynamicCapsules(_CapsuleLayer):
         backend: str = "fused",
     ):
         super().__init__(backend)
+        check_counts(
+            in_types=in_types,
+            in_dim=in_dim,
+            out_types=out_types,
+            out_dim=out_dim,
+            kernel_size=kernel_size,
+            stride=stride,
+        )
         if padding == "same":
             padding = (kernel_size - 1) // 2
         if not isinstance(padding, int) or padding < 0:
@@ -250,6 +271,7 @@ class PrimaryMatrixCapsules(nn.Module):
 
     def __init__(self, in_channels: int, types: int):
         super().__init__()
+        check_counts(in_channels=in_channels, types=types)
         self.types = types
         self.pose = nn.Conv2d(in_channels, types * 16, 1)
         self.activation = nn.Conv2d(in_channels, types, 1)
@@ -369,14 +391,19 @@ class ConvCapsules(_EmCapsules):
     ):
         if routing not in CONV_ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(CONV_ROUTINGS)}, got {routing!r}")
+        check_counts(in_types=in_types, out_types=out_types, kernel_size=kernel_size, stride=stride)
         super().__init__(
             kernel_size * kernel_size * in_types, out_types, iters, final_lambda, backend, **options
         )
         self.kernel_size, self.stride, self.routing = kernel_size, stride, routing
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
-        N, H, W, types, _ = pose.shape
         k, s = self.kernel_size, self.stride
+        N, H, W, types, _ = _check_matrix_capsules(
+            pose, activation, self.weight.shape[0] // (k * k)
+        )
+        if H < k or W < k:
+            raise ValueError(f"pose's grid ({H} x {W}) must be at least the kernel ({k} x {k})")
         pose = self._normalized(pose)
         if self.routing == "cross-window":
             # weight rows are (row, column, type) inside the window, as the unfold below orders them
@@ -460,10 +487,12 @@ class ClassCapsules(_EmCapsules):
         backend: str = "fused",
         **routing,
     ):
+        check_counts(in_types=in_types, classes=classes)
         super().__init__(in_types, classes, iters, final_lambda, backend, **routing)
         self.coordinate_addition = coordinate_addition
 
     def forward(self, pose: Tensor, activation: Tensor) -> tuple[Tensor, Tensor]:
+        _check_matrix_capsules(pose, activation, self.weight.shape[0])
         votes = _class_votes(self._normalized(pose), self.weight, self.coordinate_addition)
         return self.ops.em_routing(
             votes,
@@ -476,6 +505,22 @@ class ClassCapsules(_EmCapsules):
 
     def extra_repr(self) -> str:
         return f"coordinate_addition={self.coordinate_addition}, {super().extra_repr()}"
+
+
+def _check_matrix_capsules(pose: Tensor, activation: Tensor, types: int) -> torch.Size:
+    """pose (N, H, W, types, 16) and activation (N, H, W, types) as the matrix-capsule layers take
+    them; returns pose's shape."""
+    if pose.dim() != 5 or pose.shape[3:] != (types, 16):
+        raise ValueError(
+            f"pose must have shape (N, H, W, {types}, 16) for this layer's {types} input types, "
+            f"got {tuple(pose.shape)}"
+        )
+    if activation.shape != pose.shape[:4]:
+        raise ValueError(
+            f"activation must have shape {tuple(pose.shape[:4])} to match pose, got "
+            f"{tuple(activation.shape)}"
+        )
+    return pose.shape
 
 
 @like_op("em_routing")

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .nn import _CapsuleLayer
+from .nn import _CapsuleLayer, check_counts
 from .reference import SQUASHES
 
 
@@ -56,6 +56,9 @@ class SelfAttentionCapsules(_CapsuleLayer):
         backend: str = "fused",
     ):
         super().__init__(backend)
+        check_counts(
+            in_capsules=in_capsules, in_dim=in_dim, out_capsules=out_capsules, out_dim=out_dim
+        )
         if squash not in SQUASHES:
             raise ValueError(f"squash must be one of {', '.join(SQUASHES)}, got {squash!r}")
         self.squash = squash
@@ -116,6 +119,9 @@ class InvertedAttentionCapsules(_CapsuleLayer):
         backend: str = "fused",
     ):
         super().__init__(backend)
+        check_counts(
+            in_capsules=in_capsules, in_dim=in_dim, out_capsules=out_capsules, out_dim=out_dim
+        )
         self.iters = iters
         std = math.sqrt(out_capsules / (in_capsules * in_dim))
         self.weight = nn.Parameter(std * torch.randn(in_capsules, out_capsules, out_dim, in_dim))

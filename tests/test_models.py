@@ -10,11 +10,13 @@ from capsroute.models import CapsNet, MatrixCapsNet
 from capsroute.nn import (
     ClassCapsules,
     ConvCapsules,
+    ConvDynamicCapsules,
     DenseCapsules,
     PrimaryCapsules,
     PrimaryMatrixCapsules,
     set_backend,
 )
+from capsroute.nn_attention import InvertedAttentionCapsules, SelfAttentionCapsules
 from helpers import CUDA, DEVICES, assert_rel_close
 
 
@@ -321,6 +323,36 @@ def test_bad_backend_is_named():
         DenseCapsules(4, 8, 2, 16, backend="cuda")
     layer = PrimaryMatrixCapsules(3, 2)
     assert layer(torch.rand(1, 3, 4, 4))[0].shape == (1, 4, 4, 2, 16)
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: ConvDynamicCapsules(2, 3, 2, 4, kernel_size=0), "kernel_size must be an int >= 1"),
+        (lambda: ConvDynamicCapsules(2, 0, 2, 4), "in_dim must be an int >= 1, got 0"),
+        (lambda: SelfAttentionCapsules(0, 8, 10, 16), "in_capsules must be an int >= 1, got 0"),
+        (lambda: InvertedAttentionCapsules(4, 8, 10, 0), "out_dim must be an int >= 1, got 0"),
+        (lambda: DenseCapsules(4, 8, 2.5, 16), "out_capsules must be an int >= 1, got 2.5"),
+        (lambda: ClassCapsules(0, 10), "in_types must be an int >= 1, got 0"),
+        (lambda: PrimaryMatrixCapsules(3, 0), "types must be an int >= 1, got 0"),
+    ],
+)
+def test_layers_refuse_empty_sizes(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("routing", ["window", "cross-window"])
+def test_matrix_capsule_layers_name_a_wrong_input(routing):
+    pose, a = torch.rand(1, 5, 5, 4, 16), torch.rand(1, 5, 5, 4)
+    with pytest.raises(ValueError, match=r"pose must have shape \(N, H, W, 2, 16\)"):
+        ConvCapsules(2, 3, routing=routing)(pose, a)
+    with pytest.raises(ValueError, match=r"activation must have shape \(1, 5, 5, 4\)"):
+        ConvCapsules(4, 3, routing=routing)(pose, a[..., :3])
+    with pytest.raises(ValueError, match=r"pose's grid \(5 x 5\) must be at least the kernel"):
+        ConvCapsules(4, 3, kernel_size=7, routing=routing)(pose, a)
+    with pytest.raises(ValueError, match=r"pose must have shape \(N, H, W, 3, 16\)"):
+        ClassCapsules(3, 10)(pose, a)
 
 
 def test_margin_loss_formula():
