@@ -1,7 +1,7 @@
 """pytest-benchmark cases for regression tracking: `pytest bench/ --benchmark-only`.
 
-Forward+backward of capsroute and of the eager PyTorch reference, dynamic_routing and
-dense_capsules, at a small MNIST-like shape (B=8, I=1152, J=10, D=16, Din=8), on CPU and, when
+Forward+backward of capsroute and of the eager PyTorch reference, the eight routing ops of
+`capsroute bench`, at a small MNIST-like shape (B=8, I=1152, J=10, D=16, Din=8), on CPU and, when
 one is present, on CUDA. Not part of the test suite (tests/ is): kept light on purpose. For the
 full comparison (torch.compile baseline, memory, floor) use `capsroute bench`.
 

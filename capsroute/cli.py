@@ -1,7 +1,8 @@
 """The `capsroute` command (also `python -m capsroute.cli`).
 
   capsroute bench ...            routing benchmark: capsroute vs the PyTorch reference, eager and compiled
-  capsroute train ...            train CapsNet or MatrixCapsNet on MNIST / Fashion-MNIST, or CapsNet on MultiMNIST
+  capsroute train ...            train a capsule network (CapsNet, EfficientCapsNet, MatrixCapsNet, SegCapsNet)
+                                 or the CNN baseline on MNIST, Fashion-MNIST or MultiMNIST
   capsroute plot PATH ...        redraw figures: of saved benchmark results (a JSON) or of a training run (its folder)
   capsroute doctor ...           check this install: every op and kernel path against the reference
 

@@ -66,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser):
         type=_positive,
         default=None,
         help="batch sizes for every shape and model op (default: 32 on CPU (8 for large, 2 for "
-        "large-16k); 32 128 512 2048 on CUDA (8 32 128 for large-16k); model ops: 16 on CPU, 32 128 512 on CUDA; conv ops: bench/README.md)",
+        "large-16k, 16 for em-class, 72 for em-conv); 32 128 512 2048 on CUDA (8 32 128 for large-16k, "
+        "64 256 for em-class, 2304 for em-conv); model ops: 16 on CPU, 32 128 512 on CUDA; conv ops: "
+        "bench/README.md)",
     )
     p.add_argument(
         "--layout",
