@@ -1,7 +1,7 @@
 """Writes the small MNIST subset the training tests use (tests/data/mnist-small): the first
 TRAIN training and TEST test images of the original IDX files, as IDX .gz files again.
 
-  python scripts/make_mnist_subset.py ../shared/data/mnist tests/data/mnist-small
+  python scripts/make_mnist_subset.py data/mnist tests/data/mnist-small
 """
 
 import gzip
