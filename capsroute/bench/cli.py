@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         on_case=save,
         max_batch=args.max_batch,
         max_batch_budget_gb=args.max_batch_budget,
+        command=args.invocation,
     )
     print(format_table(report))
     for msg in report["notes"]:

@@ -13,7 +13,7 @@ import torch
 
 import capsroute
 
-from .._runinfo import cpu_id, cpu_model, device_name, dtype_name, git_commit
+from .._runinfo import command_line, cpu_id, cpu_model, device_name, dtype_name, git_commit
 from .cases import CONV_OPS, IMPLS, MODEL_OPS, Case, impls_for, unavailable_impls
 from .floor import measure_bandwidth, measure_peak_tflops
 from .measure import failure_reason
@@ -38,8 +38,10 @@ def run_benchmarks(
     on_case: Callable[[dict], None] | None = None,
     max_batch: int | None = None,
     max_batch_budget_gb: float = MAX_BATCH_BUDGET_GB,
+    command: str | None = None,
 ) -> dict:
     """Runs the cases and returns the report (the JSON document). on_case(report) is called after each case.
+    command: the command line recorded (default: the program's name and its arguments).
     max_batch: after the cases, search the largest power-of-two batch up to this cap of each impl of
     each model op (CUDA; model_max_batch) and conv op shape (op_max_batch; on the CPU within
     max_batch_budget_gb) into report["max_batch"] and each matching record's "max_batch"."""
@@ -84,7 +86,7 @@ def run_benchmarks(
         "warmup": warmup,
         "max_seconds": max_seconds,
         "seed": seed,
-        "command": " ".join(sys.argv),
+        "command": command or command_line(os.path.basename(sys.argv[0]), None),
         "notes": [],
     }
 
