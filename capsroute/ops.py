@@ -293,34 +293,12 @@ def conv_em_routing(
     """
     if pose.dim() == 5 and pose.shape[-1] == 16:
         pose = pose.unflatten(-1, (4, 4))
-    if _reference_computes(
-        "conv_em_routing",
-        pose,
-        a_in,
-        weight,
-        beta_u,
-        beta_a,
-        iters,
-        stride,
-        padding,
-        final_lambda,
-        eps,
-    ):
+    args = (pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps)
+    if _reference_computes("conv_em_routing", *args):
         return reference.conv_em_routing(
-            pose,
-            a_in,
-            weight,
-            beta_u,
-            beta_a,
-            iters,
-            stride=stride,
-            padding=padding,
-            final_lambda=final_lambda,
-            eps=eps,
+            *args[:6], stride=stride, padding=padding, final_lambda=final_lambda, eps=eps
         )
-    pose_out, a_out, _ = _ops.conv_em_routing(
-        pose, a_in, weight, beta_u, beta_a, iters, stride, padding, final_lambda, eps
-    )
+    pose_out, a_out, _ = _ops.conv_em_routing(*args)
     return pose_out, a_out
 
 
