@@ -131,10 +131,7 @@ class Trainer:
         self.train_size, self.test_size = self.task.train_size, self.task.test_size
         try:
             self.model = model_for_run(vars(args)).to(device)
-        except (
-            ValueError,
-            RuntimeError,
-        ) as e:  # e.g. sizes too small for the images, or too large to fit
+        except (ValueError, RuntimeError) as e:  # sizes too small for the images, or too large
             raise CommandError(
                 f"--model {args.model} --model-config {' '.join(args.model_config)}: "
                 f"cannot build the network: {e}"
@@ -554,7 +551,10 @@ def run(args: argparse.Namespace) -> int:
         options = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in recipe.items())
         print(f"{args.model} on {args.dataset}: its recipe gives {options}")
     try:
-        return _train(args, ddp, state)
+        code = _train(args, ddp, state)
+        if code == 0:  # the ranks close together: gloo aborts one whose peer is still at work
+            ddp.barrier()
+        return code
     finally:
         if ddp.world_size > 1:
             dist.destroy_process_group()
@@ -571,10 +571,7 @@ def _train(args: argparse.Namespace, ddp: Distributed, state: dict | None) -> in
     if args.download and ddp.main:  # one process downloads; the others wait for it below
         try:
             data.find_dataset_files(source_dataset(args.dataset), args.data_dir, download=True)
-        except (
-            OSError,
-            RuntimeError,
-        ) as e:  # no mirror gave a good copy, or the folder is not writable
+        except (OSError, RuntimeError) as e:  # no mirror gave a good copy, or an unwritable folder
             raise CommandError(f"--download: {e}") from e
     ddp.barrier()
     trainer = Trainer(args, ddp, device)
