@@ -39,6 +39,18 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     return value
 
 
+def cast_arguments(name: str, args: tuple) -> tuple:
+    """args as op `name`'s rule hands them to its kernel under autocast (as given outside autocast,
+    or for an op without a rule)."""
+    if name not in IN_FLOAT32 and name not in IN_AUTOCAST_DTYPE:
+        return args
+    device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+    if not torch.is_autocast_enabled(device_type):
+        return args
+    dtype = torch.float32 if name in IN_FLOAT32 else torch.get_autocast_dtype(device_type)
+    return tuple(_cast(a, device_type, dtype) for a in args)
+
+
 def _cast_outputs(out, device_type: str, dtype: torch.dtype):
     if isinstance(out, tuple):
         return tuple(_cast(o, device_type, dtype) for o in out)

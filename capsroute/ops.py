@@ -52,7 +52,7 @@ def _reference_computes(op: str, *args) -> bool:
         for t in args
     )
     if transformed:
-        _fake.check_arguments(op, args)
+        _fake.check_arguments(op, _autocast.cast_arguments(op, args))
     return transformed
 
 
@@ -558,7 +558,10 @@ def dense_inverted_attention_routing_pose(
         raise RuntimeError(
             f"capsroute: pose must be float32, float64, float16 or bfloat16, got {pose.dtype}"
         )
-    if (weight.dtype, weight.device) != (pose.dtype, pose.device):
+    pose_in, weight_in = _autocast.cast_arguments(
+        "dense_inverted_attention_routing", (pose, weight)
+    )
+    if (weight_in.dtype, weight_in.device) != (pose_in.dtype, pose_in.device):
         raise RuntimeError(
             f"capsroute: weight is {weight.dtype} on {weight.device} but pose is {pose.dtype} on {pose.device}"
         )

@@ -131,6 +131,9 @@ def test_pose_form_names_pose():
         capsroute.dense_inverted_attention_routing_pose(pose, weight.float())
     with pytest.raises(RuntimeError, match="weight is torch.float64 on meta but pose is .* on cpu"):
         capsroute.dense_inverted_attention_routing_pose(pose, weight.to("meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # its rule casts both: no mismatch
+        v = capsroute.dense_inverted_attention_routing_pose(pose.bfloat16(), weight.float())
+    assert v.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

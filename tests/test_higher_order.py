@@ -10,6 +10,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.profiler import profile
 
+import capsroute
 from helpers import assert_rel_close, randn
 from op_db import OP_DB
 
@@ -155,3 +156,21 @@ def test_first_order_backward_runs_the_fused_operator(spec):
     with profile() as prof:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     assert f"capsroute::_{spec.name}_backward" in {event.name for event in prof.events()}
+
+
+def test_transforms_under_autocast():
+    """Under autocast an op takes mixed dtypes (its rule casts them), and so does its reference
+    path under a transform, which checks the arguments as the rule hands them on."""
+    votes, coupling_bias = randn(2, 5, 3, 4).bfloat16(), randn(5, 3).float()
+    pose, a_in, betas = randn(2, 5, 3, 16).bfloat16(), torch.rand(2, 5), torch.zeros(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = capsroute.self_attention_routing(votes, coupling_bias=coupling_bias)
+        mapped = torch.func.vmap(
+            lambda v: capsroute.self_attention_routing(v, coupling_bias=coupling_bias)
+        )(votes.unsqueeze(0))[0]
+        grad_a = torch.func.grad(lambda a: capsroute.em_routing(pose, a, betas, betas)[1].sum())(
+            a_in
+        )
+    assert eager.dtype == mapped.dtype == torch.bfloat16
+    assert_rel_close(mapped.float(), eager.float(), 2e-2, "vmap under autocast")
+    assert grad_a.dtype == torch.float32 and torch.isfinite(grad_a).all()
