@@ -8,6 +8,7 @@ Shapes: vector capsules are (N, capsules, dim); matrix capsules keep the grid,
 poses (N, H, W, types, 16) and activations (N, H, W, types).
 """
 
+import operator
 import typing
 from typing import Literal
 
@@ -24,9 +25,14 @@ CONV_ROUTINGS = typing.get_args(ConvRouting)
 
 
 def check_counts(**counts) -> None:
-    """Constructor arguments that count capsules, values or positions: each an int >= 1."""
+    """Constructor arguments that count capsules, values or positions: each an integer >= 1
+    (numpy's too)."""
     for name, value in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        try:
+            valid = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            valid = False
+        if not valid:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
@@ -87,9 +93,7 @@ class PrimaryCapsules(_CapsuleLayer):
         backend: str = "fused",
     ):
         super().__init__(backend)
-        check_counts(
-            in_channels=in_channels, types=types, dim=dim, kernel_size=kernel_size, stride=stride
-        )
+        check_counts(in_channels=in_channels, types=types, dim=dim)  # nn.Conv2d checks the rest
         self.types, self.dim = types, dim
         self.conv = nn.Conv2d(in_channels, types * dim, kernel_size, stride)
 
