@@ -39,16 +39,23 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     return value
 
 
+def _rule_dtype(name: str, args) -> tuple[str, torch.dtype | None]:
+    """The device type of args' tensors, and the dtype op `name`'s rule casts them to there (None
+    outside autocast)."""
+    device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+    if not torch.is_autocast_enabled(device_type):
+        return device_type, None
+    float32 = name in IN_FLOAT32
+    return device_type, torch.float32 if float32 else torch.get_autocast_dtype(device_type)
+
+
 def cast_arguments(name: str, args: tuple) -> tuple:
     """args as op `name`'s rule hands them to its kernel under autocast (as given outside autocast,
     or for an op without a rule)."""
     if name not in IN_FLOAT32 and name not in IN_AUTOCAST_DTYPE:
         return args
-    device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-    if not torch.is_autocast_enabled(device_type):
-        return args
-    dtype = torch.float32 if name in IN_FLOAT32 else torch.get_autocast_dtype(device_type)
-    return tuple(_cast(a, device_type, dtype) for a in args)
+    device_type, dtype = _rule_dtype(name, args)
+    return args if dtype is None else tuple(_cast(a, device_type, dtype) for a in args)
 
 
 def _cast_outputs(out, device_type: str, dtype: torch.dtype):
@@ -93,10 +100,9 @@ def like_op(name: str):
     def decorate(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-            if not torch.is_autocast_enabled(device_type):
+            device_type, dtype = _rule_dtype(name, args)
+            if dtype is None:
                 return fn(*args, **kwargs)
-            dtype = torch.float32 if float32 else torch.get_autocast_dtype(device_type)
             args = [_cast(a, device_type, dtype) for a in args]
             kwargs = {k: _cast(v, device_type, dtype) for k, v in kwargs.items()}
             if not float32:  # torch's per-op choices inside (CUDA's softmax and sums in float32)

@@ -1,8 +1,9 @@
 """Capsule layers on the fused routing ops.
 
 Every layer but PrimaryMatrixCapsules (convolutions only) takes `backend="fused"` (the capsroute
-kernels) or `backend="reference"` (the plain PyTorch versions in capsroute.reference); both compute the same function with the same
-parameters, so one model can be A/B-compared by switching the attribute.
+kernels) or `backend="reference"` (the plain PyTorch versions in capsroute.reference); both compute
+the same function with the same parameters, so one model can be A/B-compared by switching the
+attribute.
 
 Shapes: vector capsules are (N, capsules, dim); matrix capsules keep the grid,
 poses (N, H, W, types, 16) and activations (N, H, W, types).

@@ -563,7 +563,8 @@ def dense_inverted_attention_routing_pose(
     )
     if (weight_in.dtype, weight_in.device) != (pose_in.dtype, pose_in.device):
         raise RuntimeError(
-            f"capsroute: weight is {weight.dtype} on {weight.device} but pose is {pose.dtype} on {pose.device}"
+            f"capsroute: weight is {weight.dtype} on {weight.device} but pose is {pose.dtype} on "
+            f"{pose.device}"
         )
     return dense_inverted_attention_routing(
         pose.flatten(2),
