@@ -8,6 +8,7 @@ import ast
 import math
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -211,6 +212,10 @@ class EfficientCapsNet(DecoderCapsNet):
         )
         nn.init.xavier_uniform_(self.primary.weight)
         nn.init.zeros_(self.primary.bias)
+        # Channels-last convolutions (the images are made channels-last in forward): a CPU
+        # training step runs about a sixth faster (docs/training.md).
+        self.features.to(memory_format=torch.channels_last)
+        self.primary.to(memory_format=torch.channels_last)
         self.primary_dim = primary_dim
         self.classes = SelfAttentionCapsules(
             channels[3] // primary_dim, primary_dim, classes, class_dim, backend=backend
@@ -226,6 +231,7 @@ class EfficientCapsNet(DecoderCapsNet):
             nn.init.zeros_(linear.bias)
 
     def forward(self, images: Tensor, labels: Tensor | None = None) -> EfficientCapsNetOutput:
+        images = images.contiguous(memory_format=torch.channels_last)
         primary = self.primary(self.features(images))  # (N, channels[3], 1, 1)
         # 16 capsules: the plain PyTorch squash in either backend (capsroute fuses only Sabour's)
         u = squash_exp(primary.reshape(len(primary), -1, self.primary_dim))
