@@ -40,6 +40,7 @@ from . import __version__, augment, data
 from ._command import ArgumentParser, CommandError, refusing
 from ._runinfo import (
     command_line,
+    cpu_model,
     device_name,
     git_commit,
     replacing,
@@ -466,6 +467,8 @@ class Trainer:
             "dataset": args.dataset,
             "device": device_name(self.device),
             "devices": self.ddp.world_size,
+            "cpu": cpu_model(),
+            "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "commit": self.commit,
             "backend": args.backend,

@@ -15,6 +15,7 @@ import torch
 
 import capsroute
 from capsroute import train
+from capsroute._runinfo import cpu_model
 from capsroute.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,6 +104,8 @@ def test_resume_finishes_the_run(tmp_path):
     assert result["command"] == "capsroute train " + shlex.join(started)
     assert result["resume_commands"] == ["capsroute train " + shlex.join(resumed)]
     assert result["capsroute"] == capsroute.__version__
+    # the machine: what a CPU record's speed depends on
+    assert result["cpu"] == cpu_model() and result["threads"] == torch.get_num_threads()
 
 
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
