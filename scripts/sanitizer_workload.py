@@ -34,8 +34,10 @@ def check(name, cuda_out, cpu_out, tol, vanishing=()):
         overflow = b.abs() > torch.finfo(a.dtype).max
         a, b = a.double().cpu(), b.double()
         a, b = a[~overflow], b[~overflow]
+        if not b.numel():  # every exact value past the range (one input, without mass)
+            continue
         scale = 1.0 if k in vanishing else b.abs().max().clamp_min(1e-30).item()
-        err = (a - b).abs().max().item() / scale if b.numel() else 0.0
+        err = (a - b).abs().max().item() / scale
         if not torch.isfinite(a).all() or err > tol:
             failures.append(f"{name} output {k}: relative error {err:.2e}")
 
