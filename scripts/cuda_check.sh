@@ -10,13 +10,15 @@
 # the first call, later calls carry build-cache and unpack it):
 #   call-1  build doctor bench-minimal tests  the install works on the GPU, on every path; the
 #                                             minimal timings of each path; the CUDA test suite
-#   call-2  memcheck racecheck initcheck synccheck   the four sanitizers over the workload
-#   call-3  sweep bench                       the float64 sweep at GPU sizes; the full benchmark
-#   call-4  bench-em tests-scale bench-conv   the EM benchmark; I = 16384; the conv ops
-#   call-5  bench-models train-capsnet        model steps; training resumes in later calls
+#   call-2  memcheck racecheck                the sanitizers that find overruns and races
+#   call-3  initcheck synccheck sweep         the other two; the float64 sweep at GPU sizes
+#   call-4  profile bench bench-conv          where the missed targets' time goes; the routing
+#                                             benchmark; the conv ops
+#   call-5  bench-em tests-scale              the EM benchmark; I = 16384
+#   call-6  bench-models train-capsnet        model steps; training resumes in later calls
 # Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
-# the first builds instead (150 s). The budgets are two to three times what each stage took on the
-# first H100 session (bench/results/nvidia-h100-2026-11-25-b96fbfa) where it ran there.
+# the first builds instead (150 s). The budgets are two to three times what each stage took on an
+# H100 (bench/results/nvidia-h100-*) where it ran there; each stage's log line says what it took.
 # `DRY_RUN=1 bash scripts/cuda_check.sh` checks that each call's budgets fit CALL_SECONDS.
 #
 # Stages (budget in seconds; a stage may run longer where the call has time to spare, that is what
@@ -30,11 +32,12 @@
 #   tests (150)           the CUDA tests (-m cuda)
 #   tests-scale (150)     I = 16384 at B = 1 or 2
 #   sweep (180)           scripts/gpu_sweep.py
-#   memcheck (130), racecheck (130), initcheck (130), synccheck (130)   compute-sanitizer over
+#   memcheck (130), racecheck (300), initcheck (130), synccheck (130)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
-#                         (sweep and sanitizers: 30 s and 10 s more than before the attention
-#                         routings joined them, a guess: they have not run on a GPU; conv EM's 24
-#                         small calls, no shared memory, fit the same budgets)
+#                         (racecheck, which did not finish the workload in 130 s at fd0dca8,
+#                         had reached half of it)
+#   profile (90)          scripts/gpu_profile.py: the torch profiler over the cases that missed
+#                         their targets (kernel time against wall time, launches, top kernels)
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
 #   bench-attention (200) the attention routings on given votes and their dense forms (votes made
 #                         from u and the weight), every impl, at Efficient-CapsNet's and MNIST's
@@ -71,12 +74,12 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 # carried in build-cache (unpack, environment, the GPU check); build: the same with the build
 # (about 100 s on the H100 machine's 16 cores).
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
-  [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=130 [racecheck]=130
+  [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=130 [racecheck]=300
   [initcheck]=130 [synccheck]=130 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
-  [bench-models]=300 [bench-conv]=130 [bench-attention]=200)
+  [bench-models]=300 [bench-conv]=130 [bench-attention]=200 [profile]=90)
 # The calls of a GPU session, in value order (the header's plan).
-calls=("build doctor bench-minimal tests" "memcheck racecheck initcheck synccheck" "sweep bench"
-       "bench-em tests-scale bench-conv" "bench-models train-capsnet")
+calls=("build doctor bench-minimal tests" "memcheck racecheck" "initcheck synccheck sweep"
+       "profile bench bench-conv" "bench-em tests-scale" "bench-models train-capsnet")
 # The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
 stages=()
 for arg in "${@:-call-1}"; do
@@ -207,7 +210,7 @@ for k in "${!stages[@]}"; do
     spare=$(( CALL_SECONDS - (SECONDS - started) - 20 - later ))
     [ "$spare" -gt "${budget[$stage]}" ] || spare=${budget[$stage]}
     if ! seconds=$(stage_seconds 20 "$spare"); then status=1; continue; fi
-    stage_end=$(( SECONDS + seconds ))
+    stage_start=$SECONDS stage_end=$(( SECONDS + seconds ))
     echo "== $stage: at most $seconds s" >&2
   fi
   case $stage in
@@ -234,6 +237,8 @@ for k in "${!stages[@]}"; do
     sweep)  # every op (the attention routings too) against the float64 reference at B = 1..2048,
       # I = 16384, EM at B = 64x36; determinism
       within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
+    profile)  # where the missed targets' forward+backward time goes (profile.txt)
+      within python scripts/gpu_profile.py --device cuda --out "$out" || status=1 ;;
     memcheck|racecheck|initcheck|synccheck)
       # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,
       # so an overrun or an uninitialised read inside a block would pass memcheck and initcheck.
@@ -305,6 +310,7 @@ print(f'$model $dataset: test accuracy {a:.4f}, target $target'); sys.exit(a < $
       fi ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
+  [[ $stage == train-* ]] || echo "== $stage: took $(( SECONDS - stage_start )) s" >&2
   [ -z "${OUT:-}" ] || pack stage || true  # what the stage wrote comes back even if the call is cut off later
 done
 exit $status

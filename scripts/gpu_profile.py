@@ -1,0 +1,88 @@
+"""Where a capsroute op's forward+backward spends its time: the torch profiler over a few steps of
+each case the GPU records show missing its target (bench/results), as the benchmark feeds it.
+
+Per case: wall time a step, the GPU's kernel time a step (busy = kernel / wall: far under 100%
+means the host or launch gaps bound the step), kernel launches a step, the kernel path, and the
+operators and kernels by GPU time. Runs on the CPU too (no kernel rows there), for a dry check."""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import capsroute
+from capsroute.bench.cases import get_impl, make_cases, make_inputs, parse_shape
+from capsroute.bench.timing import clear_grads, fwd_bwd_step, synchronize
+
+# (op, shape, B): the missed targets of the H100 records, and dynamic_routing at B = 32, whose
+# warp-row and cluster paths took the same 0.43 ms (a floor that is not the kernels').
+CASES = [
+    ("conv_dynamic_routing", "segcaps", 16),
+    ("dynamic_routing", "mnist", 32),
+    ("dynamic_routing", "mnist", 512),
+    ("dense_capsules", "mnist", 512),
+    ("dense_inverted_attention_routing", "mnist", 512),
+    ("em_routing", "em-conv", 2304),
+]
+QUICK_CASES = [("conv_dynamic_routing", "16x16:2,2,4,4,3,1,1", 2), ("dynamic_routing", "mnist", 2)]
+
+
+def profile_case(op, shape, B, device, steps, rows) -> str:
+    (case,) = make_cases([op], [parse_shape(shape)], [B], device.type)
+    inputs, grad = make_inputs(op, case, torch.float32, device)
+    step = fwd_bwd_step(get_impl(case, "capsroute"), inputs, grad, 3)
+    for _ in range(3):  # warm: cuBLAS handles, the caching allocator
+        step()
+        clear_grads(inputs)
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+            clear_grads(inputs)
+        synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+    path = "/".join(capsroute.last_kernel_path(op, d) for d in ("forward", "backward"))
+    gpu = (
+        f"kernels {kernel_ms:.3f} ms (busy {kernel_ms / wall_ms:.0%}), "
+        f"{len(kernels) / steps:.0f} kernel launches a step, "
+        if device.type == "cuda"
+        else ""
+    )
+    summary = f"{case.label()}: {wall_ms:.3f} ms a step, {gpu}path {path}"
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
+    return f"== {summary}\n{table}\n", summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rows", type=int, default=25, help="operators and kernels listed a case")
+    p.add_argument("--quick", action="store_true", help="two small cases (a dry check)")
+    p.add_argument("--out", type=Path, help="folder for profile.txt (else stdout only)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_profile: no GPU visible to torch (--device cpu for a dry check)")
+    report, summaries = [], []
+    for op, shape, B in QUICK_CASES if args.quick else CASES:
+        text, summary = profile_case(op, shape, B, device, args.steps, args.rows)
+        print(summary, flush=True)
+        report.append(text)
+        summaries.append(summary)
+        if args.out:  # written after each case: a call cut off keeps the cases done
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "profile.txt").write_text("\n".join(summaries) + "\n\n" + "".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
