@@ -2,8 +2,8 @@
 each case the GPU records show missing its target (bench/results), as the benchmark feeds it.
 
 Per case: wall time a step, the GPU's kernel time a step (busy = kernel / wall: far under 100%
-means the host or launch gaps bound the step), kernel launches a step, the kernel path, and the
-operators and kernels by GPU time. Runs on the CPU too (no kernel rows there), for a dry check."""
+means the host or launch gaps bound the step), kernels and copies a step, the kernel path, and
+the operators and kernels by GPU time. Runs on the CPU too (no kernel rows there), for a dry check."""
 
 import argparse
 import sys
@@ -46,12 +46,13 @@ def profile_case(op, shape, B, device, steps, rows) -> str:
             clear_grads(inputs)
         synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    # what ran on the GPU: kernels, copies and fills
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+    kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / steps
     path = "/".join(capsroute.last_kernel_path(op, d) for d in ("forward", "backward"))
     gpu = (
         f"kernels {kernel_ms:.3f} ms (busy {kernel_ms / wall_ms:.0%}), "
-        f"{len(kernels) / steps:.0f} kernel launches a step, "
+        f"{len(kernels) / steps:.0f} kernels and copies a step, "
         if device.type == "cuda"
         else ""
     )
