@@ -30,22 +30,29 @@ CASES = [
 QUICK_CASES = [("conv_dynamic_routing", "16x16:2,2,4,4,3,1,1", 2), ("dynamic_routing", "mnist", 2)]
 
 
-def profile_case(op, shape, B, device, steps, rows) -> str:
+def profile_case(op, shape, B, device, steps, rows) -> tuple[str, str]:
+    """(the case's report, its summary line)."""
     (case,) = make_cases([op], [parse_shape(shape)], [B], device.type)
     inputs, grad = make_inputs(op, case, torch.float32, device)
     step = fwd_bwd_step(get_impl(case, "capsroute"), inputs, grad, 3)
     for _ in range(3):  # warm: cuBLAS handles, the caching allocator
         step()
         clear_grads(inputs)
+    # The wall time without the profiler, whose own overhead per operator would make the GPU
+    # look idler than it is.
     synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+        clear_grads(inputs)
+    synchronize(device)
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
         for _ in range(steps):
             step()
             clear_grads(inputs)
         synchronize(device)
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
     # what ran on the GPU: kernels, copies and fills
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / steps
