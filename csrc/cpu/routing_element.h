@@ -109,10 +109,12 @@ inline void add_tile_coupling_bias(const acc_t* coupling_bias, int64_t i0, int64
 // block's own sum, which joins the total when the block ends. An FMA chain over all I rows rounds
 // like I terms; this like kSumBlockRows + I / kSumBlockRows (at I = 16384 self-attention's
 // gradients otherwise lose a digit to float32 eager's pairwise sums).
-constexpr int64_t kSumBlockRows = 128;  // a multiple of every tile's rows
+constexpr int64_t kSumBlockRows = 128;
 
 template <typename acc_t>
 class BlockedRowSum {
+  static_assert(kSumBlockRows % kTileRows<acc_t> == 0, "a block is whole tiles");
+
  public:
   explicit BlockedRowSum(int64_t size) : block_(size, acc_t(0)) {}
   acc_t* block() { return block_.data(); }  // where the tiles of the current block add
