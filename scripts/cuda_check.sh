@@ -33,9 +33,9 @@
 #   tests-scale (150)     I = 16384 at B = 1 or 2
 #   sweep (180)           scripts/gpu_sweep.py
 #   memcheck (130), racecheck (300), initcheck (130), synccheck (130)   compute-sanitizer over
-#                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first
-#                         (racecheck, which did not finish the workload in 130 s at fd0dca8,
-#                         had reached half of it)
+#                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first,
+#                         two calls' worth (racecheck, which did not finish the workload in 130 s
+#                         at fd0dca8, had reached half of it)
 #   profile (90)          scripts/gpu_profile.py: the torch profiler over the cases that missed
 #                         their targets (kernel time against wall time, launches, top kernels)
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
