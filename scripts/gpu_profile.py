@@ -6,8 +6,8 @@ means the host or launch gaps bound the step), kernels and copies a step, the ke
 the operators and kernels by GPU time. Runs on the CPU too (no kernel rows there), for a dry check."""
 
 import argparse
+import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import capsroute
 from capsroute.bench.cases import get_impl, make_cases, make_inputs, parse_shape
-from capsroute.bench.timing import clear_grads, fwd_bwd_step, synchronize
+from capsroute.bench.timing import clear_grads, fwd_bwd_step, synchronize, time_samples
 
 # (op, shape, B): the missed targets of the H100 records, and dynamic_routing at B = 32, whose
 # warp-row and cluster paths took the same 0.43 ms (a floor that is not the kernels').
@@ -35,24 +35,21 @@ def profile_case(op, shape, B, device, steps, rows) -> tuple[str, str]:
     (case,) = make_cases([op], [parse_shape(shape)], [B], device.type)
     inputs, grad = make_inputs(op, case, torch.float32, device)
     step = fwd_bwd_step(get_impl(case, "capsroute"), inputs, grad, 3)
-    for _ in range(3):  # warm: cuBLAS handles, the caching allocator
-        step()
-        clear_grads(inputs)
-    # The wall time without the profiler, whose own overhead per operator would make the GPU
-    # look idler than it is.
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-        clear_grads(inputs)
-    synchronize(device)
-    wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
+
+    def run_steps(n):
+        for _ in range(n):
             step()
             clear_grads(inputs)
         synchronize(device)
+
+    run_steps(3)  # warm: cuBLAS handles, the caching allocator
+    # The step's time as the benchmark takes it, without the profiler, whose own overhead per
+    # operator would make the GPU look idler than it is.
+    before = lambda: clear_grads(inputs)  # noqa: E731
+    wall_ms = statistics.median(time_samples(step, device, repeats=steps, before=before))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_steps(steps)
     # what ran on the GPU: kernels, copies and fills
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / steps
@@ -63,7 +60,7 @@ def profile_case(op, shape, B, device, steps, rows) -> tuple[str, str]:
         if device.type == "cuda"
         else ""
     )
-    summary = f"{case.label()}: {wall_ms:.3f} ms a step, {gpu}path {path}"
+    summary = f"{case.label()}: {wall_ms:.3f} ms a step (median), {gpu}path {path}"
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70)
     return f"== {summary}\n{table}\n", summary
