@@ -1,4 +1,8 @@
-"""Shared test helpers: devices, tolerances, random inputs and relative-error assertions."""
+"""Shared test helpers: devices, tolerances, random inputs, relative-error assertions and the
+scripts of scripts/ loaded as modules."""
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +57,12 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
         x = torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
     assert not x.is_contiguous()
     return x.requires_grad_(t.requires_grad)
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

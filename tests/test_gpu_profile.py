@@ -1,31 +1,18 @@
 """scripts/gpu_profile.py runs on a GPU machine whose minutes are scarce: check here that its cases
 exist and that a profile of small ones is written, a line per case with the path it ran."""
 
-import importlib.util
-from pathlib import Path
-
 from capsroute.bench.cases import make_cases, parse_shape
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_profile():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_profile", ROOT / "scripts" / "gpu_profile.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 def test_every_gpu_case_is_a_benchmark_case():
-    for op, shape, B in load_profile().CASES:
+    for op, shape, B in load_script("gpu_profile").CASES:
         (case,) = make_cases([op], [parse_shape(shape)], [B], "cuda")
         assert (case.op, case.B) == (op, B)
 
 
 def test_quick_profile_on_cpu(tmp_path):
-    module = load_profile()
+    module = load_script("gpu_profile")
     assert module.main(["--device", "cpu", "--quick", "--steps", "1", "--out", str(tmp_path)]) == 0
     lines = (tmp_path / "profile.txt").read_text().splitlines()
     summaries = lines[: len(module.QUICK_CASES)]

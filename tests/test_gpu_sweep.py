@@ -1,22 +1,15 @@
 """scripts/gpu_sweep.py runs on a GPU machine whose minutes are scarce: check here, on small shapes,
 that it runs, covers every op and records what it claims."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_sweep():
-    spec = importlib.util.spec_from_file_location("gpu_sweep", ROOT / "scripts" / "gpu_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 def test_quick_sweep_on_cpu(tmp_path):
-    assert load_sweep().main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    assert (
+        load_script("gpu_sweep").main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    )
     report = json.loads((tmp_path / "gpu-sweep.json").read_text())
     ops = {r["case"].split()[0] for r in report["results"]}
     assert ops == {
