@@ -6,6 +6,7 @@ means the host or launch gaps bound the step), kernels and copies a step, the ke
 the operators and kernels by GPU time. Runs on the CPU too (no kernel rows there), for a dry check."""
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def profile_case(op, shape, B, device, steps, rows) -> tuple[str, str]:
     run_steps(3)  # warm: cuBLAS handles, the caching allocator
     # The step's time as the benchmark takes it, without the profiler, whose own overhead per
     # operator would make the GPU look idler than it is.
-    before = lambda: clear_grads(inputs)  # noqa: E731
+    before = functools.partial(clear_grads, inputs)
     wall_ms = statistics.median(time_samples(step, device, repeats=steps, before=before))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
