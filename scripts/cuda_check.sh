@@ -10,12 +10,13 @@
 # the first call, later calls carry build-cache and unpack it):
 #   call-1  build doctor bench-minimal tests  the install works on the GPU, on every path; the
 #                                             minimal timings of each path; the CUDA test suite
-#   call-2  memcheck racecheck                the sanitizers that find overruns and races
-#   call-3  initcheck synccheck sweep         the other two; the float64 sweep at GPU sizes
-#   call-4  profile bench bench-conv          where the missed targets' time goes; the routing
-#                                             benchmark; the conv ops
-#   call-5  bench-em tests-scale              the EM benchmark; I = 16384
-#   call-6  bench-models train-capsnet        model steps; training resumes in later calls
+#   call-2  memcheck racecheck:routing,em     the sanitizers that find overruns and races
+#   call-3  racecheck:conv,attention initcheck synccheck   the rest of racecheck; the other two
+#   call-4  sweep profile bench               the float64 sweep at GPU sizes; where the missed
+#                                             targets' time goes; the routing benchmark
+#   call-5  bench-conv bench-em               the conv ops; the EM benchmark
+#   call-6  bench-models tests-scale          model steps and the largest batches; I = 16384
+#   call-7  train-capsnet                     CapsNet on MNIST, the whole call
 # Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
 # the first builds instead (150 s). The budgets are two to three times what each stage took on an
 # H100 (bench/results/nvidia-h100-*) where it ran there; each stage's log line says what it took.
@@ -32,10 +33,11 @@
 #   tests (150)           the CUDA tests (-m cuda)
 #   tests-scale (150)     I = 16384 at B = 1 or 2
 #   sweep (180)           scripts/gpu_sweep.py
-#   memcheck (130), racecheck (300), initcheck (130), synccheck (130)   compute-sanitizer over
-#                         scripts/sanitizer_workload.py; `sanitize` is all four, memcheck first,
-#                         two calls' worth (racecheck, which did not finish the workload in 130 s
-#                         at fd0dca8, had reached half of it)
+#   memcheck (130), racecheck (300), initcheck (130), synccheck (60)   compute-sanitizer over
+#                         scripts/sanitizer_workload.py; TOOL:SECTION,... over those sections of
+#                         it alone (routing, em, conv, attention), for racecheck, which did not
+#                         finish the whole workload in 235 s at 9465c6f; `sanitize` is all four,
+#                         memcheck first, two calls' worth
 #   profile (90)          scripts/gpu_profile.py: the torch profiler over the cases that missed
 #                         their targets (kernel time against wall time, launches, top kernels)
 #   bench (240), bench-em (240), bench-large (240), bench-scale (180), bench-models (300)
@@ -43,7 +45,7 @@
 #                         from u and the weight), every impl, at Efficient-CapsNet's and MNIST's
 #                         shapes (B = 32, 512) and I = 16384 (B = 8); not yet measured on a GPU:
 #                         the budget is a guess, and no call plans it yet (run it by name)
-#   bench-conv (130)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
+#   bench-conv (200)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
 #                         impl, at MatrixCapsNet's conv layers (B = 512), image scale (B = 1) and
 #                         SegCaps-like (B = 16); not yet measured on a GPU: the budget is a guess
 #                         (conv EM's kernel, predicted at milliseconds a call, leaves it to eager
@@ -75,11 +77,12 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 # (about 100 s on the H100 machine's 16 cores).
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
   [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=130 [racecheck]=300
-  [initcheck]=130 [synccheck]=130 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
-  [bench-models]=300 [bench-conv]=130 [bench-attention]=200 [profile]=90)
+  [initcheck]=130 [synccheck]=60 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
+  [bench-models]=300 [bench-conv]=200 [bench-attention]=200 [profile]=90)
 # The calls of a GPU session, in value order (the header's plan).
-calls=("build doctor bench-minimal tests" "memcheck racecheck" "initcheck synccheck sweep"
-       "profile bench bench-conv" "bench-em tests-scale" "bench-models train-capsnet")
+calls=("build doctor bench-minimal tests" "memcheck racecheck:routing,em"
+       "racecheck:conv,attention initcheck synccheck" "sweep profile bench"
+       "bench-conv bench-em" "bench-models tests-scale" "train-capsnet")
 # The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
 stages=()
 for arg in "${@:-call-1}"; do
@@ -89,6 +92,15 @@ for arg in "${@:-call-1}"; do
             read -ra more <<< "${calls[n-1]}"; stages+=("${more[@]}") ;;
     sanitize) stages+=(memcheck racecheck initcheck synccheck) ;;  # memcheck first
     train-*) stages+=("$arg") ;;  # checked when it runs
+    memcheck:*|racecheck:*|initcheck:*|synccheck:*)  # sections of scripts/sanitizer_workload.py
+      IFS=, read -ra sections <<< "${arg#*:}"
+      for section in "${sections[@]}"; do
+        case $section in
+          routing|em|conv|attention) ;;
+          *) echo "unknown stage $arg (sections: routing, em, conv, attention)" >&2; exit 2 ;;
+        esac
+      done
+      stages+=("$arg") ;;
     *) [ -n "${budget[$arg]:-}" ] && [ "$arg" != setup ] || { echo "unknown stage $arg" >&2; exit 2; }
        stages+=("$arg") ;;
   esac
@@ -102,7 +114,7 @@ plan() {
   for stage in "$@"; do
     case $stage in
       train-*) seconds=$(( CALL_SECONDS - total )); [ "$seconds" -ge 120 ] || seconds=120 ;;
-      *) seconds=${budget[$stage]} ;;
+      *) seconds=${budget[${stage%%:*}]} ;;
     esac
     total=$(( total + seconds )); listing+="${listing:+ + }$stage $seconds"
   done
@@ -204,11 +216,11 @@ for k in "${!stages[@]}"; do
       case $next in
         build) ;;
         train-*) later=$(( later + 120 )) ;;
-        *) later=$(( later + budget[$next] )) ;;
+        *) later=$(( later + budget[${next%%:*}] )) ;;
       esac
     done
     spare=$(( CALL_SECONDS - (SECONDS - started) - 20 - later ))
-    [ "$spare" -gt "${budget[$stage]}" ] || spare=${budget[$stage]}
+    [ "$spare" -gt "${budget[${stage%%:*}]}" ] || spare=${budget[${stage%%:*}]}
     if ! seconds=$(stage_seconds 20 "$spare"); then status=1; continue; fi
     stage_start=$SECONDS stage_end=$(( SECONDS + seconds ))
     echo "== $stage: at most $seconds s" >&2
@@ -239,11 +251,14 @@ for k in "${!stages[@]}"; do
       within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
     profile)  # where the missed targets' forward+backward time goes (profile.txt)
       within python scripts/gpu_profile.py --device cuda --out "$out" || status=1 ;;
-    memcheck|racecheck|initcheck|synccheck)
+    memcheck*|racecheck*|initcheck*|synccheck*)  # TOOL or TOOL:SECTION,SECTION
+      tool=${stage%%:*} sections=()
+      [ "$tool" = "$stage" ] || IFS=, read -ra sections <<< "${stage#*:}"
       # Without torch's caching allocator: it hands out slices of larger blocks and reuses memory,
       # so an overrun or an uninitialised read inside a block would pass memcheck and initcheck.
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 within compute-sanitizer --tool "$stage" --error-exitcode 9 \
-        python scripts/sanitizer_workload.py 2>&1 | tee "$out/sanitizer-$stage.log" | tail -5 || status=1 ;;
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 within compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python scripts/sanitizer_workload.py "${sections[@]}" 2>&1 \
+        | tee "$out/sanitizer-${stage//[:,]/-}.log" | tail -8 || status=1 ;;
     bench)  # every impl; other paths capsroute alone (the baselines do not depend on them)
       gpu_bench . --op dynamic dense --shape mnist --batch 32 128 512 2048 --plot || status=1
       # dynamic_routing on the warp rows both ways instead of an element per cluster

@@ -2,11 +2,17 @@
 shapes, every storage dtype and option (the shapes are small so memcheck/racecheck stay fast).
 Exits non-zero if an output is not finite or disagrees with the CPU backend, or if a kernel path
 never ran (capsroute.last_kernel_path: a forced switch that silently fell back would leave its
-kernels unchecked)."""
+kernels unchecked).
+
+    python scripts/sanitizer_workload.py [SECTION...]   (routing, em, conv, attention; default all)
+
+Sections let a sanitizer that is slow (racecheck) cover the workload in parts; each reports its
+time as it ends."""
 
 import itertools
 import os
 import sys
+import time
 
 import torch
 
@@ -18,6 +24,7 @@ failures = []
 covered = set()  # the kernel paths the CUDA calls ran
 # Relative error allowed against the CPU backend (or the reference) on the same rounded inputs.
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}
+CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)  # sm_90: the cluster kernels can run
 
 
 def note_paths(op):
@@ -80,48 +87,49 @@ def check_routing_ops(
         check(f"{name} {label}", cuda_out, cpu_out, tol)
 
 
-# The kernels the dispatch picks, every storage dtype, with the rows of each element in one range
-# and (CAPSROUTE_ROUTING_SPLITS) in 3, more ranges than rows included.
-for dtype, shape, leaky, detach, splits in itertools.product(
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-    ROUTING_SHAPES,
-    [False, True],
-    [False, True],
-    ["1", "3"],
-):
-    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
-    check_routing_ops(dtype, shape, leaky, detach, f"splits={splits}")
-os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
+def check_routing():
+    # The kernels the dispatch picks, every storage dtype, with the rows of each element in one range
+    # and (CAPSROUTE_ROUTING_SPLITS) in 3, more ranges than rows included.
+    for dtype, shape, leaky, detach, splits in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+        ROUTING_SHAPES,
+        [False, True],
+        [False, True],
+        ["1", "3"],
+    ):
+        os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
+        check_routing_ops(dtype, shape, leaky, detach, f"splits={splits}")
+    os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
 
-# Each path forced: dynamic_routing's rows a warp per part of an element where the capsules fit
-# (J = 7, D = 16 and 1 x 1 here; J = 33, D = 5 and D = 32 take the block kernels), in one range per
-# element with (sm_90) the forward an element per cluster of 8 blocks and the backward an element
-# per cluster of 16 (CAPSROUTE_ROUTING_CLUSTER=force, whatever the batch), and
-# (CAPSROUTE_ROUTING_SPLITS) in 3 ranges on the warp rows both ways (CAPSROUTE_ROUTING_CLUSTER=0),
-# the vote gradient then a tile of rows per block; and
-# dense_capsules' votes of a chunk of the batch as one batched GEMM: the whole batch in one chunk
-# and (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one included; float32 and
-# float16 storage (dense_capsules' votes in float32 either way, bfloat16 as float16).
-CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)
-for dtype, shape, detach, splits, chunk in itertools.product(
-    [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], ["1", "3"], [None, "2"]
-):
-    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
-    os.environ["CAPSROUTE_ROUTING_CLUSTER"] = "force" if splits == "1" and CLUSTERS else "0"
-    if chunk is None:
-        os.environ.pop("CAPSROUTE_DENSE_CHUNK", None)
-    else:
-        os.environ["CAPSROUTE_DENSE_CHUNK"] = chunk
-    ops = (
-        ("dynamic_routing", "dense_capsules") if chunk is None else ("dense_capsules",)
-    )  # the chunk is dense's alone
-    check_routing_ops(dtype, shape, True, detach, f"splits={splits} chunk={chunk}", ops=ops)
-for name in (
-    "CAPSROUTE_DENSE_CHUNK",
-    "CAPSROUTE_ROUTING_SPLITS",
-    "CAPSROUTE_ROUTING_CLUSTER",
-):
-    os.environ.pop(name, None)
+    # Each path forced: dynamic_routing's rows a warp per part of an element where the capsules fit
+    # (J = 7, D = 16 and 1 x 1 here; J = 33, D = 5 and D = 32 take the block kernels), in one range per
+    # element with (sm_90) the forward an element per cluster of 8 blocks and the backward an element
+    # per cluster of 16 (CAPSROUTE_ROUTING_CLUSTER=force, whatever the batch), and
+    # (CAPSROUTE_ROUTING_SPLITS) in 3 ranges on the warp rows both ways (CAPSROUTE_ROUTING_CLUSTER=0),
+    # the vote gradient then a tile of rows per block; and
+    # dense_capsules' votes of a chunk of the batch as one batched GEMM: the whole batch in one chunk
+    # and (CAPSROUTE_DENSE_CHUNK) chunks of 2 elements, an uneven last one included; float32 and
+    # float16 storage (dense_capsules' votes in float32 either way, bfloat16 as float16).
+    for dtype, shape, detach, splits, chunk in itertools.product(
+        [torch.float32, torch.float16], ROUTING_SHAPES, [False, True], ["1", "3"], [None, "2"]
+    ):
+        os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
+        os.environ["CAPSROUTE_ROUTING_CLUSTER"] = "force" if splits == "1" and CLUSTERS else "0"
+        if chunk is None:
+            os.environ.pop("CAPSROUTE_DENSE_CHUNK", None)
+        else:
+            os.environ["CAPSROUTE_DENSE_CHUNK"] = chunk
+        ops = (
+            ("dynamic_routing", "dense_capsules") if chunk is None else ("dense_capsules",)
+        )  # the chunk is dense's alone
+        check_routing_ops(dtype, shape, True, detach, f"splits={splits} chunk={chunk}", ops=ops)
+    for name in (
+        "CAPSROUTE_DENSE_CHUNK",
+        "CAPSROUTE_ROUTING_SPLITS",
+        "CAPSROUTE_ROUTING_CLUSTER",
+    ):
+        os.environ.pop(name, None)
+
 
 # The EM kernels' row ranges: as many as the dispatch picks, on every storage dtype, and 3
 # (CAPSROUTE_EM_SPLITS; more ranges than rows at I = 1) on float32 and float16.
@@ -142,153 +150,158 @@ def use_em_splits(splits):
         os.environ["CAPSROUTE_EM_SPLITS"] = splits
 
 
-# EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
-for (splits, dtype), (B, I, J, H), iters in itertools.product(
-    EM_SPLITS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
-):
-    use_em_splits(splits)
-    tol = TOLERANCE[dtype]
-    votes = torch.randn(B, I, J, H, dtype=torch.float64)
-    a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
-    a_in[:, ::4] = 0  # inputs without mass take the guarded paths
-    betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
-    grads = torch.randn(B, J, H, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
+def check_em():
+    # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
+    for (splits, dtype), (B, I, J, H), iters in itertools.product(
+        EM_SPLITS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
+    ):
+        use_em_splits(splits)
+        tol = TOLERANCE[dtype]
+        votes = torch.randn(B, I, J, H, dtype=torch.float64)
+        a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+        a_in[:, ::4] = 0  # inputs without mass take the guarded paths
+        betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
+        grads = torch.randn(B, J, H, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
 
-    def em(*xs):
-        leaves = [t.detach().clone().requires_grad_() for t in xs]
-        pose, a_out = capsroute.em_routing(*leaves, iters, final_lambda=0.5)
-        loss = (pose.double() * grads[0].to(pose.device)).sum() + (
-            a_out.double() * grads[1].to(a_out.device)
-        ).sum()
-        return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+        def em(*xs):
+            leaves = [t.detach().clone().requires_grad_() for t in xs]
+            pose, a_out = capsroute.em_routing(*leaves, iters, final_lambda=0.5)
+            loss = (pose.double() * grads[0].to(pose.device)).sum() + (
+                a_out.double() * grads[1].to(a_out.device)
+            ).sum()
+            return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
-    inputs = (votes, a_in, *betas)
-    cuda_out = em(*[t.to("cuda", dtype) for t in inputs])
-    note_paths("em_routing")
-    check(
-        f"em_routing splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
-        cuda_out,
-        em(*[t.to(dtype).double() for t in inputs]),
-        tol,
-    )
-
-# EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
-# backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
-for (splits, dtype), (B, I, J), iters, chunk in itertools.product(
-    EM_SPLITS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
-):
-    use_em_splits(splits)
-    tol = TOLERANCE[dtype]
-    pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
-    weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
-    a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
-    a_in[:, ::4] = 0  # inputs without mass take the guarded paths
-    betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
-    grads = torch.randn(B, J, 16, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
-
-    def em_pose(*xs):
-        leaves = [t.detach().clone().requires_grad_() for t in xs]
-        pose_out, a_out = capsroute.em_routing_pose(*leaves, iters, final_lambda=0.5)
-        loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
-            a_out.double() * grads[1].to(a_out.device)
-        ).sum()
-        return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
-
-    if chunk is None:
-        os.environ.pop("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", None)
-    else:
-        os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
-    inputs = (pose, weight, a_in, *betas)
-    cuda_out = em_pose(*[t.to("cuda", dtype) for t in inputs])
-    note_paths("em_routing_pose")
-    check(
-        f"em_routing_pose splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
-        cuda_out,
-        em_pose(*[t.to(dtype).double() for t in inputs]),
-        tol,
-    )
-for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
-    os.environ.pop(name, None)
-
-# conv_em_routing: gradients w.r.t. pose, a_in, weight and both betas, every storage dtype, against
-# the CPU kernel in float64 on the same rounded values. Shapes: overlapping windows with padding,
-# stride 2 (K = 1 there: children no window contains), one iteration.
-for dtype, (B, H, W, C_in, C_out, K, stride, padding), iters in itertools.product(
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-    [(2, 5, 4, 3, 5, 3, 1, 1), (1, 6, 5, 4, 3, 1, 2, 0), (3, 4, 4, 2, 7, 3, 2, 1)],
-    [1, 3],
-):
-    tol = TOLERANCE[dtype]
-    pose = torch.randn(B, H, W, C_in, 4, 4, dtype=torch.float64)
-    a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64)
-    weight = 0.5 * torch.randn(K, K, C_in, C_out, 4, 4, dtype=torch.float64)
-    betas = [0.5 * torch.randn(C_out, dtype=torch.float64) for _ in range(2)]
-    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
-    grads = (
-        torch.randn(B, Ho, Wo, C_out, 16, dtype=torch.float64),
-        torch.randn(B, Ho, Wo, C_out, dtype=torch.float64),
-    )
-
-    def conv_em(*xs):
-        leaves = [t.detach().clone().requires_grad_() for t in xs]
-        pose_out, a_out = capsroute.conv_em_routing(
-            *leaves, iters, stride=stride, padding=padding, final_lambda=0.5
+        inputs = (votes, a_in, *betas)
+        cuda_out = em(*[t.to("cuda", dtype) for t in inputs])
+        note_paths("em_routing")
+        check(
+            f"em_routing splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
+            cuda_out,
+            em(*[t.to(dtype).double() for t in inputs]),
+            tol,
         )
-        loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
-            a_out.double() * grads[1].to(a_out.device)
-        ).sum()
-        return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
-    inputs = (pose, a_in, weight, *betas)
-    cuda_out = conv_em(*[t.to("cuda", dtype) for t in inputs])
-    note_paths("conv_em_routing")
-    check(
-        f"conv_em_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
-        f"padding={padding} iters={iters}",
-        cuda_out,
-        conv_em(*[t.to(dtype).double() for t in inputs]),
-        tol,
-    )
+    # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
+    # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
+    for (splits, dtype), (B, I, J), iters, chunk in itertools.product(
+        EM_SPLITS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
+    ):
+        use_em_splits(splits)
+        tol = TOLERANCE[dtype]
+        pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
+        weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
+        a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+        a_in[:, ::4] = 0  # inputs without mass take the guarded paths
+        betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
+        grads = torch.randn(B, J, 16, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
 
-# conv_dynamic_routing: gradients w.r.t. u, weight and bias, every storage dtype, against the CPU
-# backend in float64 on the same rounded values. Shapes: padding; stride 2 with padding >= K
-# (windows on padding alone) and J = 33 (the block kernels); whole images a chunk and
-# (CAPSROUTE_CONV_CHUNK) rows of one image, a short last chunk included (the warp rows).
-for dtype, (B, H, W, C_in, C_out, D, Din, K, stride, padding), chunk in itertools.product(
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
-    [
-        (2, 6, 5, 3, 4, 8, 5, 3, 1, 1),
-        (1, 5, 7, 2, 33, 4, 3, 3, 2, 4),
-        (3, 7, 8, 2, 3, 16, 4, 3, 2, 1),
-    ],
-    [None, "5"],
-):
-    tol = TOLERANCE[dtype]
-    Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
-    inputs = (
-        torch.randn(B, H, W, C_in, Din, dtype=torch.float64),
-        torch.randn(K, K, C_in, C_out, D, Din, dtype=torch.float64) * (K * K * Din) ** -0.5,
-        torch.randn(C_out, D, dtype=torch.float64) * 0.1,
-    )
-    grad = torch.randn(B, Ho, Wo, C_out, D, dtype=torch.float64)
+        def em_pose(*xs):
+            leaves = [t.detach().clone().requires_grad_() for t in xs]
+            pose_out, a_out = capsroute.em_routing_pose(*leaves, iters, final_lambda=0.5)
+            loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
+                a_out.double() * grads[1].to(a_out.device)
+            ).sum()
+            return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
-    def conv_dynamic(u, weight, bias):
-        return capsroute.conv_dynamic_routing(u, weight, bias=bias, stride=stride, padding=padding)
+        if chunk is None:
+            os.environ.pop("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", None)
+        else:
+            os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
+        inputs = (pose, weight, a_in, *betas)
+        cuda_out = em_pose(*[t.to("cuda", dtype) for t in inputs])
+        note_paths("em_routing_pose")
+        check(
+            f"em_routing_pose splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
+            cuda_out,
+            em_pose(*[t.to(dtype).double() for t in inputs]),
+            tol,
+        )
+    for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
+        os.environ.pop(name, None)
 
-    if chunk is None:
-        os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
-    else:
-        os.environ["CAPSROUTE_CONV_CHUNK"] = chunk
-    cuda_out = run(conv_dynamic, [t.to("cuda", dtype) for t in inputs], grad.cuda())
-    note_paths("conv_dynamic_routing")
-    check(
-        f"conv_dynamic_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} D={D} K={K} "
-        f"stride={stride} padding={padding} chunk={chunk}",
-        cuda_out,
-        run(conv_dynamic, [t.to(dtype).double() for t in inputs], grad),
-        tol,
-    )
-os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
+
+def check_conv():
+    # conv_em_routing: gradients w.r.t. pose, a_in, weight and both betas, every storage dtype, against
+    # the CPU kernel in float64 on the same rounded values. Shapes: overlapping windows with padding,
+    # stride 2 (K = 1 there: children no window contains), one iteration.
+    for dtype, (B, H, W, C_in, C_out, K, stride, padding), iters in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+        [(2, 5, 4, 3, 5, 3, 1, 1), (1, 6, 5, 4, 3, 1, 2, 0), (3, 4, 4, 2, 7, 3, 2, 1)],
+        [1, 3],
+    ):
+        tol = TOLERANCE[dtype]
+        pose = torch.randn(B, H, W, C_in, 4, 4, dtype=torch.float64)
+        a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64)
+        weight = 0.5 * torch.randn(K, K, C_in, C_out, 4, 4, dtype=torch.float64)
+        betas = [0.5 * torch.randn(C_out, dtype=torch.float64) for _ in range(2)]
+        Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+        grads = (
+            torch.randn(B, Ho, Wo, C_out, 16, dtype=torch.float64),
+            torch.randn(B, Ho, Wo, C_out, dtype=torch.float64),
+        )
+
+        def conv_em(*xs):
+            leaves = [t.detach().clone().requires_grad_() for t in xs]
+            pose_out, a_out = capsroute.conv_em_routing(
+                *leaves, iters, stride=stride, padding=padding, final_lambda=0.5
+            )
+            loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
+                a_out.double() * grads[1].to(a_out.device)
+            ).sum()
+            return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+
+        inputs = (pose, a_in, weight, *betas)
+        cuda_out = conv_em(*[t.to("cuda", dtype) for t in inputs])
+        note_paths("conv_em_routing")
+        check(
+            f"conv_em_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
+            f"padding={padding} iters={iters}",
+            cuda_out,
+            conv_em(*[t.to(dtype).double() for t in inputs]),
+            tol,
+        )
+
+    # conv_dynamic_routing: gradients w.r.t. u, weight and bias, every storage dtype, against the CPU
+    # backend in float64 on the same rounded values. Shapes: padding; stride 2 with padding >= K
+    # (windows on padding alone) and J = 33 (the block kernels); whole images a chunk and
+    # (CAPSROUTE_CONV_CHUNK) rows of one image, a short last chunk included (the warp rows).
+    for dtype, (B, H, W, C_in, C_out, D, Din, K, stride, padding), chunk in itertools.product(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+        [
+            (2, 6, 5, 3, 4, 8, 5, 3, 1, 1),
+            (1, 5, 7, 2, 33, 4, 3, 3, 2, 4),
+            (3, 7, 8, 2, 3, 16, 4, 3, 2, 1),
+        ],
+        [None, "5"],
+    ):
+        tol = TOLERANCE[dtype]
+        Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
+        inputs = (
+            torch.randn(B, H, W, C_in, Din, dtype=torch.float64),
+            torch.randn(K, K, C_in, C_out, D, Din, dtype=torch.float64) * (K * K * Din) ** -0.5,
+            torch.randn(C_out, D, dtype=torch.float64) * 0.1,
+        )
+        grad = torch.randn(B, Ho, Wo, C_out, D, dtype=torch.float64)
+
+        def conv_dynamic(u, weight, bias):
+            return capsroute.conv_dynamic_routing(
+                u, weight, bias=bias, stride=stride, padding=padding
+            )
+
+        if chunk is None:
+            os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
+        else:
+            os.environ["CAPSROUTE_CONV_CHUNK"] = chunk
+        cuda_out = run(conv_dynamic, [t.to("cuda", dtype) for t in inputs], grad.cuda())
+        note_paths("conv_dynamic_routing")
+        check(
+            f"conv_dynamic_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} D={D} K={K} "
+            f"stride={stride} padding={padding} chunk={chunk}",
+            cuda_out,
+            run(conv_dynamic, [t.to(dtype).double() for t in inputs], grad),
+            tol,
+        )
+    os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
 
 
 # The attention routings (dynamic routing's block kernels under their rules), on given votes and
@@ -349,25 +362,41 @@ ATTENTION_DTYPES = {
     "1": [torch.float32, torch.float64, torch.float16, torch.bfloat16],
     "3": [torch.float32, torch.float16],
 }
-for splits, dtypes in ATTENTION_DTYPES.items():
-    os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
-    for dtype, shape, with_parameters in itertools.product(dtypes, ROUTING_SHAPES, [False, True]):
-        check_attention_ops(dtype, shape, with_parameters, f"splits={splits}")
-os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
-torch.cuda.synchronize()
-expected_paths = {
-    "cuda",
-    "v2-warp-rows",
-    "v2-block",
-    "dense-v2-gemm+v2-warp-rows",
-    "dense-v2-gemm+v2-block",
-    "em-row-ranges",
-    "conv-em-parent-child",
+
+
+def check_attention():
+    for splits, dtypes in ATTENTION_DTYPES.items():
+        os.environ["CAPSROUTE_ROUTING_SPLITS"] = splits
+        for dtype, shape, with_parameters in itertools.product(
+            dtypes, ROUTING_SHAPES, [False, True]
+        ):
+            check_attention_ops(dtype, shape, with_parameters, f"splits={splits}")
+    os.environ.pop("CAPSROUTE_ROUTING_SPLITS", None)
+
+
+# Each section: its checks and the kernel paths they must run. conv_dynamic_routing's chunks run
+# the warp rows (5 positions) and the block kernels (J = 33).
+SECTIONS = {
+    "routing": (
+        check_routing,
+        {"cuda", "v2-warp-rows", "v2-block", "dense-v2-gemm+v2-warp-rows", "dense-v2-gemm+v2-block"}
+        | ({"v2-cluster", "dense-v2-gemm+v2-cluster"} if CLUSTERS else set()),
+    ),
+    "em": (check_em, {"em-row-ranges"}),
+    "conv": (check_conv, {"conv-em-parent-child", "conv-gemm+v2-warp-rows", "conv-gemm+v2-block"}),
+    "attention": (check_attention, {"v2-block", "dense-v2-gemm+v2-block"}),
 }
-if CLUSTERS:
-    expected_paths |= {"v2-cluster", "dense-v2-gemm+v2-cluster"}
-# conv_dynamic_routing's chunks on the warp rows (5 positions) and the block kernels (J = 33)
-expected_paths |= {"conv-gemm+v2-warp-rows", "conv-gemm+v2-block"}
+asked = sys.argv[1:] or list(SECTIONS)
+unknown = [name for name in asked if name not in SECTIONS]
+if unknown:
+    sys.exit(f"unknown section(s) {unknown}: choose from {list(SECTIONS)}")
+expected_paths = set()
+for name in asked:
+    started = time.monotonic()
+    SECTIONS[name][0]()
+    torch.cuda.synchronize()
+    expected_paths |= SECTIONS[name][1]
+    print(f"{name}: done in {time.monotonic() - started:.0f} s, {len(failures)} failures so far")
 if expected_paths - covered:
     failures.append(f"kernel paths never run: {sorted(expected_paths - covered)}")
 print(f"kernel paths run: {', '.join(sorted(covered))}")

@@ -30,7 +30,9 @@ def planned_calls() -> list[tuple[str, list[tuple[str, int]], int]]:
     for line in done.stdout.splitlines():
         found = re.fullmatch(r"(call-\d+): (.*) = (\d+) s of 570: fits", line)
         assert found, line
-        stages = [(name, int(seconds)) for name, seconds in re.findall(r"([\w-]+) (\d+)", found[2])]
+        stages = [
+            (name, int(seconds)) for name, seconds in re.findall(r"([\w:,-]+) (\d+)", found[2])
+        ]
         calls.append((found[1], stages, int(found[3])))
     return calls
 
@@ -44,13 +46,22 @@ def test_every_planned_call_fits_the_device_tools_call():
     # from the carried build.
     assert [stage for stage, _ in calls[0][1]][:3] == ["build", "doctor", "bench-minimal"]
     assert all(stages[0][0] == "setup" for _, stages, _ in calls[1:])
-    order = [stage for _, stages, _ in calls for stage, _ in stages]
+    order = [stage.split(":")[0] for _, stages, _ in calls for stage, _ in stages]
     sanitizers = [order.index(tool) for tool in ("memcheck", "racecheck", "initcheck", "synccheck")]
     assert sanitizers[0] == min(sanitizers), "memcheck runs before the other sanitizers"
+    # racecheck, in parts, covers every section of the sanitizer workload
+    sections = [
+        section
+        for _, stages, _ in calls
+        for stage, _ in stages
+        if stage.startswith("racecheck:")
+        for section in stage.split(":")[1].split(",")
+    ]
+    assert sorted(sections) == sorted(["routing", "em", "conv", "attention"])
 
 
 def test_the_headers_plan_is_the_one_the_script_runs():
-    header = re.findall(r"^#   (call-\d+)  ([\w -]+?)\s{2,}", SCRIPT.read_text(), re.MULTILINE)
+    header = re.findall(r"^#   (call-\d+)  ([\w:, -]+?)\s{2,}", SCRIPT.read_text(), re.MULTILINE)
     planned = [
         (name, " ".join(stage for stage, _ in stages if stage != "setup"))
         for name, stages, _ in planned_calls()
@@ -81,3 +92,6 @@ def test_an_unknown_stage_fails_before_anything_runs():
     assert done.returncode == 2
     assert "unknown stage bogus" in done.stderr
     assert dry_run("call-99").returncode == 2
+    done = dry_run("racecheck:conv,bogus")
+    assert done.returncode == 2
+    assert "unknown stage racecheck:conv,bogus" in done.stderr
