@@ -47,7 +47,8 @@
 #                         the budget is a guess, and no call plans it yet (run it by name)
 #   bench-conv (200)      conv_em_routing (per-window row included) and conv_dynamic_routing, every
 #                         impl, at MatrixCapsNet's conv layers (B = 512), image scale (B = 1) and
-#                         SegCaps-like (B = 16); not yet measured on a GPU: the budget is a guess
+#                         SegCaps-like (B = 16), and there conv_dynamic_routing an image a chunk
+#                         and on the warp rows; not yet measured on a GPU: the budget is a guess
 #                         (conv EM's kernel, predicted at milliseconds a call, leaves it to eager
 #                         and compiled; docs/kernels.md)
 #   train-MODEL[-fashion|-multimnist] (the rest of the call)
@@ -292,6 +293,10 @@ for k in "${!stages[@]}"; do
       # conv_dynamic_routing an image a chunk (4096 positions, 145 MB at segcaps, past the 50 MB
       # L2) against the default 896 positions (32 MiB): 16 chunks instead of 80, their launches
       CAPSROUTE_CONV_CHUNK=4096 gpu_bench conv-chunk4096 --impl capsroute --op conv-dynamic \
+        --shape segcaps --batch 16 || status=1
+      # its chunks' routing on the warp rows: the clusters ran its I = 200, J = 8 forward at a tenth
+      # of the bandwidth (profile.txt at 9465c6f)
+      CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench conv-no-cluster --impl capsroute --op conv-dynamic \
         --shape segcaps --batch 16 || status=1 ;;
     train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)
       spec=${stage#train-}; model=${spec%%-*}; dataset=mnist
