@@ -294,8 +294,8 @@ for k in "${!stages[@]}"; do
       # L2) against the default 896 positions (32 MiB): 16 chunks instead of 80, their launches
       CAPSROUTE_CONV_CHUNK=4096 gpu_bench conv-chunk4096 --impl capsroute --op conv-dynamic \
         --shape segcaps --batch 16 || status=1
-      # its chunks' routing on the warp rows: the clusters ran its I = 200, J = 8 forward at a tenth
-      # of the bandwidth (profile.txt at 9465c6f)
+      # its chunks' routing on the warp rows: clusters of 8 and 16 blocks over elements of 8
+      # children read their votes at under 1% of the bandwidth (profile.txt at 9465c6f)
       CAPSROUTE_ROUTING_CLUSTER=0 gpu_bench conv-no-cluster --impl capsroute --op conv-dynamic \
         --shape segcaps --batch 16 || status=1 ;;
     train-*)  # train-MODEL (MNIST), train-MODEL-fashion (Fashion-MNIST), train-MODEL-multimnist (pairs)
