@@ -33,7 +33,7 @@
 #   tests (150)           the CUDA tests (-m cuda)
 #   tests-scale (150)     I = 16384 at B = 1 or 2
 #   sweep (180)           scripts/gpu_sweep.py
-#   memcheck (130), racecheck (300), initcheck (130), synccheck (60)   compute-sanitizer over
+#   memcheck (200), racecheck (300), initcheck (130), synccheck (60)   compute-sanitizer over
 #                         scripts/sanitizer_workload.py; TOOL:SECTION,... over those sections of
 #                         it alone (routing, em, conv, attention), for racecheck, which did not
 #                         finish the whole workload in 235 s at 9465c6f; `sanitize` is all four,
@@ -77,7 +77,7 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 # carried in build-cache (unpack, environment, the GPU check); build: the same with the build
 # (about 100 s on the H100 machine's 16 cores).
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
-  [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=130 [racecheck]=300
+  [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=200 [racecheck]=300
   [initcheck]=130 [synccheck]=60 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
   [bench-models]=300 [bench-conv]=200 [bench-attention]=200 [profile]=90)
 # The calls of a GPU session, in value order (the header's plan).
@@ -94,13 +94,9 @@ for arg in "${@:-call-1}"; do
     sanitize) stages+=(memcheck racecheck initcheck synccheck) ;;  # memcheck first
     train-*) stages+=("$arg") ;;  # checked when it runs
     memcheck:*|racecheck:*|initcheck:*|synccheck:*)  # sections of scripts/sanitizer_workload.py
-      IFS=, read -ra sections <<< "${arg#*:}"
-      for section in "${sections[@]}"; do
-        case $section in
-          routing|em|conv|attention) ;;
-          *) echo "unknown stage $arg (sections: routing, em, conv, attention)" >&2; exit 2 ;;
-        esac
-      done
+      section='(routing|em|conv|attention)'
+      [[ ${arg#*:} =~ ^$section(,$section)*$ ]] \
+        || { echo "unknown stage $arg (sections: routing, em, conv, attention)" >&2; exit 2; }
       stages+=("$arg") ;;
     *) [ -n "${budget[$arg]:-}" ] && [ "$arg" != setup ] || { echo "unknown stage $arg" >&2; exit 2; }
        stages+=("$arg") ;;
