@@ -54,6 +54,15 @@ def run(fn, inputs, grad):
     return [v.detach()] + list(torch.autograd.grad(v, leaves, grad.to(v.dtype)))
 
 
+def run_em(fn, inputs, grads):
+    """run for the EM ops, whose fn returns (pose, a_out): grads (for pose, for a_out) in
+    float64 on the CPU, moved to the outputs' device."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outputs = fn(*leaves)
+    loss = sum((out.double() * g.to(out.device)).sum() for out, g in zip(outputs, grads))
+    return [out.detach() for out in outputs] + list(torch.autograd.grad(loss, leaves))
+
+
 ROUTING_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)]
 
 
@@ -163,20 +172,15 @@ def check_em():
         grads = torch.randn(B, J, H, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
 
         def em(*xs):
-            leaves = [t.detach().clone().requires_grad_() for t in xs]
-            pose, a_out = capsroute.em_routing(*leaves, iters, final_lambda=0.5)
-            loss = (pose.double() * grads[0].to(pose.device)).sum() + (
-                a_out.double() * grads[1].to(a_out.device)
-            ).sum()
-            return [pose.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+            return capsroute.em_routing(*xs, iters, final_lambda=0.5)
 
         inputs = (votes, a_in, *betas)
-        cuda_out = em(*[t.to("cuda", dtype) for t in inputs])
+        cuda_out = run_em(em, [t.to("cuda", dtype) for t in inputs], grads)
         note_paths("em_routing")
         check(
             f"em_routing splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
             cuda_out,
-            em(*[t.to(dtype).double() for t in inputs]),
+            run_em(em, [t.to(dtype).double() for t in inputs], grads),
             tol,
         )
 
@@ -195,24 +199,19 @@ def check_em():
         grads = torch.randn(B, J, 16, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
 
         def em_pose(*xs):
-            leaves = [t.detach().clone().requires_grad_() for t in xs]
-            pose_out, a_out = capsroute.em_routing_pose(*leaves, iters, final_lambda=0.5)
-            loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
-                a_out.double() * grads[1].to(a_out.device)
-            ).sum()
-            return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
+            return capsroute.em_routing_pose(*xs, iters, final_lambda=0.5)
 
         if chunk is None:
             os.environ.pop("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", None)
         else:
             os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
         inputs = (pose, weight, a_in, *betas)
-        cuda_out = em_pose(*[t.to("cuda", dtype) for t in inputs])
+        cuda_out = run_em(em_pose, [t.to("cuda", dtype) for t in inputs], grads)
         note_paths("em_routing_pose")
         check(
             f"em_routing_pose splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
             cuda_out,
-            em_pose(*[t.to(dtype).double() for t in inputs]),
+            run_em(em_pose, [t.to(dtype).double() for t in inputs], grads),
             tol,
         )
     for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
@@ -240,23 +239,18 @@ def check_conv():
         )
 
         def conv_em(*xs):
-            leaves = [t.detach().clone().requires_grad_() for t in xs]
-            pose_out, a_out = capsroute.conv_em_routing(
-                *leaves, iters, stride=stride, padding=padding, final_lambda=0.5
+            return capsroute.conv_em_routing(
+                *xs, iters, stride=stride, padding=padding, final_lambda=0.5
             )
-            loss = (pose_out.double() * grads[0].to(pose_out.device)).sum() + (
-                a_out.double() * grads[1].to(a_out.device)
-            ).sum()
-            return [pose_out.detach(), a_out.detach()] + list(torch.autograd.grad(loss, leaves))
 
         inputs = (pose, a_in, weight, *betas)
-        cuda_out = conv_em(*[t.to("cuda", dtype) for t in inputs])
+        cuda_out = run_em(conv_em, [t.to("cuda", dtype) for t in inputs], grads)
         note_paths("conv_em_routing")
         check(
             f"conv_em_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
             f"padding={padding} iters={iters}",
             cuda_out,
-            conv_em(*[t.to(dtype).double() for t in inputs]),
+            run_em(conv_em, [t.to(dtype).double() for t in inputs], grads),
             tol,
         )
 
