@@ -63,6 +63,14 @@ def run_em(fn, inputs, grads):
     return [out.detach() for out in outputs] + list(torch.autograd.grad(loss, leaves))
 
 
+def check_em_op(op, label, fn, inputs, grads, dtype):
+    """An EM op on the GPU in `dtype` against the CPU in float64 on the same rounded values."""
+    cuda_out = run_em(fn, [t.to("cuda", dtype) for t in inputs], grads)
+    note_paths(op)
+    cpu_out = run_em(fn, [t.to(dtype).double() for t in inputs], grads)
+    check(f"{op} {label}", cuda_out, cpu_out, TOLERANCE[dtype])
+
+
 ROUTING_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)]
 
 
@@ -164,7 +172,6 @@ def check_em():
         EM_SPLITS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
     ):
         use_em_splits(splits)
-        tol = TOLERANCE[dtype]
         votes = torch.randn(B, I, J, H, dtype=torch.float64)
         a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
         a_in[:, ::4] = 0  # inputs without mass take the guarded paths
@@ -175,14 +182,8 @@ def check_em():
             return capsroute.em_routing(*xs, iters, final_lambda=0.5)
 
         inputs = (votes, a_in, *betas)
-        cuda_out = run_em(em, [t.to("cuda", dtype) for t in inputs], grads)
-        note_paths("em_routing")
-        check(
-            f"em_routing splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}",
-            cuda_out,
-            run_em(em, [t.to(dtype).double() for t in inputs], grads),
-            tol,
-        )
+        label = f"splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}"
+        check_em_op("em_routing", label, em, inputs, grads, dtype)
 
     # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
     # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
@@ -190,7 +191,6 @@ def check_em():
         EM_SPLITS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
     ):
         use_em_splits(splits)
-        tol = TOLERANCE[dtype]
         pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
         weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
         a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
@@ -206,14 +206,8 @@ def check_em():
         else:
             os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
         inputs = (pose, weight, a_in, *betas)
-        cuda_out = run_em(em_pose, [t.to("cuda", dtype) for t in inputs], grads)
-        note_paths("em_routing_pose")
-        check(
-            f"em_routing_pose splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}",
-            cuda_out,
-            run_em(em_pose, [t.to(dtype).double() for t in inputs], grads),
-            tol,
-        )
+        label = f"splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}"
+        check_em_op("em_routing_pose", label, em_pose, inputs, grads, dtype)
     for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
         os.environ.pop(name, None)
 
@@ -227,7 +221,6 @@ def check_conv():
         [(2, 5, 4, 3, 5, 3, 1, 1), (1, 6, 5, 4, 3, 1, 2, 0), (3, 4, 4, 2, 7, 3, 2, 1)],
         [1, 3],
     ):
-        tol = TOLERANCE[dtype]
         pose = torch.randn(B, H, W, C_in, 4, 4, dtype=torch.float64)
         a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64)
         weight = 0.5 * torch.randn(K, K, C_in, C_out, 4, 4, dtype=torch.float64)
@@ -244,15 +237,11 @@ def check_conv():
             )
 
         inputs = (pose, a_in, weight, *betas)
-        cuda_out = run_em(conv_em, [t.to("cuda", dtype) for t in inputs], grads)
-        note_paths("conv_em_routing")
-        check(
-            f"conv_em_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
-            f"padding={padding} iters={iters}",
-            cuda_out,
-            run_em(conv_em, [t.to(dtype).double() for t in inputs], grads),
-            tol,
+        label = (
+            f"{dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
+            f"padding={padding} iters={iters}"
         )
+        check_em_op("conv_em_routing", label, conv_em, inputs, grads, dtype)
 
     # conv_dynamic_routing: gradients w.r.t. u, weight and bias, every storage dtype, against the CPU
     # backend in float64 on the same rounded values. Shapes: padding; stride 2 with padding >= K
