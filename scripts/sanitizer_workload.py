@@ -48,26 +48,21 @@ def check(name, cuda_out, cpu_out, tol, vanishing=()):
             failures.append(f"{name} output {k}: relative error {err:.2e}")
 
 
-def run(fn, inputs, grad):
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    v = fn(*leaves)
-    return [v.detach()] + list(torch.autograd.grad(v, leaves, grad.to(v.dtype)))
-
-
-def run_em(fn, inputs, grads):
-    """run for the EM ops, whose fn returns (pose, a_out): grads (for pose, for a_out) in
-    float64 on the CPU, moved to the outputs' device."""
+def run(fn, inputs, grads):
+    """fn's outputs and its gradients w.r.t. every input, backward from one gradient per output
+    (grads: float64 on the CPU, moved to the outputs' device)."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     loss = sum((out.double() * g.to(out.device)).sum() for out, g in zip(outputs, grads))
     return [out.detach() for out in outputs] + list(torch.autograd.grad(loss, leaves))
 
 
-def check_em_op(op, label, fn, inputs, grads, dtype):
-    """An EM op on the GPU in `dtype` against the CPU in float64 on the same rounded values."""
-    cuda_out = run_em(fn, [t.to("cuda", dtype) for t in inputs], grads)
+def check_op(op, label, fn, inputs, grads, dtype):
+    """An op on the GPU in `dtype` against the CPU backend in float64 on the same rounded values."""
+    cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], grads)
     note_paths(op)
-    cpu_out = run_em(fn, [t.to(dtype).double() for t in inputs], grads)
+    cpu_out = run(fn, [t.to(dtype).double() for t in inputs], grads)
     check(f"{op} {label}", cuda_out, cpu_out, TOLERANCE[dtype])
 
 
@@ -78,7 +73,6 @@ def check_routing_ops(
     dtype, shape, leaky, detach, label, ops=("dynamic_routing", "dense_capsules", "squash")
 ):
     B, I, J, D, Din = shape
-    tol = TOLERANCE[dtype]
     label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach} {label}"
     votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
     bias = torch.randn(J, D, dtype=torch.float64) * 0.1
@@ -95,12 +89,7 @@ def check_routing_ops(
         if name not in ops:
             continue
         g = grad if name != "squash" else torch.randn_like(votes[:, 0])
-        cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], g.cuda())
-        note_paths(name)
-        cpu_out = run(
-            fn, [t.to(dtype).double() for t in inputs], g
-        )  # CPU float64 on the same rounded values
-        check(f"{name} {label}", cuda_out, cpu_out, tol)
+        check_op(name, label, fn, inputs, (g,), dtype)
 
 
 def check_routing():
@@ -183,7 +172,7 @@ def check_em():
 
         inputs = (votes, a_in, *betas)
         label = f"splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}"
-        check_em_op("em_routing", label, em, inputs, grads, dtype)
+        check_op("em_routing", label, em, inputs, grads, dtype)
 
     # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
     # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
@@ -207,7 +196,7 @@ def check_em():
             os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
         inputs = (pose, weight, a_in, *betas)
         label = f"splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}"
-        check_em_op("em_routing_pose", label, em_pose, inputs, grads, dtype)
+        check_op("em_routing_pose", label, em_pose, inputs, grads, dtype)
     for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
         os.environ.pop(name, None)
 
@@ -241,7 +230,7 @@ def check_conv():
             f"{dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} K={K} stride={stride} "
             f"padding={padding} iters={iters}"
         )
-        check_em_op("conv_em_routing", label, conv_em, inputs, grads, dtype)
+        check_op("conv_em_routing", label, conv_em, inputs, grads, dtype)
 
     # conv_dynamic_routing: gradients w.r.t. u, weight and bias, every storage dtype, against the CPU
     # backend in float64 on the same rounded values. Shapes: padding; stride 2 with padding >= K
@@ -256,7 +245,6 @@ def check_conv():
         ],
         [None, "5"],
     ):
-        tol = TOLERANCE[dtype]
         Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
         inputs = (
             torch.randn(B, H, W, C_in, Din, dtype=torch.float64),
@@ -274,15 +262,11 @@ def check_conv():
             os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
         else:
             os.environ["CAPSROUTE_CONV_CHUNK"] = chunk
-        cuda_out = run(conv_dynamic, [t.to("cuda", dtype) for t in inputs], grad.cuda())
-        note_paths("conv_dynamic_routing")
-        check(
-            f"conv_dynamic_routing {dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} D={D} K={K} "
-            f"stride={stride} padding={padding} chunk={chunk}",
-            cuda_out,
-            run(conv_dynamic, [t.to(dtype).double() for t in inputs], grad),
-            tol,
+        label = (
+            f"{dtype} B={B} {H}x{W} C_in={C_in} C_out={C_out} D={D} K={K} stride={stride} "
+            f"padding={padding} chunk={chunk}"
         )
+        check_op("conv_dynamic_routing", label, conv_dynamic, inputs, (grad,), dtype)
     os.environ.pop("CAPSROUTE_CONV_CHUNK", None)
 
 
@@ -330,10 +314,10 @@ def check_attention_ops(dtype, shape, with_parameters, label):
             fn = attention_fn(getattr(module, name), n, kind)
             inputs = [*operands, *params[kind]]
             if module is capsroute:
-                cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], grad.cuda())
+                cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], (grad,))
                 note_paths(name)
             else:
-                want = run(fn, [t.to(dtype).double() for t in inputs], grad)
+                want = run(fn, [t.to(dtype).double() for t in inputs], (grad,))
         # LayerNorm over D = 1 value is constant (its bias): the exact gradients w.r.t. the capsule
         # operands and norm_weight are 0.
         vanishing = range(1, n + 1 + with_parameters) if kind == 1 and D == 1 else ()
