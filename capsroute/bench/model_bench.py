@@ -38,7 +38,7 @@ MODEL_KERNELS = {
     "efficientcapsnet": ("dense_self_attention_routing",),
 }
 MODEL_ITERATIVE = ("capsnet", "matrixcapsnet")  # built with --iters (EfficientCapsNet routes once)
-MODEL_LR = 1e-3  # Adam, as `capsroute train`
+MODEL_LR = 1e-3  # as `capsroute train`
 SPREAD_MARGIN = 0.2  # MatrixCapsNet's spread loss at the start of its margin schedule
 MODEL_TOL_FACTOR = (
     10  # model ops warn at 10x the routing ops' max_rel_err tolerance (1e-2 for float32)
@@ -82,12 +82,17 @@ def make_model_inputs(
 def get_model_impl(base: torch.nn.Module, impl: str, device: torch.device, dtype: torch.dtype):
     """(model, fn, optimizer) for one impl: a copy of `base` (same weights) on the device with the impl's
     routing backend (MODEL_BACKENDS); fn is the model, or for 'compiled' torch.compile(model) (the whole
-    forward, default mode); Adam over the model's parameters."""
+    forward, default mode); make_optimizer's Adam over the model's parameters."""
     model = copy.deepcopy(base).to(device=device, dtype=_model_precision(dtype)[0])
     set_backend(model, MODEL_BACKENDS[impl])
     model.train()
     fn = torch.compile(model) if impl == "compiled" else model
-    return model, fn, torch.optim.Adam(model.parameters(), lr=MODEL_LR)
+    return model, fn, make_optimizer(model)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Adam:
+    """Adam as `capsroute train` makes it: fused, one pass over all the parameters."""
+    return torch.optim.Adam(model.parameters(), lr=MODEL_LR, fused=True)
 
 
 def model_fwd_step(fn, images, labels, device: torch.device, amp=None):
@@ -260,7 +265,7 @@ def bench_model_case(
             "floor_x": None,
             "floor_fwd_x": None,
             "params": params,
-            "optimizer": "Adam",
+            "optimizer": "Adam (fused)",
             "amp": None if amp is None else dtype_name(amp),
         }
 
@@ -314,7 +319,7 @@ def model_max_batch(
     def step(b):
         try:
             images, labels = make_model_inputs(b, device, dtype, seed)
-            optimizer = torch.optim.Adam(model.parameters(), lr=MODEL_LR)
+            optimizer = make_optimizer(model)
             train_step(fn, optimizer, images, labels, device, amp)()
             synchronize(device)
         finally:
