@@ -246,7 +246,7 @@ for k in "${!stages[@]}"; do
     sweep)  # every op (the attention routings too) against the float64 reference at B = 1..2048,
       # I = 16384, EM at B = 64x36; determinism
       within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
-    profile)  # where the missed targets' forward+backward time goes (profile.txt)
+    profile)  # where the missed targets' time goes (profile.txt)
       within python scripts/gpu_profile.py --device cuda --out "$out" || status=1 ;;
     memcheck*|racecheck*|initcheck*|synccheck*)  # TOOL or TOOL:SECTION,SECTION
       tool=${stage%%:*} sections=()

@@ -1,5 +1,6 @@
-"""Where a capsroute op's forward+backward spends its time: the torch profiler over a few steps of
-each case the GPU records show missing its target (bench/results), as the benchmark feeds it.
+"""Where a capsroute op's forward+backward, or a model's training step, spends its time: the torch
+profiler over a few steps of each case the GPU records show missing its target (bench/results), as
+the benchmark feeds it.
 
 Per case: wall time a step, the GPU's kernel time a step (busy = kernel / wall: far under 100%
 means the host or launch gaps bound the step), kernels and copies a step, the kernel path, and
@@ -15,11 +16,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import capsroute
-from capsroute.bench.cases import get_impl, make_cases, make_inputs, parse_shape
+from capsroute.bench.cases import MODEL_OPS, get_impl, make_cases, make_inputs, parse_shape
+from capsroute.bench.model_bench import (
+    MODEL_KERNELS,
+    get_model_impl,
+    make_model,
+    make_model_inputs,
+    train_step,
+)
 from capsroute.bench.timing import clear_grads, fwd_bwd_step, synchronize, time_samples
 
-# (op, shape, B): the missed targets of the H100 records, and dynamic_routing at B = 32, whose
-# warp-row and cluster paths took the same 0.43 ms (a floor that is not the kernels').
+# (op, shape, B), shape None for a model's training step: the missed targets of the H100 records,
+# and dynamic_routing at B = 32, whose warp-row and cluster paths took the same 0.43 ms (a floor
+# that is not the kernels'); CapsNet at B = 128, whose MNIST epoch took 2.35 s (the target: 2 s).
 CASES = [
     ("conv_dynamic_routing", "segcaps", 16),
     ("dynamic_routing", "mnist", 32),
@@ -27,34 +36,64 @@ CASES = [
     ("dense_capsules", "mnist", 512),
     ("dense_inverted_attention_routing", "mnist", 512),
     ("em_routing", "em-conv", 2304),
+    ("capsnet", None, 128),
 ]
-QUICK_CASES = [("conv_dynamic_routing", "16x16:2,2,4,4,3,1,1", 2), ("dynamic_routing", "mnist", 2)]
+QUICK_CASES = [
+    ("conv_dynamic_routing", "16x16:2,2,4,4,3,1,1", 2),
+    ("dynamic_routing", "mnist", 2),
+    ("capsnet", None, 2),
+]
+
+
+def make_case(op, shape, B, device_type):
+    (case,) = make_cases([op], None if shape is None else [parse_shape(shape)], [B], device_type)
+    return case
+
+
+def case_step(op, shape, B, device):
+    """(the case, a step as the benchmark times it, what resets the gradients after a step, the ops
+    whose kernel paths the step reports)."""
+    case = make_case(op, shape, B, device.type)
+    if op in MODEL_OPS:
+        _, fn, optimizer = get_model_impl(make_model(op), "capsroute", device, torch.float32)
+        images, labels = make_model_inputs(B, device, torch.float32)
+        step = train_step(fn, optimizer, images, labels, device)
+        return (
+            case,
+            step,
+            functools.partial(optimizer.zero_grad, set_to_none=True),
+            MODEL_KERNELS[op],
+        )
+    inputs, grad = make_inputs(op, case, torch.float32, device)
+    step = fwd_bwd_step(get_impl(case, "capsroute"), inputs, grad, 3)
+    return case, step, functools.partial(clear_grads, inputs), (op,)
 
 
 def profile_case(op, shape, B, device, steps, rows) -> tuple[str, str]:
     """(the case's report, its summary line)."""
-    (case,) = make_cases([op], [parse_shape(shape)], [B], device.type)
-    inputs, grad = make_inputs(op, case, torch.float32, device)
-    step = fwd_bwd_step(get_impl(case, "capsroute"), inputs, grad, 3)
+    case, step, reset, path_ops = case_step(op, shape, B, device)
 
     def run_steps(n):
         for _ in range(n):
             step()
-            clear_grads(inputs)
+            reset()
         synchronize(device)
 
-    run_steps(3)  # warm: cuBLAS handles, the caching allocator
+    run_steps(3)  # warm: cuBLAS handles, the caching allocator, Adam's state
     # The step's time as the benchmark takes it, without the profiler, whose own overhead per
     # operator would make the GPU look idler than it is.
-    before = functools.partial(clear_grads, inputs)
-    wall_ms = statistics.median(time_samples(step, device, repeats=steps, before=before))
+    wall_ms = statistics.median(time_samples(step, device, repeats=steps, before=reset))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         run_steps(steps)
     # what ran on the GPU: kernels, copies and fills
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / steps
-    path = "/".join(capsroute.last_kernel_path(op, d) for d in ("forward", "backward"))
+    paths = {
+        name: "/".join(capsroute.last_kernel_path(name, d) for d in ("forward", "backward"))
+        for name in path_ops
+    }
+    path = paths[op] if op in paths else ", ".join(f"{name} {p}" for name, p in paths.items())
     gpu = (
         f"kernels {kernel_ms:.3f} ms (busy {kernel_ms / wall_ms:.0%}), "
         f"{len(kernels) / steps:.0f} kernels and copies a step, "

@@ -1,13 +1,14 @@
 """scripts/gpu_profile.py runs on a GPU machine whose minutes are scarce: check here that its cases
-exist and that a profile of small ones is written, a line per case with the path it ran."""
+exist and that a profile of small ones is written, a line per case with the paths it ran."""
 
-from capsroute.bench.cases import make_cases, parse_shape
+from capsroute.bench.model_bench import MODEL_KERNELS
 from helpers import load_script
 
 
 def test_every_gpu_case_is_a_benchmark_case():
-    for op, shape, B in load_script("gpu_profile").CASES:
-        (case,) = make_cases([op], [parse_shape(shape)], [B], "cuda")
+    module = load_script("gpu_profile")
+    for op, shape, B in module.CASES:
+        case = module.make_case(op, shape, B, "cuda")
         assert (case.op, case.B) == (op, B)
 
 
@@ -17,5 +18,11 @@ def test_quick_profile_on_cpu(tmp_path):
     lines = (tmp_path / "profile.txt").read_text().splitlines()
     summaries = lines[: len(module.QUICK_CASES)]
     for (op, shape, B), line in zip(module.QUICK_CASES, summaries):
-        assert line.startswith(f"{op} {shape} B={B}: ") and line.endswith("path cpu/cpu"), line
+        label = module.make_case(op, shape, B, "cpu").label()
+        paths = (
+            ", ".join(f"{name} cpu/cpu" for name in MODEL_KERNELS[op])
+            if op in MODEL_KERNELS
+            else "cpu/cpu"
+        )
+        assert line.startswith(f"{label}: ") and line.endswith(f"path {paths}"), line
     assert sum(line.startswith("== ") for line in lines) == len(module.QUICK_CASES)
