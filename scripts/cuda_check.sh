@@ -71,6 +71,7 @@
 # - a run whose checkpoint is under 15 MiB (MatrixCapsNet's, not CapsNet's) is packed with the rest,
 #   as $OUT/run-MODEL-DATASET.tar.gz: unpack it here and carry "runs/MODEL-DATASET" to resume it.
 started=$SECONDS
+set -o pipefail  # a stage's status is its command's, not that of the tee that logs it
 cd "$(dirname "$0")/.."
 CALL_SECONDS=${CALL_SECONDS:-570}
 # Each stage's time budget in seconds (the header's table). setup: a call's start with the build
