@@ -24,8 +24,6 @@ on MultiMNIST.
 
 import argparse
 import csv
-import dataclasses
-import os
 import signal
 import sys
 import time
@@ -38,6 +36,7 @@ from torch import nn
 
 from . import __version__, augment, data
 from ._command import ArgumentParser, CommandError, refusing
+from ._distributed import Distributed
 from ._runinfo import (
     command_line,
     cpu_model,
@@ -72,37 +71,6 @@ METRIC_FIELDS = [
     "epoch_seconds",
     "images_per_sec",
 ]
-
-
-@dataclasses.dataclass
-class Distributed:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls, device_kind: str) -> "Distributed":
-        """Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPUs, gloo on CPUs."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
-            return cls()
-        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
-        return cls(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")))
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    def sum(self, values: list[float], device: torch.device) -> list[float]:
-        if self.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return t.tolist()
 
 
 class FlooredExponentialLR(torch.optim.lr_scheduler.ExponentialLR):
