@@ -13,7 +13,8 @@ metrics.json after every epoch, checkpoint.pt (written atomically after every ep
 and at --max-steps), result.json at the end (the "train" record of bench/README.md) and the PNG figures.
 `--resume DIR` continues exactly where the checkpoint stopped: same step, optimizer, scheduler
 and data order (the order and the augmentation are functions of the seed, epoch and step); it may
-change --epochs, --max-steps, --device, --data-dir and --test-subset, and refuses other changes.
+change --epochs, --max-steps, --device, --cuda-graph, --data-dir and --test-subset, and refuses
+other changes.
 Errors are one line (--debug shows the traceback).
 
 EfficientCapsNet trains by its paper's recipe (the official code's) unless the command gives these
@@ -46,6 +47,7 @@ from ._runinfo import (
     resolve_device,
     write_json_atomic,
 )
+from .cuda_graph import GraphedStep
 from .losses import spread_margin, training_loss
 from .models import model_for_run, parse_model_config
 from .tasks import load_task, source_dataset
@@ -55,6 +57,7 @@ from .train_args import (
     add_arguments,
     apply_recipe,
     check_arguments,
+    check_cuda_graph,
     checkpoint_args,
     resolve_run_dir,
 )
@@ -111,7 +114,14 @@ class Trainer:
         # fused: one pass over all parameters (docs/training.md); a resumed run keeps the
         # implementation its checkpoint names.
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True
+            self.model.parameters(),
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            fused=True,
+            capturable=args.cuda_graph,
+        )
+        self.train_step = (
+            GraphedStep(self._train_step, self.optimizer) if args.cuda_graph else self._train_step
         )
         self.steps_per_epoch = data.num_batches(
             self.train_size, args.batch_size, world_size=ddp.world_size
@@ -138,9 +148,20 @@ class Trainer:
             else torch.autocast(self.device.type, dtype=self.amp_dtype)
         )
 
-    def loss(self, out, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        ramp_steps = round(self.args.margin_ramp_epochs * self.steps_per_epoch)
-        return training_loss(out, images, labels, spread_margin(self.step, ramp_steps))
+    def margin(self) -> float:
+        """MatrixCapsNet's spread-loss margin at this step."""
+        return spread_margin(self.step, round(self.args.margin_ramp_epochs * self.steps_per_epoch))
+
+    def _train_step(self, images, labels, targets, margin):
+        """Forward, loss, backward and the optimizer's step: what --cuda-graph captures."""
+        with self.autocast():
+            out = self.net(images, labels)
+            loss = training_loss(out, targets, labels, margin)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return out, loss
 
     def _training_batches(self):
         """This epoch's shuffled batches (images, labels, reconstruction targets) of this rank, from
@@ -197,6 +218,10 @@ class Trainer:
         }
 
     def load_state(self, state: dict) -> None:
+        # Before loading: torch puts Adam's step counts on the device only for a capturable (or
+        # fused) group, and a checkpoint from before fused Adam has neither.
+        for group in state["optimizer"]["param_groups"]:
+            group["capturable"] = self.args.cuda_graph  # about this process, not the run
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -230,13 +255,7 @@ class Trainer:
         try:
             for batch in self._training_batches():
                 images, labels, targets = self._on_device(batch, non_blocking=True)
-                with self.autocast():
-                    out = self.net(images, labels)
-                    loss = self.loss(out, targets, labels)
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scaler.scale(loss).backward()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+                out, loss = self.train_step(images, labels, targets, self.margin())
                 self.scheduler.step()
                 with torch.no_grad():
                     seen += len(labels)
@@ -307,7 +326,7 @@ class Trainer:
             images, labels, targets = self._on_device(batch)
             with self.autocast():
                 out = self.model(images, self.task.test_labels_for(labels))
-                loss = self.loss(out, targets, labels)
+                loss = training_loss(out, targets, labels, self.margin())
             task_sums = self.task.test_sums(self.model, out, targets, labels)
             sums = sums + torch.cat(
                 [
@@ -353,7 +372,8 @@ class Trainer:
             )
             samples = self.task.samples
             print(
-                f"{args.model} ({params / 1e6:.2f}M parameters, {args.backend} backend, amp {args.amp}) on "
+                f"{args.model} ({params / 1e6:.2f}M parameters, {args.backend} backend, amp {args.amp}"
+                f"{', CUDA graph' if args.cuda_graph else ''}) on "
                 f"{args.dataset}: {self.train_size} training / {self.test_size} test {samples}, "
                 f"{self.ddp.world_size} x {self.device}, batch {args.batch_size} x {self.ddp.world_size}, "
                 f"{self.steps_per_epoch} steps per epoch; {start}; writing to {args.out}"
@@ -441,6 +461,7 @@ class Trainer:
             "commit": self.commit,
             "backend": args.backend,
             "amp": args.amp,
+            "cuda_graph": args.cuda_graph,
             "batch_size": args.batch_size * self.ddp.world_size,
             "model_config": parse_model_config(args.model_config),
             "capsroute": __version__,
@@ -533,6 +554,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, ddp: Distributed, state: dict | None) -> int:
     device = resolve_device(args.device, ddp.local_rank)
+    if args.cuda_graph:
+        check_cuda_graph(device, ddp.world_size)
     if args.amp == "fp16" and device.type == "cpu" and ddp.main:
         print(
             "warning: --amp fp16 on a CPU runs about 15x slower than --amp bf16 (no fast float16 "

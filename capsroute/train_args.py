@@ -50,7 +50,15 @@ MAX_SEED = 2**31 - 1
 # A resumed run keeps its own options except these: taken from the new command line always (they
 # are about this process), or only when given there (the run goes on the same with them). Any
 # other option given there with a value other than the run's is refused.
-RESUME_FROM_COMMAND_LINE = {"max_steps", "no_progress", "no_plots", "download", "evaluate", "debug"}
+RESUME_FROM_COMMAND_LINE = {
+    "max_steps",
+    "cuda_graph",
+    "no_progress",
+    "no_plots",
+    "download",
+    "evaluate",
+    "debug",
+}
 RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
 CHECKPOINT_KEYS = {
     "capsroute",
@@ -160,6 +168,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fused capsroute kernels, or the plain PyTorch reference",
     )
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the training step in a CUDA graph and replay it: one launch a step (one "
+        "CUDA process, --amp none or bf16)",
+    )
     p.add_argument(
         "--seed",
         type=whole_number(0, MAX_SEED),
@@ -343,10 +357,28 @@ def check_arguments(args: argparse.Namespace) -> None:
             if model
             else f"--model {args.model} segments --dataset {segmented}, not {args.dataset}"
         )
+    if args.cuda_graph and args.amp == "fp16":
+        raise CommandError(
+            "--cuda-graph: --amp fp16 checks its loss scale on the host every step, which a "
+            "captured step cannot; use --amp bf16 or none"
+        )
     if args.evaluate and args.resume is None:
         raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
     if args.out.exists() and not args.out.is_dir():
         raise CommandError(f"--out {args.out}: a file, not a folder; pass a folder for the run")
+
+
+def check_cuda_graph(device: torch.device, world_size: int) -> None:
+    """Refuses --cuda-graph off a CUDA device or under torchrun (check_arguments refuses it with
+    --amp fp16)."""
+    if device.type != "cuda":
+        raise CommandError(
+            f"--cuda-graph replays the step on a CUDA device; this run is on {device}"
+        )
+    if world_size > 1:
+        raise CommandError(
+            f"--cuda-graph runs in one process; torchrun started {world_size} (leave it out)"
+        )
 
 
 def _plain(value):

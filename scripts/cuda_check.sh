@@ -16,7 +16,7 @@
 #                                             targets' time goes; the routing benchmark
 #   call-5  bench-conv bench-em               the conv ops; the EM benchmark
 #   call-6  bench-models tests-scale          model steps and the largest batches; I = 16384
-#   call-7  train-capsnet                     CapsNet on MNIST, the whole call
+#   call-7  graph-step train-capsnet          the step in a CUDA graph; CapsNet on MNIST, the rest
 # Every call starts with setup (45 s: the carried build unpacked, the environment, the GPU check);
 # the first builds instead (150 s). The budgets are two to three times what each stage took on an
 # H100 (bench/results/nvidia-h100-*) where it ran there; each stage's log line says what it took.
@@ -51,6 +51,10 @@
 #                         and on the warp rows; not yet measured on a GPU: the budget is a guess
 #                         (conv EM's kernel, predicted at milliseconds a call, leaves it to eager
 #                         and compiled; docs/kernels.md)
+#   graph-step (150)      `capsroute train --cuda-graph`: its CUDA tests, then 3 CapsNet MNIST
+#                         epochs with and without it (the epochs' seconds in the logs and
+#                         graph-step-*-metrics.json; needs data/mnist); not yet run on a GPU: the
+#                         budget is a guess
 #   train-MODEL[-fashion|-multimnist] (the rest of the call)
 #
 # The train stages (train-MODEL for MNIST, train-MODEL-fashion for Fashion-MNIST, train-MODEL-multimnist
@@ -80,11 +84,11 @@ CALL_SECONDS=${CALL_SECONDS:-570}
 declare -A budget=([setup]=45 [build]=150 [doctor]=90 [bench-minimal]=120 [bench-baselines]=240
   [tests]=150 [tests-scale]=150 [sweep]=180 [memcheck]=200 [racecheck]=300
   [initcheck]=130 [synccheck]=60 [bench]=240 [bench-em]=240 [bench-large]=240 [bench-scale]=180
-  [bench-models]=300 [bench-conv]=200 [bench-attention]=200 [profile]=90)
+  [bench-models]=300 [bench-conv]=200 [bench-attention]=200 [profile]=90 [graph-step]=150)
 # The calls of a GPU session, in value order (the header's plan).
 calls=("build doctor bench-minimal tests" "memcheck racecheck:routing,em"
        "racecheck:conv,attention initcheck synccheck" "sweep profile bench"
-       "bench-conv bench-em" "bench-models tests-scale" "train-capsnet")
+       "bench-conv bench-em" "bench-models tests-scale" "graph-step train-capsnet")
 # The stages asked for, call-N and sanitize expanded; fails on an unknown one before anything runs.
 stages=()
 for arg in "${@:-call-1}"; do
@@ -241,7 +245,8 @@ for k in "${!stages[@]}"; do
       gpu_bench baselines --impl eager compiled --op em --shape em-class --batch 64 || status=1
       gpu_bench baselines --impl eager compiled --op em --shape em-conv --batch 2304 || status=1 ;;
     tests)
-      within python -m pytest tests -q -m cuda --ignore=tests/test_scale.py 2>&1 | tee "$out/cuda-tests.log" || status=1 ;;
+      within python -m pytest tests -q -m cuda --ignore=tests/test_scale.py --ignore=tests/test_cuda_graph.py 2>&1 \
+        | tee "$out/cuda-tests.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
       within python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
     sweep)  # every op (the attention routings too) against the float64 reference at B = 1..2048,
@@ -275,6 +280,15 @@ for k in "${!stages[@]}"; do
       gpu_bench . --op dynamic dense --shape scale-100 scale-1000 --batch 1 4 16 --plot || status=1 ;;
     bench-models)
       gpu_bench . --op capsnet matrixcapsnet --max-batch --plot || status=1 ;;
+    graph-step)  # the training step in one CUDA graph against the eager step, on the epoch's time
+      within python -m pytest tests/test_cuda_graph.py -q -m cuda 2>&1 | tee "$out/cuda-graph-tests.log" || status=1
+      for mode in eager graph; do
+        flag=(); [ "$mode" = eager ] || flag=(--cuda-graph)
+        within python -m capsroute.train --model capsnet --dataset mnist --data-dir data/mnist --epochs 3 \
+          --batch-size 128 --out "runs/graph-step-$mode" --no-progress --no-plots "${flag[@]}" 2>&1 \
+          | tee "$out/graph-step-$mode.log" || status=1
+        cp "runs/graph-step-$mode/metrics.json" "$out/graph-step-$mode-metrics.json" 2>/dev/null || true
+      done ;;
     bench-attention)  # every impl, the vote-input ops and their dense forms on the same tensors
       attention=(--op self-attention inverted-attention dense-self-attention dense-inverted-attention)
       gpu_bench attention "${attention[@]}" --shape efficientcapsnet mnist --batch 32 512 || status=1

@@ -10,6 +10,8 @@ import torch
 from capsroute import doctor
 
 HAS_CUDA = torch.cuda.is_available()
+# The small MatrixCapsNet the training tests run (A=32 B=8 C=8 D=8, 2 EM iterations).
+SMALL_MATRIXCAPSNET = ["--model", "matrixcapsnet", "--model-config", "A=32", "B=8", "C=8", "D=8"]
 
 CUDA = pytest.param(
     "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]

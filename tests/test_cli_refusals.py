@@ -148,6 +148,14 @@ BEFORE_DATA = [
         "--dataset multimnist trains capsnet, efficientcapsnet or cnn",
     ),
     (["--evaluate"], "--evaluate needs --resume RUN_DIR"),
+    (
+        ["--cuda-graph", "--amp", "fp16"],
+        "--cuda-graph: --amp fp16 checks its loss scale on the host",
+    ),
+    (
+        ["--cuda-graph", "--device", "cpu"],
+        "--cuda-graph replays the step on a CUDA device; this run is on cpu",
+    ),
 ]
 
 

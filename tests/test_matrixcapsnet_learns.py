@@ -13,6 +13,7 @@ from capsroute import nn as capsnn, train
 from capsroute.losses import spread_loss
 from capsroute.models import MatrixCapsNet
 from capsroute.nn import ClassCapsules, ConvCapsules
+from helpers import SMALL_MATRIXCAPSNET
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "mnist-small"
 
@@ -24,13 +25,7 @@ def test_matrixcapsnet_learns(tmp_path):
     (seed 0) and 87.8% (seed 1); the same run with the 3 iterations of the stalled recipe
     (iters=3) reaches 47.3%, hence the bar of 75%."""
     args = [
-        "--model",
-        "matrixcapsnet",
-        "--model-config",
-        "A=32",
-        "B=8",
-        "C=8",
-        "D=8",
+        *SMALL_MATRIXCAPSNET,
         "--data-dir",
         str(DATA),
         "--out",
