@@ -10,7 +10,9 @@ import torch
 from capsroute import doctor
 
 HAS_CUDA = torch.cuda.is_available()
-# The small MatrixCapsNet the training tests run (A=32 B=8 C=8 D=8, 2 EM iterations).
+# The small CapsNet and MatrixCapsNet the training tests run (MatrixCapsNet: A=32 B=8 C=8 D=8, 2 EM
+# iterations).
+SMALL_CAPSNET = ["--model-config", "conv_channels=32", "primary_types=8", "decoder=(64,128)"]
 SMALL_MATRIXCAPSNET = ["--model", "matrixcapsnet", "--model-config", "A=32", "B=8", "C=8", "D=8"]
 
 CUDA = pytest.param(

@@ -10,7 +10,7 @@ import torch
 
 from capsroute import train
 from capsroute.cuda_graph import GraphedStep
-from helpers import HAS_CUDA, SMALL_MATRIXCAPSNET
+from helpers import HAS_CUDA, SMALL_CAPSNET, SMALL_MATRIXCAPSNET
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "mnist-small"
@@ -90,12 +90,11 @@ def train_args(out: Path, model: list[str], *extra: str) -> list[str]:
     ]
 
 
-SMALL_CAPSNET = ["--model-config", "conv_channels=32", "primary_types=8", "decoder=(64,128)"]
 MODELS = {
     "capsnet": SMALL_CAPSNET,
     # the spread-loss margin grows every step of the first epoch
     "matrixcapsnet": [*SMALL_MATRIXCAPSNET, "--margin-ramp-epochs", "1"],
-    # autocast inside the graph, its cache of cast weights off
+    # autocast inside the graph
     "capsnet-bf16": [*SMALL_CAPSNET, "--amp", "bf16"],
 }
 

@@ -13,6 +13,7 @@ from capsroute import data, losses, multimnist, train
 from capsroute.cli import main as cli_main
 from capsroute.models import CNN, CapsNet
 from capsroute.multimnist import SHIFT, SIZE, MultiMNIST, pair_correct
+from helpers import SMALL_CAPSNET
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "mnist-small"
@@ -215,9 +216,6 @@ def trainer(argv: list[str]) -> train.Trainer:
     train.resolve_run_dir(args)
     args.out.mkdir(parents=True, exist_ok=True)
     return train.Trainer(args, train.Distributed(), torch.device("cpu"))
-
-
-SMALL_CAPSNET = ["--model-config", "conv_channels=32", "primary_types=8", "decoder=(64,128)"]
 
 
 @pytest.mark.slow

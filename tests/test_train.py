@@ -17,10 +17,10 @@ import capsroute
 from capsroute import train
 from capsroute._runinfo import cpu_model
 from capsroute.cli import main as cli_main
+from helpers import SMALL_CAPSNET
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "mnist-small"
-SMALL_CAPSNET = ["--model-config", "conv_channels=32", "primary_types=8", "decoder=(64,128)"]
 
 
 def train_args(out: Path, *extra: str) -> list[str]:
