@@ -70,7 +70,7 @@ class GraphedStep:
             torch.tensor(float(group["lr"]), dtype=torch.float32, device=group["params"][0].device)
             for group in groups
         ]
-        lrs = [group["lr"] for group in groups]
+        scheduled = [group["lr"] for group in groups]  # the floats the scheduler keeps there
         for group, lr in zip(groups, self.lrs):
             group["lr"] = lr
         # The captured backward pass writes the gradients into the graph's memory, not into
@@ -81,7 +81,7 @@ class GraphedStep:
             with torch.cuda.graph(graph):
                 self.outputs = self.step(*self.inputs)
         finally:
-            for group, lr in zip(groups, lrs):
+            for group, lr in zip(groups, scheduled):
                 group["lr"] = lr
         self.graph = graph
 
