@@ -15,7 +15,8 @@ from ._cpu_arch import check_cpu_arch
 
 check_cpu_arch(CPU_ARCH)  # before _C loads: a clear error instead of an illegal instruction
 
-from . import _C  # noqa: E402  (registers the capsroute:: operators)
+# _C registers the capsroute:: operators; nn and models are reachable after `import capsroute`.
+from . import _C, models, nn  # noqa: E402
 from .ops import (
     OPS,
     conv_dynamic_routing,
@@ -30,6 +31,7 @@ from .ops import (
     em_routing_pose,
     inverted_attention_routing,
     inverted_attention_routing_coupling,
+    reference,
     self_attention_routing,
     self_attention_routing_coupling,
     squash,
@@ -79,6 +81,10 @@ __all__ = [
     "inverted_attention_routing",
     "inverted_attention_routing_coupling",
     "last_kernel_path",
+    "models",
+    "nn",
+    "ops",
+    "reference",
     "self_attention_routing",
     "self_attention_routing_coupling",
     "squash",

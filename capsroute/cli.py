@@ -16,13 +16,13 @@ from pathlib import Path
 
 import capsroute
 from capsroute import bench, doctor, train
-from capsroute._command import ArgumentParser, CommandError, refusing
-from capsroute._runinfo import command_line
+from capsroute._utils.command import ArgumentParser, CommandError, refusing
+from capsroute._utils.runinfo import command_line
 
 
 def plot(args: argparse.Namespace) -> int:
     from capsroute.bench.plot import plot_report
-    from capsroute.train_plot import plot_run
+    from capsroute.train.plot import plot_run
 
     for path in args.results:
         if path.is_dir():

@@ -26,18 +26,10 @@ import torch
 import capsroute
 from capsroute import reference
 
-from ._command import ArgumentParser, CommandError, refusing, whole_number
-from ._runinfo import device_name, dtype_name, resolve_device, write_json_atomic
+from ._utils.command import ArgumentParser, CommandError, refusing, whole_number
+from ._utils.runinfo import device_name, dtype_name, resolve_device, write_json_atomic
 from .bench.timing import synchronize, time_samples
-
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# Relative tolerance against the float64 reference per storage dtype, the test suite's too
-# (tests/helpers.py, tests/op_db.py); EM routing divides by variances and gets a factor more.
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-EM_TOLERANCE_FACTOR = {torch.float32: 10, torch.float16: 4, torch.bfloat16: 4}
-# Self-attention's logits sum products over every input capsule, so their float32 rounding grows
-# with the logits (tens at the test shapes) and the softmax passes it on.
-SELF_ATTENTION_TOLERANCE_FACTOR = {torch.float32: 2}
+from .testing import DTYPES, OPS, OpCheck, randn
 
 # The environment switches of the CUDA kernels (csrc/cuda/kernel_options.h and the launch files).
 SWITCHES = (
@@ -50,214 +42,6 @@ SWITCHES = (
 )
 REFUSED = "CAPSROUTE_ROUTING_CLUSTER=force, but"  # a forced cluster path refusing to run
 WARP_ROW_MAX_J, WARP_ROW_MAX_D = 32, 16  # warp_rows_fit (csrc/cuda/routing_warp_kernels.cuh)
-
-
-def _randn(shape, device, dtype, generator, scale=1.0):
-    t = torch.randn(*shape, dtype=torch.float64, generator=generator) * scale
-    return t.to(device=device, dtype=dtype)
-
-
-def _em_activations(B, I, J, device, dtype, generator):
-    a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64, generator=generator)
-    betas = [_randn((J,), device, dtype, generator, 0.5) for _ in range(2)]
-    return a_in.to(device, dtype), *betas
-
-
-def _conv_em_inputs(shape, device, dtype, generator):
-    """conv_em_routing's tensors for shape (B, H, W, C_in, C_out, K)."""
-    B, H, W, C_in, C_out, K = shape
-    a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64, generator=generator)
-    return (
-        _randn((B, H, W, C_in, 4, 4), device, dtype, generator),
-        a_in.to(device, dtype),
-        _randn((K, K, C_in, C_out, 4, 4), device, dtype, generator, 0.5),
-        *(_randn((C_out,), device, dtype, generator, 0.5) for _ in range(2)),
-    )
-
-
-@dataclass(frozen=True)
-class OpCheck:
-    """How the doctor draws an op's inputs and calls it: call(module, *tensors) with module
-    capsroute or capsroute.reference (looked up at every call) returns the outputs, the first
-    grad_outputs of them differentiable."""
-
-    name: str
-    make: Callable  # (shape, device, dtype, generator) -> the differentiable input tensors
-    call: Callable
-    grad_outputs: int
-    small: dict  # label -> shape: odd sizes (J > 32 or D > 16 where the op has the warp rows)
-    canonical: dict  # label -> shape: the canonical ones at a small batch
-    timing: tuple  # (label, shape on the CPU, shape on CUDA): where it is timed against eager
-    # which CUDA paths it has: "squash", "routing", "dense", "em", "conv-em", "conv", "attention"
-    # or "dense-attention"
-    family: str
-
-    def shapes(self, quick: bool) -> dict:
-        return self.small if quick else {**self.small, **self.canonical}
-
-    def tolerance(self, dtype) -> float:
-        if "em" in self.family:
-            return TOLERANCE[dtype] * EM_TOLERANCE_FACTOR.get(dtype, 1)
-        if "self_attention" in self.name:
-            return TOLERANCE[dtype] * SELF_ATTENTION_TOLERANCE_FACTOR.get(dtype, 1)
-        return TOLERANCE[dtype]
-
-
-OPS = [
-    OpCheck(
-        "squash",
-        lambda s, d, t, g: (_randn(s, d, t, g),),
-        lambda m, s: (m.squash(s),),
-        1,
-        {"7x16": (7, 16), "3x5x33": (3, 5, 33)},
-        {"primary B=2": (2, 1152, 8)},
-        ("primary", (32, 1152, 8), (512, 1152, 8)),
-        "squash",
-    ),
-    OpCheck(
-        "dynamic_routing",
-        lambda s, d, t, g: (_randn(s, d, t, g), _randn(s[2:], d, t, g, 0.1)),
-        lambda m, votes, bias: (m.dynamic_routing(votes, bias=bias),),
-        1,
-        {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
-        {"mnist B=2": (2, 1152, 10, 16)},
-        ("mnist", (32, 1152, 10, 16), (512, 1152, 10, 16)),
-        "routing",
-    ),
-    OpCheck(
-        "dense_capsules",
-        lambda s, d, t, g: (
-            _randn((s[0], s[1], s[4]), d, t, g),
-            _randn(s[1:], d, t, g, 0.5),
-            _randn(s[2:4], d, t, g, 0.1),
-        ),
-        lambda m, u, weight, bias: (m.dense_capsules(u, weight, bias=bias),),
-        1,
-        {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
-        {"mnist B=2": (2, 1152, 10, 16, 8)},
-        ("mnist", (32, 1152, 10, 16, 8), (512, 1152, 10, 16, 8)),
-        "dense",
-    ),
-    OpCheck(
-        "em_routing",
-        lambda s, d, t, g: (_randn(s, d, t, g), *_em_activations(*s[:3], d, t, g)),
-        lambda m, *tensors: m.em_routing(*tensors),
-        2,
-        {"3,37,7,16": (3, 37, 7, 16), "2,19,10,4": (2, 19, 10, 4)},
-        {"em-class B=2": (2, 512, 10, 16), "em-conv B=4": (4, 288, 32, 16)},
-        ("em-class", (16, 512, 10, 16), (256, 512, 10, 16)),
-        "em",
-    ),
-    OpCheck(
-        "em_routing_pose",
-        lambda s, d, t, g: (
-            _randn((*s[:2], 4, 4), d, t, g),
-            _randn((*s[1:], 4, 4), d, t, g, 0.5),
-            *_em_activations(*s, d, t, g),
-        ),
-        lambda m, *tensors: m.em_routing_pose(*tensors),
-        2,
-        {"3,37,7": (3, 37, 7)},
-        {"em-class B=2": (2, 512, 10), "em-conv B=4": (4, 288, 32)},
-        ("em-class", (16, 512, 10), (256, 512, 10)),
-        "em",
-    ),
-    # Every shape with stride 2 and padding 1: overlapping windows, padding and a stride at once.
-    # (K = 2 there leaves corner windows one real child wide: too ill-conditioned for float32.)
-    OpCheck(
-        "conv_em_routing",
-        _conv_em_inputs,
-        lambda m, *tensors: m.conv_em_routing(*tensors, stride=2, padding=1),
-        2,
-        {"2,5,5,3,4 K=3": (2, 5, 5, 3, 4, 3), "1,7,6,2,3 K=3": (1, 7, 6, 2, 3, 3)},
-        {"conv1 12x12 8->16 B=2": (2, 12, 12, 8, 16, 3)},
-        ("conv1 12x12 8->16", (16, 12, 12, 8, 16, 3), (64, 12, 12, 8, 16, 3)),
-        "conv-em",
-    ),
-    # SegCaps-like: 5 x 5 windows with padding 2 (the grid keeps its size), 8 types of 16D; the
-    # weight scaled as nn.ConvDynamicCapsules initialises it (votes of unit size).
-    OpCheck(
-        "conv_dynamic_routing",
-        lambda s, d, t, g: (
-            _randn((*s[:4], s[6]), d, t, g),
-            _randn((s[7], s[7], *s[3:7]), d, t, g, (s[7] * s[7] * s[6]) ** -0.5),
-            _randn(s[4:6], d, t, g, 0.1),
-        ),
-        lambda m, u, weight, bias: (m.conv_dynamic_routing(u, weight, bias=bias, padding=2),),
-        1,
-        {
-            "2,5,6,3,33,4,5 K=5": (2, 5, 6, 3, 33, 4, 5, 5),
-            "1,4,4,2,3,32,3 K=3": (1, 4, 4, 2, 3, 32, 3, 3),
-        },
-        {"segcaps 16x16 8->8 B=2": (2, 16, 16, 8, 8, 16, 16, 5)},
-        ("segcaps 8->8", (2, 32, 32, 8, 8, 16, 16, 5), (16, 64, 64, 8, 8, 16, 16, 5)),
-        "conv",
-    ),
-    # Efficient-CapsNet's class capsules: 16 primary capsules vote for 10 of 16D.
-    OpCheck(
-        "self_attention_routing",
-        lambda s, d, t, g: (_randn(s, d, t, g), _randn(s[1:3], d, t, g, 0.1)),
-        lambda m, votes, coupling_bias: (
-            m.self_attention_routing(votes, coupling_bias=coupling_bias),
-        ),
-        1,
-        {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
-        {"effcaps B=2": (2, 16, 10, 16)},
-        ("effcaps", (256, 16, 10, 16), (4096, 16, 10, 16)),
-        "attention",
-    ),
-    OpCheck(
-        "inverted_attention_routing",
-        lambda s, d, t, g: (
-            _randn(s, d, t, g),
-            1 + _randn(s[3:], d, t, g, 0.1),
-            _randn(s[3:], d, t, g, 0.1),
-        ),
-        lambda m, votes, norm_weight, norm_bias: (
-            m.inverted_attention_routing(votes, norm_weight=norm_weight, norm_bias=norm_bias),
-        ),
-        1,
-        {"3,37,7,16": (3, 37, 7, 16), "2,65,33,4": (2, 65, 33, 4)},
-        {"mnist B=2": (2, 1152, 10, 16)},
-        ("mnist", (32, 1152, 10, 16), (512, 1152, 10, 16)),
-        "attention",
-    ),
-    OpCheck(
-        "dense_self_attention_routing",
-        lambda s, d, t, g: (
-            _randn((s[0], s[1], s[4]), d, t, g),
-            _randn(s[1:], d, t, g, 0.5),
-            _randn(s[1:3], d, t, g, 0.1),
-        ),
-        lambda m, u, weight, coupling_bias: (
-            m.dense_self_attention_routing(u, weight, coupling_bias=coupling_bias),
-        ),
-        1,
-        {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
-        {"effcaps B=2": (2, 16, 10, 16, 8)},
-        ("effcaps", (256, 16, 10, 16, 8), (4096, 16, 10, 16, 8)),
-        "dense-attention",
-    ),
-    OpCheck(
-        "dense_inverted_attention_routing",
-        lambda s, d, t, g: (
-            _randn((s[0], s[1], s[4]), d, t, g),
-            _randn(s[1:], d, t, g, 0.5),
-            1 + _randn(s[3:4], d, t, g, 0.1),
-            _randn(s[3:4], d, t, g, 0.1),
-        ),
-        lambda m, u, weight, norm_weight, norm_bias: (
-            m.dense_inverted_attention_routing(
-                u, weight, norm_weight=norm_weight, norm_bias=norm_bias
-            ),
-        ),
-        1,
-        {"3,37,7,16,8": (3, 37, 7, 16, 8), "2,19,33,4,3": (2, 19, 33, 4, 3)},
-        {"mnist B=2": (2, 1152, 10, 16, 8)},
-        ("mnist", (32, 1152, 10, 16, 8), (512, 1152, 10, 16, 8)),
-        "dense-attention",
-    ),
-]
 
 
 @dataclass(frozen=True)
@@ -365,7 +149,7 @@ def outputs_and_grads(
     outs = check.call(module, *tensors)
     diff = outs[: check.grad_outputs]
     if cotangents is None:
-        cotangents = [_randn(o.shape, o.device, torch.float64, generator) for o in diff]
+        cotangents = [randn(*o.shape, device=o.device, generator=generator) for o in diff]
     grads = torch.autograd.grad(diff, tensors, [c.to(o.dtype) for o, c in zip(diff, cotangents)])
     return [*outs, *grads], cotangents
 
@@ -395,7 +179,7 @@ def check_one(
     generator = torch.Generator().manual_seed(0)
     inputs = check.make(shape, device, dtype, generator)
     # The reference gets the very values capsroute gets (rounded to dtype), in float64.
-    ref_inputs = [t.to(torch.float64, copy=True).requires_grad_() for t in inputs]
+    ref_inputs = [t.detach().to(torch.float64, copy=True).requires_grad_() for t in inputs]
     result = Result(
         check.name,
         dtype_name(dtype),
@@ -408,8 +192,7 @@ def check_one(
         expected, cotangents = outputs_and_grads(check, reference, ref_inputs, generator=generator)
         with switches(path.switches):
             capsroute.clear_kernel_paths()
-            leaves = [t.requires_grad_() for t in inputs]
-            ours, _ = outputs_and_grads(check, capsroute, leaves, cotangents)
+            ours, _ = outputs_and_grads(check, capsroute, inputs, cotangents)
             synchronize(device)
             result.forward = capsroute.last_kernel_path(check.name, "forward")
             result.backward = capsroute.last_kernel_path(check.name, "backward")
@@ -434,9 +217,11 @@ def time_op(check: OpCheck, device: torch.device, repeats: int) -> dict:
     label, cpu_shape, cuda_shape = check.timing
     shape = cpu_shape if device.type == "cpu" else cuda_shape
     generator = torch.Generator().manual_seed(0)
-    inputs = [t.requires_grad_() for t in check.make(shape, device, torch.float32, generator)]
+    inputs = check.make(shape, device, torch.float32, generator)
     outs = check.call(reference, *inputs)[: check.grad_outputs]
-    cotangents = [_randn(o.shape, device, torch.float32, generator) for o in outs]
+    cotangents = [
+        randn(*o.shape, dtype=torch.float32, device=device, generator=generator) for o in outs
+    ]
     row = {"op": check.name, "case": f"{check.name} {label} B={shape[0]}", "shape": list(shape)}
     for impl, module in (("capsroute", capsroute), ("eager", reference)):
 

@@ -1,13 +1,11 @@
-"""Losses of the capsule papers, and the sigmoid loss of the CNN baseline.
+"""Losses of the capsule papers, SegCaps' segmentation loss, and the sigmoid loss of the CNN
+baseline.
 
 Labels are (N,) for one object per image or (N, k) for k objects of different classes (MultiMNIST, k = 2).
 """
 
 import torch.nn.functional as F
 from torch import Tensor
-
-from .models import CapsNetOutput, CNNOutput, EfficientCapsNetOutput, MatrixCapsNetOutput
-from .segcaps import SegCapsNetOutput, segmentation_loss
 
 # Efficient-CapsNet's weight of the mean squared pixel error (the official code's lmd_gen): on
 # 28x28 images 0.392 / 784 = 0.0005 of the summed error, CapsNet's weight.
@@ -74,27 +72,17 @@ def sigmoid_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
 
 
-def training_loss(out, images: Tensor, labels: Tensor, margin: float = 0.2) -> Tensor:
-    """The objective of each model of capsroute.models, from its output: CapsNet, margin loss plus
-    the scaled reconstruction loss (images: the reconstruction targets, (N, k, H, W) for k
-    objects); EfficientCapsNet, margin loss plus mean_reconstruction_loss; MatrixCapsNet, spread
-    loss with `margin` (see spread_margin); CNN, sigmoid loss; SegCapsNet,
-    segcaps.segmentation_loss against the masks (images)."""
-    if isinstance(out, EfficientCapsNetOutput):
-        return margin_loss(out.lengths.float(), labels) + mean_reconstruction_loss(
-            out.reconstructions, images
-        )
-    if isinstance(out, CapsNetOutput):
-        return margin_loss(out.lengths.float(), labels) + reconstruction_loss(
-            out.reconstructions, images
-        )
-    if isinstance(out, MatrixCapsNetOutput):
-        return spread_loss(out.activations.float(), labels, margin)
-    if isinstance(out, CNNOutput):
-        return sigmoid_loss(out.logits.float(), labels)
-    if isinstance(out, SegCapsNetOutput):  # images: the masks (N, classes, H, W)
-        return segmentation_loss(out.lengths, images)
-    raise TypeError(f"no training loss for {type(out).__name__}")
+def segmentation_loss(lengths: Tensor, masks: Tensor, smooth: float = 1.0) -> Tensor:
+    """Binary cross-entropy of every (pixel, class) length against the mask, averaged, plus one
+    minus the soft Dice coefficient of each class over the batch, averaged over the classes
+    (SegCaps' "bce_dice"; the Dice term keeps the rare foreground pixels from being ignored).
+    lengths and masks (N, classes, H, W), lengths in [0, 1)."""
+    p = lengths.float().clamp(1e-6, 1 - 1e-6)
+    m = masks.float()
+    bce = -(m * p.log() + (1 - m) * (1 - p).log()).mean()
+    overlap = (p * m).sum((0, 2, 3))
+    dice = (2 * overlap + smooth) / (p.sum((0, 2, 3)) + m.sum((0, 2, 3)) + smooth)
+    return bce + (1 - dice.mean())
 
 
 __all__ = [
@@ -106,5 +94,5 @@ __all__ = [
     "sigmoid_loss",
     "spread_loss",
     "spread_margin",
-    "training_loss",
+    "segmentation_loss",
 ]

@@ -245,10 +245,10 @@ for k in "${!stages[@]}"; do
       gpu_bench baselines --impl eager compiled --op em --shape em-class --batch 64 || status=1
       gpu_bench baselines --impl eager compiled --op em --shape em-conv --batch 2304 || status=1 ;;
     tests)
-      within python -m pytest tests -q -m cuda --ignore=tests/test_scale.py --ignore=tests/test_cuda_graph.py 2>&1 \
+      within python -m pytest tests -q -m cuda --ignore=tests/ops/test_scale.py --ignore=tests/train/test_cuda_graph.py 2>&1 \
         | tee "$out/cuda-tests.log" || status=1 ;;
     tests-scale)  # I = 16384 at B = 1 or 2: the row-range path of the routing kernels, with GBs of votes
-      within python -m pytest tests/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
+      within python -m pytest tests/ops/test_scale.py -q -m cuda 2>&1 | tee "$out/cuda-tests-scale.log" || status=1 ;;
     sweep)  # every op (the attention routings too) against the float64 reference at B = 1..2048,
       # I = 16384, EM at B = 64x36; determinism
       within python scripts/gpu_sweep.py --device cuda --out "$out" 2>&1 | tee "$out/gpu-sweep.log" || status=1 ;;
@@ -281,7 +281,7 @@ for k in "${!stages[@]}"; do
     bench-models)
       gpu_bench . --op capsnet matrixcapsnet --max-batch --plot || status=1 ;;
     graph-step)  # the training step in one CUDA graph against the eager step, on the epoch's time
-      within python -m pytest tests/test_cuda_graph.py -q -m cuda 2>&1 | tee "$out/cuda-graph-tests.log" || status=1
+      within python -m pytest tests/train/test_cuda_graph.py -q -m cuda 2>&1 | tee "$out/cuda-graph-tests.log" || status=1
       for mode in eager graph; do
         flag=(); [ "$mode" = eager ] || flag=(--cuda-graph)
         within python -m capsroute.train --model capsnet --dataset mnist --data-dir data/mnist --epochs 3 \

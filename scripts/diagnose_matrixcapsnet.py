@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
-from capsroute import data, nn as capsnn, reference
+from capsroute import nn as capsnn, reference
+from capsroute.datasets import mnist
 from capsroute.losses import spread_loss, spread_margin
 from capsroute.models import MatrixCapsNet
-from capsroute.train import parse_model_config
+from capsroute.train import batching
+from capsroute.train.args import parse_model_config
 
 
 class RecordingEm:
@@ -169,8 +171,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    train_images, train_labels = data.load_dataset(args.dataset, args.data_dir, "train")
-    test_images, test_labels = data.load_dataset(args.dataset, args.data_dir, "test")
+    train_images, train_labels = mnist.load_dataset(args.dataset, args.data_dir, "train")
+    test_images, test_labels = mnist.load_dataset(args.dataset, args.data_dir, "test")
     probe_images, probe_labels = test_images[:64].float().div(255), test_labels[:64]
     model = MatrixCapsNet(backend=args.backend, **parse_model_config(args.model_config))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -178,7 +180,7 @@ def main(argv=None):
     losses = []
     while step < args.steps:
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch)
-        for images, labels in data.batches(
+        for images, labels in batching.batches(
             train_images, train_labels, args.batch_size, generator=generator
         ):
             if step % args.log_every == 0:
@@ -192,7 +194,9 @@ def main(argv=None):
                 rows.append(row)
                 print(summary(row), flush=True)
             if args.shift:
-                images = data.shift_augment(images, args.shift, torch.Generator().manual_seed(step))
+                images = batching.shift_augment(
+                    images, args.shift, torch.Generator().manual_seed(step)
+                )
             margin = spread_margin(step, args.margin_ramp_steps, start=args.margin_start)
             loss = spread_loss(model(images, labels).activations, labels, margin)
             optimizer.zero_grad(set_to_none=True)

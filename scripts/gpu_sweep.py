@@ -24,7 +24,7 @@ import torch
 
 import capsroute
 from capsroute import reference
-from capsroute.doctor import SELF_ATTENTION_TOLERANCE_FACTOR
+from capsroute.testing import SELF_ATTENTION_TOLERANCE_FACTOR
 
 # Relative error (max |a - b| / max |b|) allowed against the float64 reference: the test suite's
 # tolerances, float32's loosened for sums over up to 16384 inputs (routing) and for the log-variances

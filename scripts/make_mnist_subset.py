@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from capsroute.data import DATASETS, read_idx
+from capsroute.datasets.mnist import DATASETS, read_idx
 
 TRAIN, TEST = 3000, 1000
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from capsroute import doctor
+from capsroute.testing import TOLERANCE, randn  # noqa: F401  (the tests import them from here)
 
 HAS_CUDA = torch.cuda.is_available()
 # The small CapsNet and MatrixCapsNet the training tests run (MatrixCapsNet: A=32 B=8 C=8 D=8, 2 EM
@@ -19,10 +19,6 @@ CUDA = pytest.param(
     "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
 )
 DEVICES = ["cpu", CUDA]
-
-# Storage dtypes each device supports, with the relative tolerance against a float64 reference:
-# the doctor's, so an install it passes is held to what the tests hold the code to.
-TOLERANCE = doctor.TOLERANCE
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -41,13 +37,6 @@ def assert_rel_close(actual, expected, tol, what=""):
     )
     err = rel_err(actual, expected)
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.1g}"
-
-
-def randn(
-    *shape, dtype=torch.float64, device="cpu", scale=1.0, requires_grad=False, generator=None
-):
-    t = torch.randn(*shape, dtype=torch.float64, generator=generator) * scale
-    return t.to(device=device, dtype=dtype).requires_grad_(requires_grad)
 
 
 def noncontiguous(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""One spec per public capsroute op: the table that tests/test_op_contract.py runs every contract
+"""One spec per public capsroute op: the table that tests/ops/test_op_contract.py runs every contract
 check over (in the manner of extension-cpp's sample_inputs and torchvision's RoIOpTester).
 
 A spec says how to call the op and its plain-PyTorch reference, how to draw sample inputs (random
@@ -13,9 +13,8 @@ from typing import Callable
 import torch
 
 import capsroute
-from capsroute import doctor, reference
-from helpers import TOLERANCE, randn
-from op_samples import (  # noqa: F401  (the per-op test files import them from here)
+from capsroute import reference
+from capsroute.testing import (  # noqa: F401  (the per-op test files import them from here)
     conv_dynamic_inputs,
     conv_em_inputs,
     dense_inputs,
@@ -28,7 +27,9 @@ from op_samples import (  # noqa: F401  (the per-op test files import them from 
     routing_inputs,
     self_attention_inputs,
     squash_inputs,
+    tolerance,
 )
+from helpers import randn
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
@@ -56,7 +57,6 @@ class OpSpec:
     input_names: tuple
     output_names: tuple  # the first `grad_outputs` outputs are differentiable
     grad_outputs: int
-    tolerance: Callable  # dtype -> relative tolerance against the float64 reference
     backward_args: (
         Callable  # (sample, outputs of the schema op, output gradients) -> backward op arguments
     )
@@ -67,6 +67,10 @@ class OpSpec:
     capsule_dims: int = (
         0  # the first input's capsule (read in place in every CAPSULE_LAYOUTS): its last dims
     )
+
+    def tolerance(self, dtype) -> float:
+        """The relative tolerance against the float64 reference."""
+        return tolerance(self.name, dtype)
 
     @property
     def op(self):
@@ -179,16 +183,6 @@ CAPSULE_LAYOUTS = [
 ]  # read in place by every op with capsule_dims
 
 
-def _em_tolerance(dtype):
-    """EM routing divides by variances: float32 and low-precision storage lose a little more."""
-    return TOLERANCE[dtype] * doctor.EM_TOLERANCE_FACTOR.get(dtype, 1)
-
-
-def _self_attention_tolerance(dtype):
-    """Self-attention's logits sum over every input capsule: float32 loses a little more."""
-    return TOLERANCE[dtype] * doctor.SELF_ATTENTION_TOLERANCE_FACTOR.get(dtype, 1)
-
-
 def _shapes(full_precision, low_precision):
     return {
         torch.float64: full_precision,
@@ -229,7 +223,7 @@ CONV_EM_SHAPES = [
     (2, 3, 7, 2, 5, 2),
     (1, 3, 3, 5, 2, 1),
 ]  # B, H, W, C_in, C_out, K
-# Odd grids; one window (K = H = W); K = 1; D from 4 to 32 (tests/test_conv_dynamic_routing.py: strides
+# Odd grids; one window (K = H = W); K = 1; D from 4 to 32 (tests/ops/test_conv_dynamic_routing.py: strides
 # and paddings).
 CONV_DYNAMIC_SHAPES = [
     (2, 5, 6, 3, 4, 8, 5, 3),
@@ -248,7 +242,6 @@ SQUASH = OpSpec(
     input_names=("s",),
     output_names=("v",),
     grad_outputs=1,
-    tolerance=TOLERANCE.get,
     backward_args=lambda sample, out, grads: (*grads, *sample.tensors, sample.options["eps"]),
     gradcheck=[((5, 7), {})],
     opcheck=[((5, 7), {})],
@@ -268,7 +261,6 @@ DYNAMIC_ROUTING = OpSpec(
     input_names=("votes", "bias"),
     output_names=("v", "c"),
     grad_outputs=1,  # the coupling c is for inspection
-    tolerance=TOLERANCE.get,
     backward_args=lambda sample, out, grads: (
         *grads,
         sample.tensors[0],
@@ -296,7 +288,6 @@ DENSE_CAPSULES = OpSpec(
     input_names=("u", "weight", "bias"),
     output_names=("v",),
     grad_outputs=1,
-    tolerance=TOLERANCE.get,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors[:2],
@@ -321,7 +312,6 @@ EM_ROUTING = OpSpec(
     input_names=("votes", "a_in", "beta_u", "beta_a"),
     output_names=("pose", "a_out"),
     grad_outputs=2,
-    tolerance=_em_tolerance,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors,
@@ -343,7 +333,6 @@ EM_ROUTING_POSE = OpSpec(
     input_names=("pose", "weight", "a_in", "beta_u", "beta_a"),
     output_names=("pose", "a_out"),
     grad_outputs=2,
-    tolerance=_em_tolerance,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors,
@@ -365,7 +354,6 @@ CONV_EM_ROUTING = OpSpec(
     input_names=("pose", "a_in", "weight", "beta_u", "beta_a"),
     output_names=("pose", "a_out"),
     grad_outputs=2,
-    tolerance=_em_tolerance,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors,
@@ -393,7 +381,6 @@ CONV_DYNAMIC_ROUTING = OpSpec(
     input_names=("u", "weight", "bias"),
     output_names=("v",),
     grad_outputs=1,
-    tolerance=TOLERANCE.get,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors[:2],
@@ -424,7 +411,6 @@ SELF_ATTENTION_ROUTING = OpSpec(
     input_names=("votes", "coupling_bias"),
     output_names=("v", "c"),
     grad_outputs=1,  # the coupling c is for inspection
-    tolerance=_self_attention_tolerance,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors,
@@ -454,7 +440,6 @@ INVERTED_ATTENTION_ROUTING = OpSpec(
     input_names=("votes", "norm_weight", "norm_bias"),
     output_names=("v", "c"),
     grad_outputs=1,
-    tolerance=TOLERANCE.get,
     backward_args=lambda sample, out, grads: (
         *grads,
         *sample.tensors,
@@ -480,7 +465,6 @@ DENSE_SELF_ATTENTION_ROUTING = OpSpec(
     input_names=("u", "weight", "coupling_bias"),
     output_names=("v",),
     grad_outputs=1,
-    tolerance=_self_attention_tolerance,
     backward_args=SELF_ATTENTION_ROUTING.backward_args,
     gradcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(squash="sabour"))],
     opcheck=[((2, 7, 3, 4, 3), {}), ((2, 7, 3, 4, 3), dict(coupling_bias=False, squash="sabour"))],
@@ -505,7 +489,6 @@ DENSE_INVERTED_ATTENTION_ROUTING = OpSpec(
     input_names=("u", "weight", "norm_weight", "norm_bias"),
     output_names=("v",),
     grad_outputs=1,
-    tolerance=TOLERANCE.get,
     backward_args=INVERTED_ATTENTION_ROUTING.backward_args,
     gradcheck=[((2, 5, 3, 4, 3), {}), ((2, 5, 3, 4, 3), dict(iters=2, weight=False, bias=False))],
     opcheck=[((2, 7, 3, 4, 3), {}), ((2, 7, 3, 4, 3), dict(iters=1, weight=False))],

@@ -14,8 +14,8 @@ import torch
 
 import capsroute
 from capsroute import reference
-from capsroute._fake import conv_output_size
 from capsroute.nn import ConvCapsules
+from capsroute.ops._fake import conv_output_size
 
 OPS = {  # op -> the short name that `--op` also accepts
     "dynamic_routing": "dynamic",

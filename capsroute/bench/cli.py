@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .._runinfo import device_name, git_commit, resolve_device, write_json_atomic
+from .._utils.runinfo import device_name, git_commit, resolve_device, write_json_atomic
 from .cases import (
     CONV_SHAPES,
     DTYPES,

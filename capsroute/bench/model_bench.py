@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from .._runinfo import dtype_name
-from ..losses import training_loss
+from .._utils.runinfo import dtype_name
 from ..models import build_model
 from ..nn import set_backend
+from ..train.metrics import training_loss
 from .cases import Case, capsroute_supports, no_kernel
 from .measure import (
     MAX_BATCH_CAP,

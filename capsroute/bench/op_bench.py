@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .._runinfo import dtype_name
+from .._utils.runinfo import dtype_name
 from .cases import (
     ATTENTION_OPS,
     ONE_STEP_OPS,

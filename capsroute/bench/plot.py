@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter, NullLocator
 
-from .._runinfo import short_commit
+from .._utils.runinfo import short_commit
 
 COLORS = {"capsroute": "tab:blue", "eager": "tab:orange", "compiled": "tab:green"}
 LINESTYLES = ["-", "--", ":", "-."]

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from .._runinfo import git_toplevel, short_commit
+from .._utils.runinfo import git_toplevel, short_commit
 from .cases import MODEL_OPS
 
 

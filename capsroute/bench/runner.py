@@ -13,7 +13,7 @@ import torch
 
 import capsroute
 
-from .._runinfo import command_line, cpu_id, cpu_model, device_name, dtype_name, git_commit
+from .._utils.runinfo import command_line, cpu_id, cpu_model, device_name, dtype_name, git_commit
 from .cases import CONV_OPS, IMPLS, MODEL_OPS, Case, impls_for, unavailable_impls
 from .floor import measure_bandwidth, measure_peak_tflops
 from .measure import failure_reason

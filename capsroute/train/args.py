@@ -1,0 +1,504 @@
+"""`capsroute train`'s command line and run folder: the options, their checks (all made before any
+data is read), and the checkpoint that `--resume` continues and `capsroute plot` draws from.
+
+  add_arguments(parser)      the options; each value's range is checked as it is parsed
+  check_arguments(args)      what needs several options: --model-config against --model, ...
+  apply_recipe(args)         a model's training recipe, for the options the command leaves out
+  resolve_run_dir(args)      the run folder; with --resume, the checkpoint and the run's options
+  load_checkpoint(path)      a checkpoint, loaded without running code (weights_only=True)
+  checkpoint_args(args)      the options as a checkpoint stores them (plain types)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import typing
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import __version__
+from .._utils.command import CommandError, real_number, whole_number
+from ..datasets import mnist, multimnist
+from ..models import MODELS, build_model
+from ..nn import BACKENDS
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+SEGMENTATION = {"segcapsnet": "multimnist-seg"}  # segmentation networks and their one dataset
+AUGMENTATIONS = ("shift", "efficientcapsnet")
+# Efficient-CapsNet's recipe, the official code's config.json: batch 16, Adam 5e-4 decayed by 0.97
+# an epoch (here smoothly every step) down to 5e-5, 150 epochs, its MNIST generator's augmentation.
+# The paper trains no Fashion-MNIST network: that gets the MNIST recipe. Its MultiMNIST epoch is
+# 10 x 60,000 / 16 steps of generated pairs: 10 pairs per training digit.
+_EFFICIENT_CAPSNET = {
+    "batch_size": 16,
+    "epochs": 150,
+    "lr": 5e-4,
+    "lr_decay": 0.97,
+    "decay_steps": 0,
+    "min_lr": 5e-5,
+}
+RECIPES = {
+    ("efficientcapsnet", "mnist"): {**_EFFICIENT_CAPSNET, "augment": "efficientcapsnet"},
+    ("efficientcapsnet", "fashion-mnist"): {**_EFFICIENT_CAPSNET, "augment": "efficientcapsnet"},
+    ("efficientcapsnet", "multimnist"): {**_EFFICIENT_CAPSNET, "pairs_per_digit": 10},
+}
+# The trainer seeds each epoch and step from --seed; those seeds must fit in 64 bits.
+MAX_SEED = 2**31 - 1
+# A resumed run keeps its own options except these: taken from the new command line always (they
+# are about this process), or only when given there (the run goes on the same with them). Any
+# other option given there with a value other than the run's is refused.
+RESUME_FROM_COMMAND_LINE = {
+    "max_steps",
+    "cuda_graph",
+    "no_progress",
+    "no_plots",
+    "download",
+    "evaluate",
+    "debug",
+}
+RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
+CHECKPOINT_KEYS = {
+    "capsroute",
+    "args",
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "step_in_epoch",
+    "step",
+    "epoch_sums",
+    "history",
+    "torch_rng",
+}
+
+
+# The networks sized for the dataset's images: 36x36 MultiMNIST pairs, else 28x28.
+PAIR_MODELS = ("capsnet", "efficientcapsnet", "cnn")
+
+
+def parse_model_config(items: list[str]) -> dict:
+    """Constructor arguments from KEY=VALUE strings (`capsroute train --model-config`): each value
+    as a Python literal (64, 0.5, (64, 128)) where it is one, else as the string."""
+    config = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            config[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            config[key] = value
+    return config
+
+
+def model_for_run(args: dict) -> nn.Module:
+    """The network of a run's arguments (vars of `capsroute train`'s, or a checkpoint's "args"): --model
+    with --model-config, sized for the dataset's images (36x36 MultiMNIST pairs, else 28x28)."""
+    config = parse_model_config(args["model_config"])
+    if args["model"] in PAIR_MODELS:
+        pairs = args["dataset"] == "multimnist"
+        config.setdefault("image_size", multimnist.SIZE if pairs else multimnist.DIGIT_SIZE)
+    if args["model"] == "segcapsnet":
+        config.setdefault("classes", 10)  # one segmentation capsule type per digit class
+    return build_model(args["model"], args["backend"], config)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each option's default."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # The command as typed (for the records) and its options (for --resume's checks), both None
+    # from Python; the commands that resumed the run.
+    p.set_defaults(invocation=None, argv=None, resume_commands=[])
+    positive = whole_number(1)
+    p.add_argument("--model", choices=sorted(MODELS), default="capsnet", help="the network")
+    p.add_argument(
+        "--model-config",
+        nargs="*",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword arguments of the model, e.g. conv_channels=64 (CapsNet) or A=32 (MatrixCapsNet)",
+    )
+    p.add_argument(
+        "--dataset",
+        choices=sorted([*mnist.DATASETS, "multimnist", "multimnist-seg"]),
+        default="mnist",
+        help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.datasets.multimnist); "
+        "multimnist-seg: the same pairs with each digit's pixels as per-class masks (segcapsnet)",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("CAPSROUTE_DATA", "data")),
+        help="folder with the IDX .gz files ($CAPSROUTE_DATA when set; MNIST's for multimnist)",
+    )
+    p.add_argument(
+        "--pairs-per-digit",
+        type=whole_number(1, multimnist.MAX_PAIRS_PER_DIGIT),
+        default=1,
+        help=f"multimnist: training pairs per training digit, 1..{multimnist.MAX_PAIRS_PER_DIGIT} "
+        "(an epoch of 60,000 pairs per unit; the test set is fixed: one pair per test digit)",
+    )
+    p.add_argument(
+        "--download", action="store_true", help="download missing files (checksums verified)"
+    )
+    p.add_argument("--epochs", type=positive, default=10, help="passes over the training images")
+    p.add_argument("--batch-size", type=positive, default=128, help="per process")
+    p.add_argument(
+        "--lr", type=real_number(0, low_open=True), default=1e-3, help="Adam learning rate"
+    )
+    p.add_argument(
+        "--lr-decay",
+        type=real_number(0, 1, low_open=True),
+        default=0.96,
+        help="multiplied into the learning rate every --decay-steps",
+    )
+    p.add_argument(
+        "--decay-steps",
+        type=whole_number(0),
+        default=2000,
+        help="steps per --lr-decay factor (0: one epoch)",
+    )
+    p.add_argument(
+        "--min-lr", type=real_number(0), default=0.0, help="the decay stops at this learning rate"
+    )
+    p.add_argument("--weight-decay", type=real_number(0), default=0.0, help="Adam's L2 penalty")
+    p.add_argument(
+        "--shift",
+        type=whole_number(0, multimnist.DIGIT_SIZE - 1),
+        default=2,
+        help="random shift augmentation in pixels (0: none); multimnist shifts each digit by up to 4",
+    )
+    p.add_argument(
+        "--augment",
+        choices=AUGMENTATIONS,
+        default="shift",
+        help="shift: --shift's random shift (Sabour et al.); efficientcapsnet: the official "
+        "Efficient-CapsNet MNIST generator's rotation, shift, squish and erasure "
+        "(capsroute.train.augment); multimnist pairs come shifted either way",
+    )
+    p.add_argument(
+        "--margin-ramp-epochs",
+        type=real_number(0),
+        default=5.0,
+        help="MatrixCapsNet: epochs over which the spread-loss margin grows from 0.2 to 0.9",
+    )
+    p.add_argument(
+        "--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision (autocast)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="fused",
+        help="fused capsroute kernels, or the plain PyTorch reference",
+    )
+    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the training step in a CUDA graph and replay it: one launch a step (one "
+        "CUDA process, --amp none or bf16)",
+    )
+    p.add_argument(
+        "--seed",
+        type=whole_number(0, MAX_SEED),
+        default=0,
+        help="initial weights, data order and augmentation",
+    )
+    p.add_argument(
+        "--train-subset", type=positive, default=None, help="use the first N training images"
+    )
+    p.add_argument(
+        "--test-subset",
+        type=positive,
+        default=None,
+        help="use the first N test images (multimnist: pairs)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=positive,
+        default=None,
+        help="stop (with a checkpoint) after this many steps",
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="run folder (default: runs/<model>-<dataset>)"
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in this folder",
+    )
+    p.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="with --resume: score the checkpoint's network as it stands (even mid-epoch) on the test set "
+        "into RUN_DIR/evaluation.json and draw its figures, without training",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def _key_value(item: str) -> str:
+    """An item of --model-config, checked here and kept as text (the checkpoint stores the
+    arguments as given)."""
+    try:
+        parse_model_config([item])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except (
+        MemoryError,
+        RecursionError,
+    ):  # what Python's parser raises on thousands of nested operators
+        raise argparse.ArgumentTypeError(
+            f"{item[:40]!r}...: too deeply nested to be a value"
+        ) from None
+    return item
+
+
+def _device(text: str) -> str:
+    """--device as given (resolve_device makes it a device once the run starts), checked."""
+    try:
+        ok = text == "auto" or torch.device(text).type in ("cpu", "cuda")
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def _defaults() -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The options given on the command line (args.argv); from Python (no argv), those whose value
+    differs from the default."""
+    defaults = _defaults()
+    if args.argv is None:
+        return {key for key, value in defaults.items() if getattr(args, key) != value}
+    unset = object()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    # argparse fills in a default only where the namespace has no value yet.
+    parsed = parser.parse_args(args.argv, argparse.Namespace(**dict.fromkeys(defaults, unset)))
+    return {key for key, value in vars(parsed).items() if value is not unset}
+
+
+def model_options(model: str) -> dict[str, inspect.Parameter]:
+    """The keyword-only parameters of a model (--model-config's keys): its sizes and routing
+    settings; the classes, channels and image size come from the dataset, the backend from
+    --backend."""
+    parameters = inspect.signature(MODELS[model], eval_str=True).parameters.values()
+    return {p.name: p for p in parameters if p.kind is p.KEYWORD_ONLY and p.name != "backend"}
+
+
+def _value_error(parameter: inspect.Parameter, value) -> str | None:
+    """What is wrong with value for parameter (None: nothing): it must have the type of the
+    default, and numbers must be > 0."""
+    default = parameter.default
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "must be True or False"
+    if isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return None if ok else "must be a whole number >= 1"
+    if isinstance(default, float):
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and 0 < value < float("inf")
+        )
+        return None if ok else "must be a number > 0"
+    if isinstance(default, tuple):  # tuple[int, ...] of any length, tuple[int, int, int] of three
+        length = None if "..." in str(parameter.annotation) else len(default)
+        ok = isinstance(value, tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+        )
+        if ok and length in (None, len(value)):
+            return None
+        count = "whole numbers" if length is None else f"{length} whole numbers"
+        return f"must be a tuple of {count} >= 1, like {default}"
+    if isinstance(default, str):  # a Literal of the values it takes
+        allowed = typing.get_args(parameter.annotation)
+        return None if value in allowed else f"must be one of {', '.join(allowed)}"
+    return None
+
+
+def check_model_config(model: str, items: list[str]) -> dict:
+    """--model-config as the model's keyword arguments; refuses unknown keys and wrong values."""
+    options = model_options(model)
+    for item in items:
+        [(key, value)] = parse_model_config([item]).items()
+        if key not in options:
+            raise CommandError(
+                f"--model-config {item}: {model} has no option {key!r} "
+                f"(its options: {', '.join(options)})"
+            )
+        problem = _value_error(options[key], value)
+        if problem is not None:
+            raise CommandError(f"--model-config {item}: {model}'s {key} {problem}")
+    return parse_model_config(items)
+
+
+def apply_recipe(args: argparse.Namespace) -> dict:
+    """Sets the options of the model's training recipe on `args` (RECIPES[model, dataset]) where
+    the command line leaves them out (from Python: where they have their defaults); returns those
+    it set. A new run only: --resume keeps the run's own options."""
+    given = given_options(args)
+    recipe = {
+        key: value
+        for key, value in RECIPES.get((args.model, args.dataset), {}).items()
+        if key not in given
+    }
+    for key, value in recipe.items():
+        setattr(args, key, value)
+    return recipe
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The checks that need several options (the single values are checked as they are parsed)."""
+    check_model_config(args.model, args.model_config)
+    if args.dataset == "multimnist" and args.model not in PAIR_MODELS:
+        raise CommandError(
+            f"--dataset multimnist trains {', '.join(PAIR_MODELS[:-1])} or {PAIR_MODELS[-1]}, "
+            f"not {args.model}"
+        )
+    if args.augment != "shift" and "shift" in given_options(args):
+        raise CommandError(
+            f"--shift {args.shift}: --augment {args.augment} shifts as its own generator does; "
+            f"leave --shift out, or pass --augment shift"
+        )
+    segmented = SEGMENTATION.get(args.model)
+    if (args.dataset in SEGMENTATION.values() or segmented) and args.dataset != segmented:
+        model = (
+            next(m for m, d in SEGMENTATION.items() if d == args.dataset) if not segmented else None
+        )
+        raise CommandError(
+            f"--dataset {args.dataset} trains {model}, not {args.model}"
+            if model
+            else f"--model {args.model} segments --dataset {segmented}, not {args.dataset}"
+        )
+    if args.cuda_graph and args.amp == "fp16":
+        raise CommandError(
+            "--cuda-graph: --amp fp16 checks its loss scale on the host every step, which a "
+            "captured step cannot; use --amp bf16 or none"
+        )
+    if args.evaluate and args.resume is None:
+        raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
+    if args.out.exists() and not args.out.is_dir():
+        raise CommandError(f"--out {args.out}: a file, not a folder; pass a folder for the run")
+
+
+def check_cuda_graph(device: torch.device, world_size: int) -> None:
+    """Refuses --cuda-graph off a CUDA device or under torchrun (check_arguments refuses it with
+    --amp fp16)."""
+    if device.type != "cuda":
+        raise CommandError(
+            f"--cuda-graph replays the step on a CUDA device; this run is on {device}"
+        )
+    if world_size > 1:
+        raise CommandError(
+            f"--cuda-graph runs in one process; torchrun started {world_size} (leave it out)"
+        )
+
+
+def _plain(value):
+    return str(value) if isinstance(value, Path) else value
+
+
+def checkpoint_args(args: argparse.Namespace) -> dict:
+    """The run's options, command and resume commands in plain types (weights_only loads them)."""
+    return {key: _plain(getattr(args, key)) for key in _defaults() if key != "argv"}
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint written by this capsroute version; refuses, naming the file, anything else."""
+    try:
+        with (
+            warnings.catch_warnings()
+        ):  # torch's notes on an unusual file: the line below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load fails in many ways on a damaged or foreign file
+        raise CommandError(
+            f"{path}: not a checkpoint capsroute {__version__} can load safely (truncated, "
+            f"damaged, foreign or from an older capsroute); --debug shows why"
+        ) from e
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS - {"capsroute"} <= state.keys():
+        raise CommandError(f"{path}: not a capsroute train checkpoint (it lacks the run's state)")
+    version = state.get("capsroute")
+    if version != __version__:
+        written = f"capsroute {version}" if version else "an older capsroute (no version recorded)"
+        raise CommandError(
+            f"{path}: written by {written}, this is capsroute {__version__}: continue the run "
+            f"with that version, or start a new one"
+        )
+    return state
+
+
+def _shown(value) -> str:
+    return " ".join(value) if isinstance(value, list) else str(value)
+
+
+def _option(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def resolve_run_dir(args: argparse.Namespace) -> dict | None:
+    """Sets args.out; with --resume, loads the checkpoint and restores the run's options, applies
+    those --resume may change and refuses other changes; returns the checkpoint (None without
+    --resume)."""
+    if args.resume is None:
+        args.out = args.out or Path("runs") / f"{args.model}-{args.dataset}"
+        args.resume_commands = []
+        return None
+    path = args.resume / "checkpoint.pt" if args.resume.is_dir() else args.resume
+    if not path.is_file():
+        raise CommandError(
+            f"--resume {args.resume}: no checkpoint at {path}; pass a run folder of capsroute train"
+        )
+    state = load_checkpoint(path)
+    given, this_command = given_options(args), args.invocation
+    if "out" in given and args.out.resolve() != path.parent.resolve():
+        raise CommandError(
+            f"--out {args.out}: a resumed run stays in its folder {path.parent}; leave --out out"
+        )
+    saved = state["args"]
+    for key, value in saved.items():
+        if (
+            key in ("out", "resume", "resume_commands")
+            or key in RESUME_FROM_COMMAND_LINE
+            or not hasattr(args, key)
+        ):
+            continue
+        if key in given and key in RESUME_OVERRIDES:
+            continue
+        new = _plain(getattr(args, key))
+        same = (
+            parse_model_config(new) == parse_model_config(value)
+            if key == "model_config"
+            else new == value
+        )
+        if key in given and not same:
+            raise CommandError(
+                f"{_option(key)} {_shown(new)}: the run in {path.parent} has {_shown(value)}, "
+                f"which --resume keeps; leave {_option(key)} out, or start a new run elsewhere"
+            )
+        setattr(args, key, value)
+    args.data_dir = Path(args.data_dir)
+    args.out = args.resume = path.parent
+    args.resume_commands = [*saved.get("resume_commands", []), this_command]
+    return state
