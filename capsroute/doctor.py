@@ -41,7 +41,7 @@ SWITCHES = (
     "CAPSROUTE_CONV_CHUNK",
 )
 REFUSED = "CAPSROUTE_ROUTING_CLUSTER=force, but"  # a forced cluster path refusing to run
-WARP_ROW_MAX_J, WARP_ROW_MAX_D = 32, 16  # warp_rows_fit (csrc/cuda/routing_warp_kernels.cuh)
+WARP_ROW_MAX_J, WARP_ROW_MAX_D = 32, 16  # warp_rows_fit (csrc/cuda/agreement_warp_rows_kernels.cuh)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include "agreement_rules.h"
 #include "dims.h"
-#include "routing_rule.h"
 
 namespace capsroute {
 

@@ -1,5 +1,5 @@
 // A routing's rule with its parameters as tensors, as an op hands it to either backend's agreement
-// routing (csrc/cpu/agreement_routing.h, csrc/cuda/rule_routing.cuh), the attention routings'
+// routing (csrc/cpu/agreement_routing.h, csrc/cuda/agreement_routing.cuh), the attention routings'
 // rules made from their arguments, and the gradients of the parameters as both backends' backwards
 // collect them. Host code only.
 #pragma once
@@ -9,9 +9,9 @@
 #include <optional>
 #include <string_view>
 
+#include "agreement_rules.h"
 #include "checks.h"
 #include "dims.h"
-#include "routing_rule.h"
 
 namespace capsroute {
 

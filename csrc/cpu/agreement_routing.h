@@ -8,10 +8,10 @@
 
 #include <tuple>
 
+#include "../common/agreement_rules.h"
 #include "../common/dims.h"
-#include "../common/routing_rule.h"
 #include "../common/rule_tensors.h"
-#include "routing_element.h"
+#include "agreement_element.h"
 
 namespace capsroute {
 namespace cpu {

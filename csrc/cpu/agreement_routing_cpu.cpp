@@ -1,5 +1,5 @@
 // route_votes and route_votes_backward (agreement_routing.h): the element loops of
-// route_elements.h on the CPU, in every storage dtype, compiled once for the three routings.
+// agreement_batch.h on the CPU, in every storage dtype, compiled once for the three routings.
 #include "agreement_routing.h"
 
 #include <ATen/Dispatch.h>
@@ -7,7 +7,7 @@
 
 #include "../common/checks.h"
 #include "../common/layout.h"
-#include "route_elements.h"
+#include "agreement_batch.h"
 
 namespace capsroute {
 namespace cpu {

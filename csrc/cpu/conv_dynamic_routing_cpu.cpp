@@ -1,11 +1,11 @@
 // conv_dynamic_routing on the CPU: the chunked votes of csrc/common/conv_capsules.h, each chunk's
-// output positions routed as elements by dynamic_routing's element code (route_elements.h).
+// output positions routed as elements by dynamic_routing's element code (agreement_batch.h).
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "../common/checks.h"
 #include "../common/conv_capsules.h"
-#include "route_elements.h"
+#include "agreement_batch.h"
 
 namespace capsroute {
 namespace {

@@ -1,6 +1,7 @@
 // dense_self_attention_routing and dense_inverted_attention_routing on the CPU: route_dense
 // (dense_capsules_cpu.cpp), the votes weight_ij @ u_i computed a group of elements at a time as
-// dense_capsules computes them, under the attention routings' rules (csrc/common/routing_rule.h).
+// dense_capsules computes them, under the attention routings' rules
+// (csrc/common/agreement_rules.h).
 #include <torch/library.h>
 
 #include "../common/checks.h"

@@ -1,5 +1,5 @@
 // inverted_attention_routing on the CPU: the agreement routing of agreement_routing.h under
-// inverted_attention_rule (csrc/common/routing_rule.h).
+// inverted_attention_rule (csrc/common/agreement_rules.h).
 #include <torch/library.h>
 
 #include "../common/checks.h"

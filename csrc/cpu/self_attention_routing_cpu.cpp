@@ -1,5 +1,5 @@
 // self_attention_routing on the CPU: the agreement routing of agreement_routing.h under
-// self_attention_rule (csrc/common/routing_rule.h).
+// self_attention_rule (csrc/common/agreement_rules.h).
 #include <torch/library.h>
 
 #include "../common/checks.h"

@@ -1,4 +1,4 @@
-// Vector loops shared by the CPU routing code (routing_element.h, em_element.h), written with
+// Vector loops shared by the CPU routing code (agreement_element.h, em_element.h), written with
 // at::vec::Vectorized (AVX2 where the build enables it, see setup.py), so that no loop relies on
 // one compiler's auto-vectorisation. A loop over n values takes whole vectors, the last one
 // partial: Vectorized's counted loadu fills the lanes past the end with zeros and its counted

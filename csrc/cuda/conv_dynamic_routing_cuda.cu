@@ -8,8 +8,9 @@
 
 #include "../common/checks.h"
 #include "../common/conv_capsules.h"
+#include "agreement_launch.cuh"
 #include "host_checks.cuh"
-#include "routing_launch.cuh"
+#include "vote_sources.cuh"
 
 namespace capsroute {
 namespace cuda {

@@ -20,7 +20,7 @@
 #include "conv_em_kernels.cuh"
 #include "conv_em_sequence.cuh"
 #include "host_checks.cuh"
-#include "stream_launch.cuh"
+#include "stream_launcher.cuh"
 
 namespace capsroute {
 namespace cuda {

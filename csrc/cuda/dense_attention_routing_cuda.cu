@@ -1,13 +1,13 @@
-// dense_self_attention_routing and dense_inverted_attention_routing on CUDA: dense_routing.cuh (the
-// votes weight_ij @ u_i by GEMM a chunk of the batch at a time, as dense_capsules computes them)
-// under the attention routings' rules (common/rule_tensors.h).
+// dense_self_attention_routing and dense_inverted_attention_routing on CUDA: agreement_dense.cuh
+// (the votes weight_ij @ u_i by GEMM a chunk of the batch at a time, as dense_capsules computes
+// them) under the attention routings' rules (common/rule_tensors.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string_view>
 
 #include "../common/checks.h"
-#include "dense_routing.cuh"
+#include "agreement_dense.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -17,7 +17,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_cuda
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& coupling_bias,
     std::string_view squash, double eps) {
   check_dense_self_attention_routing_inputs(u, weight, coupling_bias, squash, eps);
-  return dense_routing_forward(
+  return route_dense(
       "dense_self_attention_routing", u, weight, at::Tensor(),
       self_attention_rule_tensors(weight.size(1), weight.size(2), coupling_bias, squash),
       kSelfAttentionPasses, /*leaky=*/false, eps);
@@ -29,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_back
     std::string_view squash, double eps) {
   check_dense_self_attention_routing_backward_inputs(grad_v, u, weight, coupling_bias, s_hist,
                                                      squash, eps);
-  const DenseRoutingGradients grads = dense_routing_backward(
+  const DenseGrads grads = route_dense_backward(
       "dense_self_attention_routing", grad_v, u, weight, s_hist,
       self_attention_rule_tensors(weight.size(1), weight.size(2), coupling_bias, squash),
       /*leaky=*/false, /*detach=*/false, eps);
@@ -40,10 +40,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_inverted_attention_routing_
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& norm_weight,
     const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
   check_dense_inverted_attention_routing_inputs(u, weight, norm_weight, norm_bias, iters, eps);
-  return dense_routing_forward(
-      "dense_inverted_attention_routing", u, weight, at::Tensor(),
-      inverted_attention_rule_tensors(weight.size(2), norm_weight, norm_bias), iters,
-      /*leaky=*/false, eps);
+  return route_dense("dense_inverted_attention_routing", u, weight, at::Tensor(),
+                     inverted_attention_rule_tensors(weight.size(2), norm_weight, norm_bias), iters,
+                     /*leaky=*/false, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -54,7 +53,7 @@ dense_inverted_attention_routing_backward_cuda(const at::Tensor& grad_v, const a
                                                const at::Tensor& s_hist, double eps) {
   check_dense_inverted_attention_routing_backward_inputs(grad_v, u, weight, norm_weight, norm_bias,
                                                          s_hist, eps);
-  const DenseRoutingGradients grads = dense_routing_backward(
+  const DenseGrads grads = route_dense_backward(
       "dense_inverted_attention_routing", grad_v, u, weight, s_hist,
       inverted_attention_rule_tensors(weight.size(2), norm_weight, norm_bias), /*leaky=*/false,
       /*detach=*/false, eps);

@@ -1,6 +1,6 @@
 // Device-side helpers shared by the capsroute kernels: block shape, integer helpers, warp
 // reductions and launch-configuration arithmetic. Free of torch headers, so the kernel headers
-// that include only this (routing_kernels.cuh) also compile on the host against the CUDA
+// that include only this (agreement_block_kernels.cuh) also compile on the host against the CUDA
 // emulator of tests/emulator.
 #pragma once
 

@@ -1,10 +1,10 @@
-// dynamic_routing on CUDA: rule_routing.cuh under dynamic routing's rule (RuleTensors{}), votes
-// read in place.
+// dynamic_routing on CUDA: agreement_routing.cuh under dynamic routing's rule (RuleTensors{}),
+// votes read in place.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "../common/checks.h"
-#include "rule_routing.cuh"
+#include "agreement_routing.cuh"
 
 namespace capsroute {
 namespace cuda {

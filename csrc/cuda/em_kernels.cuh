@@ -1,11 +1,8 @@
 // EM routing kernels (docs/ops.md, em_routing): the forward (M-step, E-step) and the exact backward
 // of csrc/cpu/em_element.h, step by step, with the same saved statistics.
 //
-// The kernels are templated on a vote source, as in routing_kernels.cuh (MemoryVotes reads
-// votes (B, I, J, H) from memory; PoseVotes below computes V_ij = P_i @ W_ij of em_routing_pose
-// on the fly):
-//   using acc_type = ...;                                    // accumulation type
-//   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jh) const;
+// The kernels are templated on a vote source (vote_sources.cuh: MemoryVotes reads votes
+// (B, I, J, H) from memory; PoseVotes computes V_ij = P_i @ W_ij of em_routing_pose on the fly),
 // returning vote V[b, i, j, h] with jh = j * H + h.
 //
 // Structure (one thread block of kBlockThreads threads per (element b, range of its input rows)
@@ -40,29 +37,6 @@
 
 namespace capsroute {
 namespace cuda {
-
-// ---- the pose vote source (em_routing_pose) ----
-
-// V[b, i, j, (r, c)] = sum_k P[b, i, r, k] W[i, j, k, c] in the accumulation type, k in order
-// (the CPU's compute_votes): pose (B, I, 4, 4) at any strides over b and i (pose_strides), each
-// P_bi's 16 values contiguous; weight (I, J, 4, 4) contiguous; H = 16, jh = j * 16 + r * 4 + c.
-template <typename scalar_t, typename acc_t>
-struct PoseVotes {
-  using acc_type = acc_t;
-  const scalar_t* pose;
-  CapsuleStrides pose_strides;
-  const scalar_t* weight;
-  int64_t J;
-  __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jh) const {
-    const int64_t j = jh / kPoseSize, rc = jh - j * kPoseSize, r = rc / 4, c = rc - r * 4;
-    const scalar_t* P = pose + pose_strides.offset(b, i) + r * 4;  // row r of P_i
-    const scalar_t* W = weight + (i * J + j) * kPoseSize + c;      // column c of W_ij
-    acc_t sum = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) sum += static_cast<acc_t>(P[k]) * static_cast<acc_t>(W[k * 4]);
-    return sum;
-  }
-};
 
 // ---- device helpers ----
 

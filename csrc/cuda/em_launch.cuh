@@ -19,7 +19,7 @@
 #include "em_sequence.cuh"
 #include "host_checks.cuh"
 #include "kernel_options.h"
-#include "stream_launch.cuh"
+#include "stream_launcher.cuh"
 
 namespace capsroute {
 namespace cuda {

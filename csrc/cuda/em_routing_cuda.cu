@@ -12,7 +12,7 @@
 #include "em_kernels.cuh"
 #include "em_launch.cuh"
 #include "host_checks.cuh"
-#include "routing_kernels.cuh"  // MemoryVotes
+#include "vote_sources.cuh"
 
 namespace capsroute {
 namespace cuda {

@@ -39,6 +39,7 @@
 #include "em_launch.cuh"
 #include "host_checks.cuh"
 #include "kernel_options.h"
+#include "vote_sources.cuh"
 
 namespace capsroute {
 namespace cuda {

@@ -1,5 +1,5 @@
 // The launch sequences of EM routing through a `launch(kernel, blocks, args...)` callable, as in
-// routing_sequence.cuh: em_launch.cuh and em_routing_pose_cuda.cu pass the CUDA stream one,
+// agreement_sequence.cuh: em_launch.cuh and em_routing_pose_cuda.cu pass the CUDA stream one,
 // tests/emulator the host one. No CUDA runtime or ATen here.
 #pragma once
 
@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "em_kernels.cuh"
+#include "vote_sources.cuh"
 
 namespace capsroute {
 namespace cuda {

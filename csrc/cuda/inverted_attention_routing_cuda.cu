@@ -1,11 +1,11 @@
-// inverted_attention_routing on CUDA: rule_routing.cuh under the replace rule (routing_rule.h):
-// each pass's couplings from the softmax of the previous output's agreement alone, and a LayerNorm
-// over D with its optional affine parameters.
+// inverted_attention_routing on CUDA: agreement_routing.cuh under the replace rule
+// (agreement_rules.h): each pass's couplings from the softmax of the previous output's agreement
+// alone, and a LayerNorm over D with its optional affine parameters.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "../common/checks.h"
-#include "rule_routing.cuh"
+#include "agreement_routing.cuh"
 
 namespace capsroute {
 namespace cuda {

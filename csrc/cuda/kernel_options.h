@@ -13,8 +13,8 @@ namespace cuda {
 
 // CAPSROUTE_ROUTING_CLUSTER=0 keeps the routing forward and backward (dynamic_routing,
 // dense_capsules) on the warp-rows kernels where they would run an element per cluster (sm_90;
-// routing_cluster_kernels.cuh, use_clusters); 1 (default) lets use_clusters decide; force runs the
-// clusters wherever the warp rows would run, whatever the batch, and is an error where the GPU
+// agreement_cluster_kernels.cuh, use_clusters); 1 (default) lets use_clusters decide; force runs
+// the clusters wherever the warp rows would run, whatever the batch, and is an error where the GPU
 // or the build cannot (the tests use it to know which kernels ran).
 enum class ClusterMode { off, automatic, force };
 

@@ -1,13 +1,13 @@
-// self_attention_routing on CUDA: rule_routing.cuh under the agree_with_mean rule (routing_rule.h):
-// a uniformly coupled pass taken as it is, then couplings from each vote's agreement with it, plus
-// the coupling bias, and a squash.
+// self_attention_routing on CUDA: agreement_routing.cuh under the agree_with_mean rule
+// (agreement_rules.h): a uniformly coupled pass taken as it is, then couplings from each vote's
+// agreement with it, plus the coupling bias, and a squash.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string_view>
 
 #include "../common/checks.h"
-#include "rule_routing.cuh"
+#include "agreement_routing.cuh"
 
 namespace capsroute {
 namespace cuda {

@@ -9,7 +9,7 @@
 #include "../common/kernel_path.h"
 #include "host_checks.cuh"
 #include "squash_kernels.cuh"
-#include "stream_launch.cuh"
+#include "stream_launcher.cuh"
 
 namespace capsroute {
 namespace cuda {

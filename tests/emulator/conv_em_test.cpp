@@ -8,7 +8,7 @@
 // float and double (float16/bfloat16 storage on one shape), grids smaller than the launches ask
 // for and several chunk counts of the weight gradient. Workspaces start as NaN. Prints one line
 // per failure; exits 1 if there is any.
-//   conv_em_test [quick | tsan]   (tsan: every kernel once on one small shape)
+//   conv_em_test [quick | small]   (small: every kernel once on one small shape)
 #include "emu.h"
 
 #include <algorithm>
@@ -366,8 +366,8 @@ void test_case(const Case& cs, const char* tname, double tol, double out_tol,
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "full";
-  if (mode != "full" && mode != "quick" && mode != "tsan") {
-    std::fprintf(stderr, "usage: conv_em_test [quick | tsan]\n");
+  if (mode != "full" && mode != "quick" && mode != "small") {
+    std::fprintf(stderr, "usage: conv_em_test [quick | small]\n");
     return 2;
   }
   // B, H, W, C_in, C_out, K, stride, padding, iters, emulated grid.
@@ -379,10 +379,10 @@ int main(int argc, char** argv) {
       {2, 4, 5, 2, 3, 3, 1, 1, 1, 3},  // one iteration
   };
   if (mode == "quick") cases.resize(2);
-  if (mode == "tsan") cases = {{1, 4, 3, 2, 3, 3, 2, 1, 2, 2}};
+  if (mode == "small") cases = {{1, 4, 3, 2, 3, 3, 2, 1, 2, 2}};
   for (const Case& cs : cases) {
     test_case<double, double>(cs, "double", 1e-11, 1e-11, {1, 3});
-    if (mode != "tsan") test_case<float, float>(cs, "float", 2e-4, 2e-4, {2});
+    if (mode != "small") test_case<float, float>(cs, "float", 2e-4, 2e-4, {2});
   }
   if (mode == "full") {
     test_case<c10::Half, float>(cases[1], "float16", 2e-4, 1e-3, {2});

@@ -10,7 +10,7 @@
 // kernels, the backward in batch chunks, and the contractions into grad_pose and grad_weight.
 // float16/bfloat16 storage with float accumulation (c10::Half / c10::BFloat16 themselves) on a few
 // shapes, as the extension instantiates them. Prints one line per failure; exits 1 if there is any.
-//   em_test [quick | tsan]   (tsan: every kernel once on one small shape, for a ThreadSanitizer
+//   em_test [quick | small]   (small: every kernel once on one small shape, for a ThreadSanitizer
 //   build)
 #include "emu.h"
 #include "strided.h"
@@ -36,7 +36,7 @@ inline long double acc_log1p(long double x) { return std::log1p(x); }
 #include "../../csrc/cpu/em_element.h"
 #include "../../csrc/cuda/em_kernels.cuh"
 #include "../../csrc/cuda/em_sequence.cuh"
-#include "../../csrc/cuda/routing_kernels.cuh"  // MemoryVotes
+#include "../../csrc/cuda/vote_sources.cuh"
 
 using namespace capsroute;
 using namespace capsroute::cuda;
@@ -354,8 +354,8 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "full";
-  if (mode != "full" && mode != "quick" && mode != "tsan") {
-    std::fprintf(stderr, "usage: em_test [quick | tsan]\n");
+  if (mode != "full" && mode != "quick" && mode != "small") {
+    std::fprintf(stderr, "usage: em_test [quick | small]\n");
     return 2;
   }
   std::vector<Case> cases;
@@ -386,23 +386,23 @@ int main(int argc, char** argv) {
              {3, 37, 3, 16, 2, 1.0, 2, ""},
              {1, 20, 64, 5, 3, 1.0, 2, ""}};
   }
-  // tsan: every kernel once on a small shape, for a ThreadSanitizer build (a thread per CUDA
+  // small: every kernel once on a small shape, for a ThreadSanitizer build (a thread per CUDA
   // thread).
-  const bool tsan = mode == "tsan";
-  if (tsan) cases = {{3, 13, 5, 16, 3, 1.0, 2, ""}};
+  const bool small = mode == "small";
+  if (small) cases = {{3, 13, 5, 16, 3, 1.0, 2, ""}};
   for (const Case& cs : cases) {
     std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld lambda=%g grid=%u %s\n", long(cs.B),
                 long(cs.I), long(cs.J), long(cs.H), long(cs.iters), cs.final_lambda, cs.grid,
                 cs.special);
     test_case<double, double>(cs, "double", 1e-12);
-    if (!tsan) test_case<float, float>(cs, "float", 2e-5);
+    if (!small) test_case<float, float>(cs, "float", 2e-5);
   }
   // float16 / bfloat16 storage, float accumulation: both sides read the same rounded inputs and
   // accumulate in float, so float's tolerance holds, and one ulp of the storage type on its
   // outputs.
   std::vector<Case> low_precision = {{5, 37, 33, 16, 3, 1.0, 2, ""},
                                      {3, 24, 5, 16, 3, 1.0, 2, "a_zero_some"}};
-  if (tsan) low_precision.clear();
+  if (small) low_precision.clear();
   for (const Case& cs : low_precision) {
     std::printf("case B=%ld I=%ld J=%ld H=%ld iters=%ld %s, low precision\n", long(cs.B),
                 long(cs.I), long(cs.J), long(cs.H), long(cs.iters), cs.special);
@@ -410,7 +410,7 @@ int main(int argc, char** argv) {
     if (mode == "full") test_case<c10::BFloat16, float>(cs, "bfloat16", 2e-5);
   }
   for (int64_t chunk : {1, 2, 5}) {
-    if (tsan && chunk > 2) break;
+    if (small && chunk > 2) break;
     for (int64_t splits : {int64_t(1), chunk + 1}) {
       test_pose_case<double>(5, 9, 4, 3, chunk, splits, 2, 1e-12);
       // Poses input-capsule-major (as einsum or permute leave them), 3 values apart, from one

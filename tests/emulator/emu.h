@@ -2,7 +2,8 @@
 // thread, all blocks of a launch at once, std::barrier for __syncthreads() and a barrier per
 // warp for the shuffles; dynamic shared memory per block, and thread block clusters (a barrier
 // of the cluster's threads, and each block's shared memory reachable by the others). Enough of CUDA
-// for the device code of csrc/cuda (routing_kernels.cuh, routing_warp_kernels.cuh, em_kernels.cuh):
+// for the device code of csrc/cuda (agreement_block_kernels.cuh, agreement_warp_rows_kernels.cuh,
+// em_kernels.cuh):
 // __syncthreads, __syncwarp and __shfl_xor_sync with a full mask, and the bit casts of
 // device_utils.cuh. Races between threads are real races here, so ThreadSanitizer sees missing
 // barriers.
@@ -149,7 +150,7 @@ void emu_launch(unsigned grid, unsigned block, Kernel kernel, Args... args) {
   emu_launch_clusters(grid, block, 1, 0, kernel, args...);
 }
 
-// The `launch` of the launch sequences (csrc/cuda/routing_sequence.cuh, em_sequence.cuh) on the
+// The `launch` of the launch sequences (csrc/cuda/agreement_sequence.cuh, em_sequence.cuh) on the
 // host: the kernel on at most max_blocks blocks (fewer than the sequence asks for exercises the
 // kernels' grid-stride loops) of `threads` threads.
 struct EmuLaunch {

@@ -1,15 +1,15 @@
 """The CUDA kernels' logic without a GPU: tests/emulator runs the device code of
-csrc/cuda/routing_kernels.cuh, em_kernels.cuh and conv_em_kernels.cuh on the host (a std::thread
+csrc/cuda/agreement_block_kernels.cuh, em_kernels.cuh and conv_em_kernels.cuh on the host (a std::thread
 per CUDA thread, barriers for __syncthreads and the warp shuffles, see tests/emulator/emu.h)
 against the CPU backend's element code: every launch path of dynamic routing (a block per element,
 rows split over blocks, a warp per part of an element's rows, and the forward and backward an
 element per cluster of blocks with the votes in shared memory), float16/bfloat16 storage included
 (through c10::Half/BFloat16 from torch's headers), and the EM forward and backward
 (em_routing_pose's in batch chunks); the block kernels under the attention routings' rules
-(rule_routing_test, against a double-precision reference of the rule's loop and its reverse mode);
+(agreement_rules_test, against a double-precision reference of the rule's loop and its reverse mode);
 conv_em_routing's forward and backward (conv_em_test, against a long double reference
 differentiated on a tape); all run by the very launch sequences the ops use
-(csrc/cuda/routing_sequence.cuh, em_sequence.cuh and conv_em_sequence.cuh, given a host launcher
+(csrc/cuda/agreement_sequence.cuh, em_sequence.cuh and conv_em_sequence.cuh, given a host launcher
 instead of the CUDA stream one), with misaligned vector loads caught (UBSan's alignment check); and
 a ThreadSanitizer build of the same programs for data races (missing barriers). CI has no GPU, so
 this is what checks the kernels' arithmetic, indexing and barriers there; the cuda-marked tests
@@ -68,11 +68,11 @@ def build(tmp_path_factory):
     return compile_program
 
 
-PROGRAMS = ["routing_test", "rule_routing_test", "em_test", "conv_em_test"]
+PROGRAMS = ["agreement_test", "agreement_rules_test", "em_test", "conv_em_test"]
 
-# The default loop runs the programs' tsan workload without the sanitizer: every kernel once on a
+# The default loop runs the programs' small workload without the sanitizer: every kernel once on a
 # small shape, in seconds (their quick mode takes minutes on 2 cores). The full run is slow.
-EVERY_KERNEL_ONCE = pytest.param("tsan", id="every-kernel-once")
+EVERY_KERNEL_ONCE = pytest.param("small", id="every-kernel-once")
 
 
 @pytest.mark.parametrize("mode", [EVERY_KERNEL_ONCE, pytest.param("full", marks=pytest.mark.slow)])
@@ -84,10 +84,10 @@ def test_cuda_kernels_match_the_cpu_code(build, program, mode):
     )
 
 
-# routing_test's tsan workload in three processes (its usage line says why): the cluster kernels'
+# agreement_test's small workload in three processes (its usage line says why): the cluster kernels'
 # launches of 4096 threads take most of the time.
 TSAN_RUNS = [
-    *(["routing_test", part] for part in ("blocks", "clusters", "strided-clusters")),
+    *(["agreement_test", part] for part in ("blocks", "clusters", "strided-clusters")),
     *([program] for program in PROGRAMS[1:]),
 ]
 
@@ -96,13 +96,13 @@ TSAN_RUNS = [
 @pytest.mark.parametrize("program_and_part", TSAN_RUNS, ids=["-".join(run) for run in TSAN_RUNS])
 def test_cuda_kernels_have_no_data_race(build, program_and_part):
     """The same kernels under ThreadSanitizer: every emulated CUDA thread is a thread it follows, so a
-    missing __syncthreads or a shared-memory slot two threads write shows as a data race. The tsan
+    missing __syncthreads or a shared-memory slot two threads write shows as a data race. The small
     mode runs every kernel once on a small shape (a TSan build is 5-15x slower)."""
     program, *part = program_and_part
     exe = build(program, thread_sanitizer=True)
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"}
     run = subprocess.run(
-        [str(exe), "tsan", *part], capture_output=True, text=True, timeout=1200, env=env
+        [str(exe), "small", *part], capture_output=True, text=True, timeout=1200, env=env
     )
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
     assert run.returncode == 0 and run.stdout.strip().endswith("all passed"), (

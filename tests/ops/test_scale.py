@@ -6,7 +6,7 @@ the 2 GB votes would not fit next to autograd's), and dense_capsules uses I = 40
 I = 16384 would be 16.8 GB on its own, before gradients and the reference's copies.
 
 At B = 1 or 2 the CUDA routing kernels split each element's rows over many blocks (the row-range
-path, see routing_splits in csrc/cuda/routing_launch.cuh): their gigabytes of votes and float64
+path, see routing_splits in csrc/cuda/agreement_launch.cuh): their gigabytes of votes and float64
 references take a while."""
 
 import pytest

@@ -14,16 +14,16 @@
 //
 // Each warp routes its part's rows alone: no shared memory, no block barrier. Its sums over the
 // rows (s forward, gv walking back) go to its own partial slab, which the reduce kernels of
-// routing_kernels.cuh add up per element in part order (deterministic), as they do the block
-// kernels' row ranges.
+// agreement_block_kernels.cuh add up per element in part order (deterministic), as they do the
+// block kernels' row ranges.
 #pragma once
 
 #include <cstdint>
 
 #include "../common/acc_math.h"
 #include "../common/dims.h"
+#include "agreement_block_kernels.cuh"
 #include "device_utils.cuh"
-#include "routing_kernels.cuh"
 
 namespace capsroute {
 namespace cuda {

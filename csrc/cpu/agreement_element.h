@@ -1,4 +1,4 @@
-// The agreement routing of one batch element on the CPU under a RoutingRule (routing_rule.h):
+// The agreement routing of one batch element on the CPU under a RoutingRule (agreement_rules.h):
 // dynamic_routing (votes given), dense_capsules and conv_dynamic_routing (votes computed a tile of
 // elements at a time) under the default rule, the attention routings under theirs. An element's
 // votes are I rows of J x D values (VoteRows); all arithmetic is in acc_t. The loops over a
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "../common/acc_math.h"
+#include "../common/agreement_rules.h"
 #include "../common/dims.h"
-#include "../common/routing_rule.h"
 #include "vec_math.h"
 
 namespace capsroute {
@@ -352,7 +352,7 @@ class RoutingBackward {
   }
 
   // g_s = the VJP of v = f(s) at g_v, per capsule (radial: SquashVjp form; layer_norm: the
-  // formula of routing_rule.h, whose affine parameters' gradients go into grads).
+  // formula of agreement_rules.h, whose affine parameters' gradients go into grads).
   void pass_vjp(Nonlinearity f, const acc_t* s, const acc_t* g_v, acc_t* g_s,
                 const ParameterGrads<acc_t>& grads) const {
     const int64_t J = d_.J, D = capsule_dim<kD>(d_);

@@ -10,7 +10,7 @@
 
 #include "../common/dims.h"
 #include "../common/layout.h"
-#include "routing_element.h"
+#include "agreement_element.h"
 
 namespace capsroute {
 namespace cpu {

@@ -1,14 +1,14 @@
-// The block routing kernels (csrc/cuda/routing_kernels.cuh) under the attention routings' rules
-// (csrc/common/routing_rule.h) on the host emulator: self_attention_routing (agree_with_mean, an
-// identity pass then squash_exp or squash, a coupling bias or none) and inverted_attention_routing
-// (replace, layer_norm with or without its affine parameters), forward (v, c, s_hist) and backward
-// (the vote gradient and the parameters' gradients from their items, summed here), fused and with
-// the rows split over 2 and 3 blocks, in float64 and float32, against a plain double-precision
-// implementation of the rule's loop and its reverse mode (itself checked against central
-// differences of its forward on a small shape). Workspaces start as NaN, so a value the kernels
-// forget to write shows. Prints one line per failure; exits 1 if there is any.
-//   rule_routing_test [full | tsan]
-// tsan: one shape of each op in float64, fused and split over 2 blocks: small enough for a
+// The block routing kernels (csrc/cuda/agreement_block_kernels.cuh) under the attention routings'
+// rules (csrc/common/agreement_rules.h) on the host emulator: self_attention_routing
+// (agree_with_mean, an identity pass then squash_exp or squash, a coupling bias or none) and
+// inverted_attention_routing (replace, layer_norm with or without its affine parameters), forward
+// (v, c, s_hist) and backward (the vote gradient and the parameters' gradients from their items,
+// summed here), fused and with the rows split over 2 and 3 blocks, in float64 and float32, against
+// a plain double-precision implementation of the rule's loop and its reverse mode (itself checked
+// against central differences of its forward on a small shape). Workspaces start as NaN, so a value
+// the kernels forget to write shows. Prints one line per failure; exits 1 if there is any.
+//   agreement_rules_test [full | small]
+// small: one shape of each op in float64, fused and split over 2 blocks: small enough for a
 // ThreadSanitizer build.
 #include "emu.h"
 
@@ -19,8 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "../../csrc/cuda/routing_kernels.cuh"
-#include "../../csrc/cuda/routing_sequence.cuh"
+#include "../../csrc/cuda/agreement_block_kernels.cuh"
+#include "../../csrc/cuda/agreement_sequence.cuh"
+#include "../../csrc/cuda/vote_sources.cuh"
 
 using namespace capsroute;
 using namespace capsroute::cuda;
@@ -82,7 +83,7 @@ struct Params {
   std::vector<double> coupling_bias, norm_weight, norm_bias;  // (I, J), (D,), (D,)
 };
 
-// The op's rule (routing_rule.h) with these parameters (empty: absent).
+// The op's rule (agreement_rules.h) with these parameters (empty: absent).
 template <typename acc_t>
 RoutingRule<acc_t> make_rule(const RuleCase& rc, const Shape& sh, const std::vector<acc_t>& cb,
                              const std::vector<acc_t>& w, const std::vector<acc_t>& nb) {
@@ -297,7 +298,7 @@ void check_reference(const RuleCase& rc) {
 
 // ---- the kernels ----
 
-// The launch sequences the ops run (routing_sequence.cuh, block kernels with `splits` ranges,
+// The launch sequences the ops run (agreement_sequence.cuh, block kernels with `splits` ranges,
 // on at most sh.grid blocks), then the vote gradient's writer, against the reference.
 template <typename A>
 void check_kernels(const RuleCase& rc, const Shape& sh, int64_t splits, double tol) {
@@ -381,11 +382,11 @@ void check_kernels(const RuleCase& rc, const Shape& sh, int64_t splits, double t
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "full";
-  if (mode != "full" && mode != "tsan") {
-    std::fprintf(stderr, "usage: rule_routing_test [full | tsan]\n");
+  if (mode != "full" && mode != "small") {
+    std::fprintf(stderr, "usage: agreement_rules_test [full | small]\n");
     return 2;
   }
-  const bool tsan = mode == "tsan";
+  const bool small = mode == "small";
   // name, logit rule, nonlinearity, iters, coupling bias, norm weight, norm bias, eps
   const std::vector<RuleCase> rules = {
       {"self_attention", LogitRule::agree_with_mean, Nonlinearity::squash_exp, 2, true, false,
@@ -404,16 +405,16 @@ int main(int argc, char** argv) {
   // with 2 columns); D = 1 (LayerNorm of a constant: eps alone); an empty element.
   std::vector<Shape> shapes = {
       {3, 47, 10, 16, 2}, {2, 40, 33, 9, 2}, {2, 9, 6, 1, 3}, {2, 0, 4, 4, 2}};
-  const size_t rule_count = tsan ? 2 : rules.size();
-  if (tsan) shapes.resize(1), shapes[0] = {2, 21, 5, 8, 2};
+  const size_t rule_count = small ? 2 : rules.size();
+  if (small) shapes.resize(1), shapes[0] = {2, 21, 5, 8, 2};
   for (const Shape& sh : shapes)
     for (size_t k = 0; k < rule_count; ++k)
       for (int64_t splits : {1, 2, 3}) {
-        if (tsan && splits > 2) break;
+        if (small && splits > 2) break;
         // The extra rules once, in float64 and on the first shape.
         if (k >= 2 && (&sh != &shapes[0] || splits == 2)) continue;
         check_kernels<double>(rules[k], sh, splits, 1e-11);
-        if (!tsan && k < 2) check_kernels<float>(rules[k], sh, splits, 5e-4);
+        if (!small && k < 2) check_kernels<float>(rules[k], sh, splits, 5e-4);
       }
   std::printf(failures ? "%d failures\n" : "all passed\n", failures);
   return failures ? 1 : 0;

@@ -1,24 +1,24 @@
 // The launch sequences of the routing forward and backward over given workspaces, through a
 // `launch(kernel, blocks, args...)` callable that runs `kernel` on `blocks` blocks of kBlockThreads
-// threads: routing_launch.cuh passes one that launches on the current CUDA stream, and
+// threads: agreement_launch.cuh passes one that launches on the current CUDA stream, and
 // tests/emulator one that runs the kernels on the host, so the emulator checks this very code.
 // No CUDA runtime or ATen here: kernels and host arithmetic only.
 #pragma once
 
 #include <cstdint>
 
-#include "routing_cluster_kernels.cuh"
-#include "routing_kernels.cuh"
-#include "routing_warp_kernels.cuh"
+#include "agreement_block_kernels.cuh"
+#include "agreement_cluster_kernels.cuh"
+#include "agreement_warp_rows_kernels.cuh"
 
 namespace capsroute {
 namespace cuda {
 
 // How an element's rows are routed: in `splits` ranges of a block each (the block kernels;
 // splits = 1 is the fused kernel), or with warp_rows, each range cut again among its block's
-// warps (routing_warp_kernels.cuh, where warp_rows_fit). Either way the rows kernels leave
+// warps (agreement_warp_rows_kernels.cuh, where warp_rows_fit). Either way the rows kernels leave
 // parts() partial sums per element for the reduce kernels. With cluster_forward (and warp_rows)
-// the forward is instead one launch of an element per cluster (routing_cluster_kernels.cuh,
+// the forward is instead one launch of an element per cluster (agreement_cluster_kernels.cuh,
 // sm_90, use_clusters), and with cluster_backward the backward, vote gradient included.
 struct RowSplit {
   int64_t splits;

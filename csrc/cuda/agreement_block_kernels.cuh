@@ -1,15 +1,12 @@
 // The block kernels of the agreement routings (the "v2-block" path: every rule, and dynamic
-// routing's capsules the warp rows do not fit, routing_launch.cuh), over votes read from memory:
+// routing's capsules the warp rows do not fit, agreement_launch.cuh), over votes read from memory:
 // dynamic_routing's, the attention routings' own, or a chunk of dense_capsules' votes made by a
 // GEMM. Their reduce and backward-start kernels, and the writer of the vote gradient from the saved
-// state, serve the warp-rows kernels too. The routing's rule (RoutingRule, routing_rule.h: the
+// state, serve the warp-rows kernels too. The routing's rule (RoutingRule, agreement_rules.h: the
 // logit update, each pass's nonlinearity, the coupling bias) is a kernel parameter.
 //
-// The kernels are templated on a "vote source" (MemoryVotes below; the storage type of the votes
-// varies): a functor with
-//   using acc_type = ...;                                    // accumulation type
-//   __device__ acc_type operator()(int64_t b, int64_t i, int64_t jd) const;
-// returning vote u[b, i, j, d] with jd = j * D + d.
+// The kernels are templated on a vote source (vote_sources.cuh: MemoryVotes, or a chunk of
+// dense_capsules' votes), returning vote u[b, i, j, d] with jd = j * D + d.
 //
 // Structure (one thread block of kBlockThreads threads per batch element b, or per range of its
 // input rows when the batch is too small to fill the GPU, see routing_splits; everything that
@@ -24,8 +21,8 @@
 // Every loop bound is uniform per warp (rows, capsules) or per block (iterations, tiles), and
 // every phase that reads what other threads wrote is preceded by __syncthreads().
 //
-// The algorithm is exactly the CPU one (csrc/cpu/routing_element.h) and reads/writes the same
-// saved state (s_hist). Device code only: the launches are in routing_launch.cuh, and
+// The algorithm is exactly the CPU one (csrc/cpu/agreement_element.h) and reads/writes the same
+// saved state (s_hist). Device code only: the launches are in agreement_launch.cuh, and
 // tests/emulator runs these kernels on the host.
 #pragma once
 
@@ -33,8 +30,8 @@
 
 #include "../common/acc_math.h"
 #include "../common/dims.h"
+#include "agreement_pass.cuh"
 #include "device_utils.cuh"
-#include "routing_pass.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -55,26 +52,6 @@ constexpr int routing_min_blocks() {
   return 0;
 #endif
 }
-
-// ---- the vote source ----
-
-// votes (B, I, J, D) at any strides over b and i, each row (b, i) of J x D votes contiguous
-// (docs/ops.md, "Layouts"): row (b, i) at rows.offset(b, i) (the capsule stride unused;
-// packed_rows where contiguous). Rows, not capsules: a capsule stride of its own costs a 64-bit
-// division per vote in the block kernels, which index a row by jd.
-template <typename scalar_t, typename acc_t>
-struct MemoryVotes {
-  using acc_type = acc_t;
-  const scalar_t* votes;
-  CapsuleStrides rows;
-  __device__ __forceinline__ acc_t operator()(int64_t b, int64_t i, int64_t jd) const {
-    return static_cast<acc_t>(row(b, i)[jd]);
-  }
-  // Row (b, i)'s J * D votes (the warp-rows kernels index it in 32-bit arithmetic).
-  __device__ __forceinline__ const scalar_t* row(int64_t b, int64_t i) const {
-    return votes + rows.offset(b, i);
-  }
-};
 
 // ---- rows of one element ----
 //
@@ -302,7 +279,7 @@ __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<acc_t>())
 // ---- backward ----
 
 // Saved state of the backward pass, per element b (see RoutingBackward in
-// csrc/cpu/routing_element.h). Iterations r = first_r .. iters-1 are kept (nkeep of them,
+// csrc/cpu/agreement_element.h). Iterations r = first_r .. iters-1 are kept (nkeep of them,
 // slot k = r - first_r): first_r = iters-1 with detach, 0 without.
 //   v_hist   (B, iters, J, D)  v^r = f_r(s^r), every r
 //   gs_hist  (B, nkeep, J, D)  gs^r = dL/ds^r

@@ -12,13 +12,14 @@
 
 #include <tuple>
 
+#include "../common/agreement_rules.h"
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
 #include "../common/layout.h"
-#include "../common/routing_rule.h"
 #include "../common/rule_tensors.h"
+#include "agreement_launch.cuh"
 #include "host_checks.cuh"
-#include "routing_launch.cuh"
+#include "vote_sources.cuh"
 
 namespace capsroute {
 namespace cuda {

@@ -4,7 +4,7 @@
 //   - the forward on clusters of kClusterBlocks, every iteration on the votes in shared memory;
 //   - the backward on clusters of kBackwardClusterBlocks, the couplings and their gradients in
 //     shared memory too, the vote gradient written from there.
-// The rows are routed by the warp-rows device code (routing_warp_kernels.cuh) reading shared
+// The rows are routed by the warp-rows device code (agreement_warp_rows_kernels.cuh) reading shared
 // memory; the sums over the element's rows (s^r forward, gv^r backward) meet in the blocks'
 // shared memory through the cluster (distributed shared memory), and every block adds them in
 // the same order, so each holds the bitwise same values. Launched only where use_clusters
@@ -15,9 +15,9 @@
 
 #include "../common/acc_math.h"
 #include "../common/dims.h"
+#include "agreement_block_kernels.cuh"
+#include "agreement_warp_rows_kernels.cuh"
 #include "device_utils.cuh"
-#include "routing_kernels.cuh"
-#include "routing_warp_kernels.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -205,7 +205,7 @@ struct ClusterBackwardLayout {
   __host__ __device__ __forceinline__ int64_t size() const { return gv() + JD; }
 };
 
-// The whole backward of the other paths (routing_sequence.cuh) in one launch, an element per
+// The whole backward of the other paths (agreement_sequence.cuh) in one launch, an element per
 // cluster of kBackwardClusterBlocks blocks, grid-stride over elements: each block copies its rows'
 // votes into shared memory once, recomputes their kept couplings there and takes the first step
 // back on them, then walks back the other steps on the same votes (each step's gv^{r-1} summed

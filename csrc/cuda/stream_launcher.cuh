@@ -1,4 +1,4 @@
-// The `launch` the CUDA ops pass to the launch sequences (routing_sequence.cuh, em_sequence.cuh):
+// The `launch` the CUDA ops pass to the launch sequences (agreement_sequence.cuh, em_sequence.cuh):
 // a kernel on `blocks` blocks of kBlockThreads threads on the given stream, checked (or on
 // clusters of blocks with dynamic shared memory); and how many row ranges fill the device.
 #pragma once

@@ -1,7 +1,7 @@
-// The CUDA routing kernels (csrc/cuda/routing_kernels.cuh) on the host emulator, against the CPU
-// backend's per-element code (csrc/cpu/routing_element.h) in double: forward outputs, saved
-// state and the vote gradient (squash_rows_kernel too), by the block kernels with one block per
-// element and rows split over 2, 3 and 7 blocks (more ranges than rows included), the warp-rows
+// The CUDA routing kernels (csrc/cuda/agreement_block_kernels.cuh) on the host emulator, against
+// the CPU backend's per-element code (csrc/cpu/agreement_element.h) in double: forward outputs,
+// saved state and the vote gradient (squash_rows_kernel too), by the block kernels with one block
+// per element and rows split over 2, 3 and 7 blocks (more ranges than rows included), the warp-rows
 // kernels (a warp per part of a range) and the cluster kernels (sm_90: an element per cluster of 8
 // blocks forward, 16 backward, votes in shared memory; the backward writing the vote gradient over
 // the votes), in float64 and float32, and float16/bfloat16 storage with float accumulation as the
@@ -10,8 +10,8 @@
 // J * D > 256 (a thread owning several columns). Workspaces and outputs start as NaN,
 // so a value the kernels forget to write shows. Prints one line per failure; exits 1 if there is
 // any.
-//   routing_test [quick | tsan [blocks | clusters | strided-clusters]]
-// tsan: one shape in double, fused and split launches, every kernel once: small enough for a
+//   agreement_test [quick | small [blocks | clusters | strided-clusters]]
+// small: one shape in double, fused and split launches, every kernel once: small enough for a
 // ThreadSanitizer build (each emulated CUDA thread is a thread it follows). Its parts run in
 // processes of their own there: TSan's vector clocks grow with the threads a process has had, so
 // after the 4096-thread cluster launches every other launch runs several times slower.
@@ -30,10 +30,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include "../../csrc/cpu/routing_element.h"
-#include "../../csrc/cuda/routing_kernels.cuh"
-#include "../../csrc/cuda/routing_sequence.cuh"
+#include "../../csrc/cpu/agreement_element.h"
+#include "../../csrc/cuda/agreement_block_kernels.cuh"
+#include "../../csrc/cuda/agreement_sequence.cuh"
 #include "../../csrc/cuda/squash_kernels.cuh"
+#include "../../csrc/cuda/vote_sources.cuh"
 
 using namespace capsroute;
 using namespace capsroute::cuda;
@@ -44,10 +45,10 @@ std::mt19937_64 rng(1234);
 int failures = 0;
 int routings_checked = 0;  // a part that selects no launch fails rather than passes
 // The cluster kernels run on two clusters (up to 8192 emulated threads) in float64 and on one in
-// the other dtypes, which keeps the full run's time in bounds. Under ThreadSanitizer (tsan mode,
+// the other dtypes, which keeps the full run's time in bounds. Under ThreadSanitizer (small mode,
 // whose cost grows with the threads alive) on one, and the cluster forward only with the cluster
 // backward.
-bool tsan_mode = false;
+bool small_mode = false;
 
 // The launches a run makes: all of them, the block and warp-rows kernels (with the squash kernel),
 // or the cluster kernels on contiguous or on strided votes.
@@ -153,7 +154,7 @@ Expected cpu_routing(const Case& cs, const std::vector<double>& votes,
   return e;
 }
 
-// The launch sequences the ops run (routing_sequence.cuh, on at most cs.grid blocks so that the
+// The launch sequences the ops run (agreement_sequence.cuh, on at most cs.grid blocks so that the
 // kernels' grid-stride loops are exercised), with splits given, checking v, c, s_hist and
 // grad_bias_items; then check_vote_grad(state) checks what the op's own kernels make of the saved
 // state.
@@ -248,7 +249,7 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
        {RowSplit{cs.splits, false}, RowSplit{cs.splits, true}, RowSplit{cs.splits, true, true},
         RowSplit{cs.splits, true, true, true}}) {
     if ((split.warp_rows && !fit) || (split.cluster_forward && cs.splits != 1)) break;
-    if (tsan_mode && split.cluster_forward && !split.cluster_backward) continue;
+    if (small_mode && split.cluster_forward && !split.cluster_backward) continue;
     if (!in_part(split.cluster_forward, layout.has_value())) continue;
     const std::string label =
         std::string(case_label) +
@@ -259,7 +260,7 @@ void check_memory_votes(const char* case_label, const Case& cs, const std::vecto
         (layout ? " rows gap=" + std::to_string(rows.gap) + " offset=" + std::to_string(rows.offset)
                 : "");
     Case launch_cs = cs;
-    if (split.cluster_forward && (tsan_mode || !std::is_same_v<S, double>)) launch_cs.grid = 1;
+    if (split.cluster_forward && (small_mode || !std::is_same_v<S, double>)) launch_cs.grid = 1;
     // Contiguous, the cluster backward writes the vote gradient over the votes, as dense_capsules
     // asks.
     std::vector<V> votes_then_grad = votes_v;
@@ -312,7 +313,7 @@ void check_case(const Case& cs, double tol) {
   // apart (aligned base, misaligned rows), with 3 also from one value into the storage. Not with 7
   // ranges nor in float32 (float64 and the 16-bit types cover the loads): the full run's time;
   // under ThreadSanitizer the one-range launches alone (the cluster kernels' strided writes).
-  if (cs.splits <= (tsan_mode ? 1 : 3) && !std::is_same_v<S, float>)
+  if (cs.splits <= (small_mode ? 1 : 3) && !std::is_same_v<S, float>)
     check_memory_votes<S, S>(
         label, cs, votes, bias, grad_v, from_votes, eps, tol,
         RowLayout{cs.splits == 1 ? int64_t(16 / sizeof(S)) : 1, cs.splits == 3 ? 1 : 0});
@@ -367,14 +368,14 @@ int main(int argc, char** argv) {
                                                 {"strided-clusters", Part::strided_clusters}};
   const auto named = std::find_if(std::begin(parts), std::end(parts),
                                   [&](const auto& p) { return part_name == p.first; });
-  if ((mode != "full" && mode != "quick" && mode != "tsan") || named == std::end(parts) ||
-      (argc > 2 && mode != "tsan") || argc > 3) {
+  if ((mode != "full" && mode != "quick" && mode != "small") || named == std::end(parts) ||
+      (argc > 2 && mode != "small") || argc > 3) {
     std::fprintf(stderr,
-                 "usage: routing_test [quick | tsan [blocks | clusters | strided-clusters]]\n");
+                 "usage: agreement_test [quick | small [blocks | clusters | strided-clusters]]\n");
     return 2;
   }
-  const bool quick = mode != "full", tsan = mode == "tsan";
-  tsan_mode = tsan;
+  const bool quick = mode != "full", small = mode == "small";
+  small_mode = small;
   part = named->second;
   // B, I, J, D, iters, leaky, detach, bias, grid blocks, splits (set below)
   std::vector<Case> shapes = {
@@ -399,8 +400,8 @@ int main(int argc, char** argv) {
   // float16 / bfloat16 storage, float accumulation: a fused and a split launch of an MNIST-like
   // and a J * D > 256 shape. The outputs are rounded to the storage type: 2 ulps of it.
   std::vector<Case> low_precision = {shapes[0], shapes[8]};
-  if (quick) shapes.resize(tsan ? 1 : 3);
-  if (tsan) low_precision.clear();
+  if (quick) shapes.resize(small ? 1 : 3);
+  if (small) low_precision.clear();
   for (auto [rows, D] : {std::pair<int64_t, int64_t>{37, 16}, {21, 45}, {5, 1}}) {
     if (part != Part::all && part != Part::blocks) break;
     check_squash<double>(rows, D, 1e-14);
@@ -408,7 +409,7 @@ int main(int argc, char** argv) {
   }
   for (const Case& shape : shapes) {
     for (int64_t splits : {1, 2, 3, 7}) {
-      if (tsan && splits > 2) break;
+      if (small && splits > 2) break;
       Case cs = shape;
       cs.splits = splits;
       check_case<double>(cs, 1e-12);

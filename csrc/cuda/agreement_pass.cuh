@@ -1,16 +1,16 @@
-// The per-pass math of the routing kernels under a RoutingRule (csrc/common/routing_rule.h): a
+// The per-pass math of the routing kernels under a RoutingRule (csrc/common/agreement_rules.h): a
 // row's couplings by a warp, and a capsule's output v = f(s) and its vector-Jacobian product by a
 // warp (lanes split d), and of a pass's J capsules by a block (warp per capsule), with the gradient
-// items of the rule's parameters. The block kernels (routing_kernels.cuh) run every rule; the
-// warp-rows and cluster kernels only dynamic routing's (squash, no coupling bias), through
+// items of the rule's parameters. The block kernels (agreement_block_kernels.cuh) run every rule;
+// the warp-rows and cluster kernels only dynamic routing's (squash, no coupling bias), through
 // block_squash and block_squash_vjp. Device code only.
 #pragma once
 
 #include <cstdint>
 
 #include "../common/acc_math.h"
+#include "../common/agreement_rules.h"
 #include "../common/dims.h"
-#include "../common/routing_rule.h"
 #include "device_utils.cuh"
 
 namespace capsroute {

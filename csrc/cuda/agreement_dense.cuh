@@ -1,7 +1,7 @@
 // Host side of the dense routings on CUDA, dense_capsules and the dense attention routings: a
 // chunk of the batch at a time, its votes as one batched GEMM into an L2-sized workspace
 // (kDenseChunkBytes; never the whole batch's votes), the agreement routing's block kernels under
-// the op's rule (routing_rule.h) over those stored votes (MemoryVotes), and the backward's
+// the op's rule (agreement_rules.h) over those stored votes (MemoryVotes), and the backward's
 // contractions as batched GEMMs over the chunk's written vote gradient. The GEMMs follow torch's
 // float32 matmul precision (TF32 only if the user allows it,
 // torch.backends.cuda.matmul.allow_tf32). Recomputing every vote from the weight inside the
@@ -21,10 +21,11 @@
 #include "../common/checks.h"
 #include "../common/forced_count.h"
 #include "../common/kernel_path.h"
+#include "agreement_launch.cuh"
+#include "agreement_routing.cuh"
 #include "host_checks.cuh"
 #include "kernel_options.h"
-#include "routing_launch.cuh"
-#include "rule_routing.cuh"
+#include "vote_sources.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -81,7 +82,7 @@ void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_a
 // The forward of op: u (B, I, Din), weight (I, J, D, Din), bias (J, D) or undefined, routed for
 // `iters` passes under rule. Returns (v (B, J, D), final coupling c (B, I, J), s_hist (B, iters, J,
 // D) in the accumulation dtype).
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_routing_forward(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(
     const char* op, const at::Tensor& u_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
     const RuleTensors& rule_tensors, int64_t iters, bool leaky, double eps) {
   check_cuda(u_in, "u");
@@ -122,18 +123,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_routing_forward(
 
 // The backward's results: grad_u and grad_weight in u's dtype, and the bias's and the rule's
 // parameters' gradients in u's dtype (RoutingGrads, votes undefined).
-struct DenseRoutingGradients {
+struct DenseGrads {
   at::Tensor u, weight;
   RoutingGrads parameters;
 };
 
-// The backward of dense_routing_forward at grad_v (B, J, D), from its s_hist.
-inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Tensor& grad_v_in,
-                                                    const at::Tensor& u_in,
-                                                    const at::Tensor& weight_in,
-                                                    const at::Tensor& s_hist_in,
-                                                    const RuleTensors& rule_tensors, bool leaky,
-                                                    bool detach, double eps) {
+// The backward of route_dense at grad_v (B, J, D), from its s_hist.
+inline DenseGrads route_dense_backward(const char* op, const at::Tensor& grad_v_in,
+                                       const at::Tensor& u_in, const at::Tensor& weight_in,
+                                       const at::Tensor& s_hist_in, const RuleTensors& rule_tensors,
+                                       bool leaky, bool detach, double eps) {
   const int64_t B = u_in.size(0), Din = u_in.size(2);
   check_cuda(u_in, "u");
   check_same_device(grad_v_in, u_in, "grad_v", "u");
@@ -146,7 +145,7 @@ inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Te
   // The incoming gradient stays in the accumulation dtype (float32 for float16/bfloat16 storage).
   const at::Tensor grad_v = grad_v_in.to(acc).contiguous();
   const at::Tensor s_hist = s_hist_in.to(acc).contiguous();
-  DenseRoutingGradients grads;
+  DenseGrads grads;
   grads.u = at::empty(u.sizes(), u.options());  // contiguous, whatever u's layout
   // With B == 0 the sums over the batch are empty: zero gradients.
   grads.weight = B == 0 ? at::zeros_like(weight) : at::empty_like(weight);
@@ -155,7 +154,7 @@ inline DenseRoutingGradients dense_routing_backward(const char* op, const at::Te
   if (B > 0) {
     const AccParameters params(rule_tensors, acc);
     AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kHalf, at::kBFloat16, u.scalar_type(), "dense_routing_backward", [&] {
+        at::kHalf, at::kBFloat16, u.scalar_type(), "route_dense_backward", [&] {
           using acc_t = at::opmath_type<scalar_t>;
           const int64_t I = dims.I, JD = dims.J * dims.D;
           const RoutingRule<acc_t> rule = params.rule<acc_t>();

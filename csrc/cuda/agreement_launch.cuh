@@ -1,5 +1,5 @@
 // Host side of the routing kernels: how an element's rows are split (routing_row_split), the
-// workspaces, and the launch sequences of routing_sequence.cuh on the current stream.
+// workspaces, and the launch sequences of agreement_sequence.cuh on the current stream.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,11 +10,11 @@
 #include <string>
 
 #include "../common/kernel_path.h"
+#include "agreement_block_kernels.cuh"
+#include "agreement_sequence.cuh"
 #include "host_checks.cuh"
 #include "kernel_options.h"
-#include "routing_kernels.cuh"
-#include "routing_sequence.cuh"
-#include "stream_launch.cuh"
+#include "stream_launcher.cuh"
 
 namespace capsroute {
 namespace cuda {
@@ -35,7 +35,7 @@ inline int64_t routing_splits(const RoutingDims& dims, bool warp_rows, int64_t w
 }
 
 // The warp-rows kernels where the rule is dynamic routing's and the capsules fit them
-// (routing_warp_kernels.cuh), else the block kernels (routing_kernels.cuh).
+// (agreement_warp_rows_kernels.cuh), else the block kernels (agreement_block_kernels.cuh).
 template <typename Source>
 RowSplit routing_row_split(const RoutingDims& dims,
                            const RoutingRule<typename Source::acc_type>& rule) {
@@ -45,7 +45,7 @@ RowSplit routing_row_split(const RoutingDims& dims,
 }
 
 // Whether the warp rows' forward or backward should run an element per cluster of
-// cluster_blocks blocks instead (the cluster `kernel`, routing_cluster_kernels.cuh;
+// cluster_blocks blocks instead (the cluster `kernel`, agreement_cluster_kernels.cuh;
 // routing_cluster_mode): the kernel loaded as code built for sm_90 or later (elsewhere its body
 // traps), its blocks' shared memory within the device's, clusters of that size schedulable (16
 // blocks is beyond the portable 8: a GPU that refuses says so through the occupancy query), and,
