@@ -103,9 +103,13 @@ def test_opcheck_non_contiguous(spec, device):
 
 @per_op
 def test_torch_compile_fullgraph(spec, device):
+    """The op in a whole-graph compile: dynamo traces it, AOT autograd runs its fake and its
+    autograd formula; inductor compiles dynamic_routing's graph (the op itself is an extern call
+    in every graph, so the other ops' would check nothing more at a cold compile each)."""
     # loss below is one code object for every op: dynamo's cache of its compilations holds 8
     # (recompile_limit), fewer than the ops, so each test starts from an empty one.
     torch._dynamo.reset()
+    backend = "inductor" if spec.name == "dynamic_routing" else "aot_eager"
     shape, options = spec.opcheck[0]
     sample = spec.draw(shape, device, torch.float32, **options)
     cotangents = [
@@ -118,15 +122,17 @@ def test_torch_compile_fullgraph(spec, device):
         return sum((o * g).sum() for o, g in zip(out, cotangents))
 
     losses = {
-        "compiled": torch.compile(loss, fullgraph=True)(*sample.tensors),
+        "compiled": torch.compile(loss, fullgraph=True, backend=backend)(*sample.tensors),
         "eager": loss(*sample.tensors),
     }
     grads = {how: torch.autograd.grad(value, sample.inputs()) for how, value in losses.items()}
-    assert_rel_close(losses["compiled"].detach(), losses["eager"].detach(), 1e-6, "loss")
+    # The compiled graph may sum the loss in another order: float32 rounding apart.
+    tol = spec.tolerance(torch.float32)
+    assert_rel_close(losses["compiled"].detach(), losses["eager"].detach(), tol, "loss")
     for name, a, e in zip(
         spec.names(sample)[len(spec.output_names) :], grads["compiled"], grads["eager"]
     ):
-        assert_rel_close(a, e, 1e-6, name)
+        assert_rel_close(a, e, tol, name)
 
 
 @per_op
