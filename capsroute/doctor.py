@@ -27,7 +27,15 @@ import capsroute
 from capsroute import reference
 
 from ._utils.command import ArgumentParser, CommandError, refusing, whole_number
-from ._utils.runinfo import device_name, dtype_name, resolve_device, write_json_atomic
+from ._utils.runinfo import (
+    cpu_machine,
+    describe_cpu,
+    device_name,
+    dtype_name,
+    loadavg,
+    resolve_device,
+    write_json_atomic,
+)
 from .bench.timing import synchronize, time_samples
 from .testing import DTYPES, OPS, OpCheck, randn
 
@@ -317,7 +325,10 @@ def run(args: argparse.Namespace) -> int:
             "--device cuda: this capsroute was built without its CUDA kernels; "
             "rebuild it with CAPSROUTE_FORCE_CUDA=1 where a CUDA toolkit is"
         )
+    machine = cpu_machine(capsroute.build_info()["cpu_arch"])
+    load_start = loadavg()
     print(f"capsroute {capsroute.__version__} on {device_name(device)}, torch {torch.__version__}")
+    print(f"CPU: {describe_cpu(machine)}; load average {load_start}")
     todo = plan(device, args.quick)
     progress = tqdm(todo, desc="doctor", file=sys.stderr, disable=args.no_progress)
     results = [check_one(*item, device) for item in progress]
@@ -345,6 +356,9 @@ def run(args: argparse.Namespace) -> int:
             "device": device_name(device),
             "torch": torch.__version__,
             "build": capsroute.build_info(),
+            "machine": machine,
+            "loadavg_start": load_start,
+            "loadavg_end": loadavg(),
             "results": [vars(r) for r in results],
             "timings": timings,
         }

@@ -100,6 +100,64 @@ def cpu_id() -> str | None:
     return f"family {info['cpu family']} model {info['model']}"
 
 
+# The SIMD width capsroute's C++ kernels are built for at each -march level (at::vec's AVX-512 and
+# AVX2 implementations; below x86-64-v3 its portable code, which the compiler may vectorise).
+VECTOR_BITS = {"x86-64-v4": 512, "x86-64-v3": 256}
+_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def cpu_caches() -> dict[str, str]:
+    """The caches of the first CPU as Linux lists them, by level and type ({"L1d": "48K", "L1i":
+    "32K", "L2": "1024K", "L3": "32768K"}; a shared cache's whole size), {} where it lists none."""
+    caches = {}
+    for index in sorted(_CACHES.glob("index[0-9]*")):
+        try:
+            level, kind, size = (
+                (index / name).read_text().strip() for name in ("level", "type", "size")
+            )
+        except OSError:
+            continue
+        caches[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size
+    return caches
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average, None where the system has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def cpu_machine(cpu_arch: str) -> dict:
+    """What a CPU record names about the machine and the build: the processor (model name, x86
+    family and model, torch's capability), the -march level capsroute's C++ kernels were built for
+    and their vector width, the caches and the cores."""
+    return {
+        "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_arch": cpu_arch,
+        "vector_bits": VECTOR_BITS.get(cpu_arch),
+        "caches": cpu_caches(),
+        "cores": os.cpu_count(),
+    }
+
+
+def describe_cpu(machine: dict) -> str:
+    """cpu_machine's dict in a line: "AMD EPYC (family 25 model 1, AVX2), built for x86-64-v3
+    (256-bit vectors), L2 1024K, L3 32768K, 2 cores"."""
+    vectors = f"{machine['vector_bits']}-bit vectors" if machine["vector_bits"] else "no SIMD level"
+    caches = "".join(
+        f", {level} {size}" for level, size in machine["caches"].items() if "i" not in level
+    )
+    processor = ", ".join(filter(None, [machine["cpu_id"], machine["cpu_capability"]]))
+    return (
+        f"{machine['cpu']} ({processor}), built for {machine['cpu_arch']} ({vectors}){caches}, "
+        f"{machine['cores']} cores"
+    )
+
+
 def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
     """`--device` (auto, cpu, cuda or cuda:N) as a device, made current on CUDA. A CUDA device without an
     index is `local_rank` (one process per GPU under torchrun), else the current one."""

@@ -13,7 +13,7 @@ import torch
 
 import capsroute
 
-from .._utils.runinfo import command_line, cpu_id, cpu_model, device_name, dtype_name, git_commit
+from .._utils.runinfo import command_line, cpu_machine, device_name, dtype_name, git_commit, loadavg
 from .cases import CONV_OPS, IMPLS, MODEL_OPS, Case, impls_for, unavailable_impls
 from .floor import measure_bandwidth, measure_peak_tflops
 from .measure import failure_reason
@@ -54,7 +54,7 @@ def run_benchmarks(
     )
     note = bar.write if bar is not None else print
 
-    load = _loadavg()  # before this process adds its own
+    load = loadavg()  # before this process adds its own
     bandwidth = peak = None
     if any(case.op not in MODEL_OPS for case in cases):  # model ops have no floor
         if bar is not None:
@@ -72,9 +72,7 @@ def run_benchmarks(
         "dtype": dtype_name(dtype),
         "iters": iters,
         "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-        "cpu_id": cpu_id(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **cpu_machine(_build_info().get("cpu_arch", "unknown")),
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "capsroute": _build_info(),
@@ -172,7 +170,7 @@ def run_benchmarks(
         )
     if bar is not None:
         bar.close()
-    report["loadavg_end"] = _loadavg()
+    report["loadavg_end"] = loadavg()
     report["complete"] = True
     return report
 
@@ -265,13 +263,6 @@ def add_max_batches(
                         r["max_side"] = found["max_side"]
             if on_case is not None:
                 on_case(report)
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
 
 
 def _build_info() -> dict:

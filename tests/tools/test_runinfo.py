@@ -110,3 +110,30 @@ def test_command_line_under_torchrun(monkeypatch):
         runinfo.command_line("capsroute train", ["--epochs", "1"])
         == "torchrun --nnodes 1 --nproc-per-node 2 -m capsroute.train --epochs 1"
     )
+
+
+def test_cpu_caches_from_sysfs(monkeypatch, tmp_path):
+    for index, (level, kind, size) in enumerate(
+        [
+            ("1", "Data", "48K"),
+            ("1", "Instruction", "32K"),
+            ("2", "Unified", "1024K"),
+            ("3", "Unified", "32768K"),
+        ]
+    ):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(value + "\n")
+    monkeypatch.setattr(runinfo, "_CACHES", tmp_path)
+    assert runinfo.cpu_caches() == {"L1d": "48K", "L1i": "32K", "L2": "1024K", "L3": "32768K"}
+    monkeypatch.setattr(runinfo, "_CACHES", tmp_path / "none")
+    assert runinfo.cpu_caches() == {}
+
+
+def test_cpu_machine_names_the_build_and_its_vector_width():
+    machine = runinfo.cpu_machine("x86-64-v4")
+    assert machine["cpu_arch"] == "x86-64-v4" and machine["vector_bits"] == 512
+    assert runinfo.cpu_machine("x86-64")["vector_bits"] is None
+    line = runinfo.describe_cpu({**machine, "caches": {"L1i": "32K", "L2": "1024K"}})
+    assert "built for x86-64-v4 (512-bit vectors), L2 1024K" in line and "L1i" not in line
