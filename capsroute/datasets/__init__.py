@@ -1,13 +1,17 @@
-"""The data sets capsroute trains on: MNIST and Fashion-MNIST from their IDX files (mnist), and
-MultiMNIST pairs made from them (multimnist)."""
+"""The data sets capsroute trains on: MNIST and Fashion-MNIST from their IDX files (mnist),
+MultiMNIST pairs made from them (multimnist), and MNIST test digits under random affine
+transformations (affine_mnist, "affine-mnist", generated)."""
 
-from . import mnist, multimnist
+from . import affine_mnist, mnist, multimnist
+from .affine_mnist import AffineMNIST
 from .mnist import DATASETS, download, find_dataset_files, load_checked, load_dataset, read_idx
 from .multimnist import MultiMNIST
 
 __all__ = [
+    "AffineMNIST",
     "DATASETS",
     "MultiMNIST",
+    "affine_mnist",
     "download",
     "find_dataset_files",
     "load_checked",

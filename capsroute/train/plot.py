@@ -8,6 +8,7 @@
                       from the two longest capsules in red and green (middle), and the reconstruction
                       from the longest capsule of a class that is not in the pair (bottom)
   masks.png           SegCapsNet runs (multimnist-seg): test pairs, their true masks and the predicted ones
+  affine samples      plot_affine_samples: affine-mnist digits beside their originals
 The reconstruction figures need a network with a decoder (CapsNet, EfficientCapsNet); MultiMNIST
 runs draw pairs.png in place of reconstructions.png.
 """
@@ -26,7 +27,8 @@ from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from .._utils.command import CommandError
 from .._utils.runinfo import short_commit
-from ..datasets import mnist
+from ..datasets import affine_mnist, mnist
+from ..datasets.affine_mnist import AffineMNIST
 from ..datasets.multimnist import SIZE, MultiMNIST, class_masks
 from ..models import DecoderCapsNet, SegCapsNet
 from .args import load_checkpoint, model_for_run
@@ -202,6 +204,49 @@ def plot_masks(model: SegCapsNet, pairs: MultiMNIST, path: Path, count: int = 12
     )
     fig.savefig(path, dpi=100)
     return path
+
+
+def plot_affine_samples(
+    dataset: AffineMNIST, path: Path | None = None, digits: int = 8, versions: int = 8
+) -> Figure:
+    """The first `digits` digits of an affine-mnist set, one a row: the original centred on the
+    40x40 canvas, then its first `versions` transformations, each titled with its rotation
+    (degrees), shear and scale x, y. Saved to `path` where given.
+
+    Args:
+        dataset: the generated set (capsroute.datasets.affine_mnist.AffineMNIST).
+        path: where to write the PNG, or None.
+        digits, versions: rows, and transformed samples per row.
+
+    Returns:
+        The figure.
+    """
+    n = len(dataset.digit_labels)
+    digits = min(digits, n)
+    versions = min(versions, dataset.transforms_per_digit)
+    index = (np.arange(digits)[:, None] + n * np.arange(versions)[None]).ravel()
+    batch = dataset.samples(index)
+    originals = affine_mnist.centred(torch.from_numpy(dataset.digit_images[:digits, None]))
+    fig = _new_figure(((versions + 1) * 1.1, digits * 1.25))
+    axes = fig.subplots(digits, versions + 1, squeeze=False)
+    for row in range(digits):
+        _show(axes[row, 0], originals[row, 0].float() / 255)
+        axes[row, 0].set_title(f"label {dataset.digit_labels[row].item()}", fontsize="x-small")
+        for k in range(versions):
+            at = row * versions + k
+            rotation, shear, sx, sy = batch.params[at, :4].tolist()
+            _show(axes[row, k + 1], batch.images[at, 0].float() / 255)
+            axes[row, k + 1].set_title(
+                f"{rotation:+.0f}° {shear:+.2f}\n{sx:.2f} x {sy:.2f}", fontsize="x-small"
+            )
+    fig.suptitle(
+        f"affine-mnist (generated, seed {dataset.seed}): originals (left), transformed "
+        "(rotation, shear; scale x by y)",
+        fontsize="small",
+    )
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
 
 
 def _load_model(run_dir: Path):
