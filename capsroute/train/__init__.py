@@ -6,6 +6,8 @@ CapsNet or EfficientCapsNet on MultiMNIST, or SegCapsNet to segment MultiMNIST p
   capsroute train --model capsnet --data-dir data --download       (fetches MNIST into data/mnist)
   capsroute train --dataset multimnist --data-dir DATA --pairs-per-digit 1 --epochs 1
   capsroute train --model segcapsnet --dataset multimnist-seg --data-dir DATA --epochs 1
+  capsroute train --dataset mnist40 --data-dir DATA --out RUN       (40x40 MNIST, placed at random)
+  capsroute train --resume RUN --evaluate --eval-dataset affine-mnist  (affine-transformed digits)
   torchrun --nproc-per-node 4 -m capsroute.train --model capsnet ...      (one process per GPU)
 
 Everything a run writes goes to --out (default runs/<model>-<dataset>): metrics.csv and

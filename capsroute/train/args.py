@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import __version__
 from .._utils.command import CommandError, real_number, whole_number
-from ..datasets import mnist, multimnist
+from ..datasets import affine_mnist, mnist, multimnist
 from ..models import MODELS, build_model
 from ..nn import BACKENDS
 
@@ -60,6 +60,10 @@ RESUME_FROM_COMMAND_LINE = {
     "no_plots",
     "download",
     "evaluate",
+    "eval_dataset",
+    "eval_seed",
+    "eval_transforms",
+    "affnist_dir",
     "debug",
 }
 RESUME_OVERRIDES = {"epochs", "device", "data_dir", "test_subset"}
@@ -81,6 +85,10 @@ CHECKPOINT_KEYS = {
 
 # The networks sized for the dataset's images: 36x36 MultiMNIST pairs, else 28x28.
 PAIR_MODELS = ("capsnet", "efficientcapsnet", "cnn")
+# The networks of 40x40 MNIST (--dataset mnist40): EfficientCapsNet's graphs take 28 and 36 only.
+FORTY_MODELS = ("capsnet", "cnn", "matrixcapsnet")
+# The sets --eval-dataset scores a mnist40 network on: generated, or affNIST's published files.
+EVAL_DATASETS = ("affine-mnist", "affnist")
 
 
 def parse_model_config(items: list[str]) -> dict:
@@ -100,11 +108,12 @@ def parse_model_config(items: list[str]) -> dict:
 
 def model_for_run(args: dict) -> nn.Module:
     """The network of a run's arguments (vars of `capsroute train`'s, or a checkpoint's "args"): --model
-    with --model-config, sized for the dataset's images (36x36 MultiMNIST pairs, else 28x28)."""
+    with --model-config, sized for the dataset's images (36x36 MultiMNIST pairs, 40x40 mnist40,
+    else 28x28)."""
     config = parse_model_config(args["model_config"])
     if args["model"] in PAIR_MODELS:
-        pairs = args["dataset"] == "multimnist"
-        config.setdefault("image_size", multimnist.SIZE if pairs else multimnist.DIGIT_SIZE)
+        sizes = {"multimnist": multimnist.SIZE, "mnist40": affine_mnist.SIZE}
+        config.setdefault("image_size", sizes.get(args["dataset"], multimnist.DIGIT_SIZE))
     if args["model"] == "segcapsnet":
         config.setdefault("classes", 10)  # one segmentation capsule type per digit class
     return build_model(args["model"], args["backend"], config)
@@ -130,10 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dataset",
-        choices=sorted([*mnist.DATASETS, "multimnist", "multimnist-seg"]),
+        choices=sorted([*mnist.DATASETS, "mnist40", "multimnist", "multimnist-seg"]),
         default="mnist",
-        help="the images; multimnist: pairs of overlapping MNIST digits (capsroute.datasets.multimnist); "
-        "multimnist-seg: the same pairs with each digit's pixels as per-class masks (segcapsnet)",
+        help="the images; mnist40: MNIST on a 40x40 canvas, placed at random in training and "
+        "centred in test (Sabour et al. 2017, section 5); multimnist: pairs of overlapping MNIST "
+        "digits (capsroute.datasets.multimnist); multimnist-seg: the same pairs with each digit's "
+        "pixels as per-class masks (segcapsnet)",
     )
     p.add_argument(
         "--data-dir",
@@ -244,6 +255,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: score the checkpoint's network as it stands (even mid-epoch) on the test set "
         "into RUN_DIR/evaluation.json and draw its figures, without training",
+    )
+    p.add_argument(
+        "--eval-dataset",
+        choices=EVAL_DATASETS,
+        default=None,
+        help="with --evaluate, a mnist40 run: score it on MNIST test digits under random affine "
+        "transformations, generated (affine-mnist, not the paper's set) or affNIST's published "
+        "test files (affnist, --affnist-dir), and on the 40x40 MNIST test set, into "
+        "RUN_DIR/robustness-<set>.json",
+    )
+    p.add_argument(
+        "--eval-seed",
+        type=whole_number(0, MAX_SEED),
+        default=affine_mnist.DEFAULT_SEED,
+        help="affine-mnist: the seed of its transformations",
+    )
+    p.add_argument(
+        "--eval-transforms",
+        type=whole_number(1, affine_mnist.TRANSFORMS_PER_DIGIT),
+        default=affine_mnist.TRANSFORMS_PER_DIGIT,
+        help="affine-mnist: transformations per test digit (affNIST's 32)",
+    )
+    p.add_argument(
+        "--affnist-dir",
+        type=Path,
+        default=None,
+        help="affnist: the folder with affNIST's test.mat (32x/transformed/test.mat.zip, unzipped) "
+        "or its test_batches 1.mat .. 32.mat",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="do not draw figures at the end")
@@ -398,8 +437,57 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.evaluate and args.resume is None:
         raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
+    if args.dataset == "mnist40":
+        _check_forty(args)
+    _check_eval_options(args)
     if args.out.exists() and not args.out.is_dir():
         raise CommandError(f"--out {args.out}: a file, not a folder; pass a folder for the run")
+
+
+def _check_forty(args: argparse.Namespace) -> None:
+    """--dataset mnist40: a network of 40x40 inputs, and its own placement in place of --shift."""
+    if args.model not in FORTY_MODELS:
+        raise CommandError(
+            f"--dataset mnist40 trains {', '.join(FORTY_MODELS)} (40x40 inputs), not {args.model}"
+        )
+    if args.augment != "shift":
+        raise CommandError(
+            f"--augment {args.augment}: --dataset mnist40 places each training digit at random "
+            f"on the 40x40 canvas instead; leave --augment out"
+        )
+    if "shift" in given_options(args):
+        raise CommandError(
+            f"--shift {args.shift}: --dataset mnist40 places each training digit at random on "
+            f"the 40x40 canvas instead; leave --shift out"
+        )
+
+
+def _check_eval_options(args: argparse.Namespace) -> None:
+    """--eval-dataset and its options: with --evaluate, on a mnist40 run, each with its set."""
+    given = given_options(args)
+    own = {"eval_seed": "affine-mnist", "eval_transforms": "affine-mnist", "affnist_dir": "affnist"}
+    for key, dataset in own.items():
+        if key in given and args.eval_dataset != dataset:
+            raise CommandError(
+                f"{_option(key)}: an option of --eval-dataset {dataset}, which the command "
+                f"does not ask for"
+            )
+    if args.eval_dataset is None:
+        return
+    if not args.evaluate:
+        raise CommandError(
+            f"--eval-dataset {args.eval_dataset} scores a trained run: pass --evaluate --resume RUN_DIR"
+        )
+    if args.dataset != "mnist40":
+        raise CommandError(
+            f"--eval-dataset {args.eval_dataset} scores networks of 40x40 MNIST; the run in "
+            f"{args.resume} trained on --dataset {args.dataset} (train one with --dataset mnist40)"
+        )
+    if args.eval_dataset == "affnist" and args.affnist_dir is None:
+        raise CommandError(
+            "--eval-dataset affnist needs --affnist-dir FOLDER with affNIST's test files "
+            "(capsroute does not download them)"
+        )
 
 
 def check_cuda_graph(device: torch.device, world_size: int) -> None:

@@ -1,6 +1,7 @@
 """What `capsroute train` learns, as one object the trainer asks for its samples and specifics:
 
   ImageTask   MNIST or Fashion-MNIST: an image, its label; the image is its reconstruction target
+  FortyTask   mnist40: MNIST on a 40x40 canvas, placed at random in training, centred in test
   PairTask    MultiMNIST: two overlapping digits, both labels, each digit alone as its target
   SegmentationTask  MultiMNIST pairs with per-class pixel masks as targets (multimnist-seg)
 
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._utils.command import CommandError
-from ..datasets import mnist, multimnist
+from ..datasets import affine_mnist, mnist, multimnist
 from ..models import DecoderCapsNet
 from . import batching
 from .metrics import pair_correct, pixel_correct, segmentation_metrics, segmentation_sums
@@ -95,6 +96,29 @@ class ImageTask(_Task):
 
     def run_info(self) -> dict:
         return {}
+
+
+class FortyTask(ImageTask):
+    """mnist40 (Sabour et al. 2017, section 5): the training digits placed at random on a 40x40
+    canvas as each batch is taken (the trainer's augmentation, affine_mnist.pad_shifted), the
+    test digits centred on it (affine_mnist.centred). The 28x28 test digits stay at hand for
+    the affine test sets made from them (`capsroute train --evaluate --eval-dataset`)."""
+
+    source = "mnist"
+
+    def __init__(
+        self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]
+    ):
+        super().__init__(args, train, test)
+        self.test_digits = self.test_images
+        self.test_images = affine_mnist.centred(self.test_digits)
+
+    def figure_inputs(self) -> dict:
+        return {"images": self.test_images[:64]}
+
+    @staticmethod
+    def figure_inputs_of(test_images: Tensor, test_labels: Tensor) -> dict:
+        return {"images": affine_mnist.centred(test_images[:64])}
 
 
 class PairTask(_Task):
@@ -197,10 +221,11 @@ class SegmentationTask(PairTask):
         return {k: v for k, v in last.items() if k in segmentation_metrics([0.0] * 10)}
 
 
-TASKS = {"multimnist": PairTask, "multimnist-seg": SegmentationTask}
+TASKS = {"mnist40": FortyTask, "multimnist": PairTask, "multimnist-seg": SegmentationTask}
 
 
 def task_class(dataset: str) -> type[ImageTask] | type[PairTask]:
+    """The task of a --dataset."""
     return TASKS.get(dataset, ImageTask)
 
 

@@ -23,7 +23,7 @@ from .._utils.runinfo import (
     resolve_device,
     write_json_atomic,
 )
-from ..datasets import mnist
+from ..datasets import affine_mnist, mnist
 from ..losses import spread_margin
 from . import augment, batching
 from .args import (
@@ -168,12 +168,15 @@ class Trainer:
         )
 
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
-        if self.args.augment == "shift" and self.args.shift == 0:
+        forty = self.args.dataset == "mnist40"
+        if self.args.augment == "shift" and self.args.shift == 0 and not forty:
             return images
         # A function of (seed, step) alone, so a resumed run augments exactly as an uninterrupted one.
         generator = torch.Generator().manual_seed(
             (self.args.seed * 1_000_003 + self.step) * 7919 + self.ddp.rank
         )
+        if forty:  # the random place on the 40x40 canvas is the augmentation
+            return affine_mnist.pad_shifted(images, generator)
         if self.args.augment == "efficientcapsnet":
             return augment.efficient_capsnet(images, generator)
         return batching.shift_augment(images, self.args.shift, generator=generator)
@@ -545,6 +548,11 @@ def _train(args: argparse.Namespace, ddp: Distributed, state: dict | None) -> in
             args.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CommandError(f"--out {args.out}: cannot make the folder ({e.strerror})") from e
+    if args.evaluate and args.eval_dataset is not None:
+        from .robustness import evaluate_robustness
+
+        evaluate_robustness(trainer)
+        return 0
     if args.evaluate:
         trainer.evaluate_checkpoint()
         return 0
