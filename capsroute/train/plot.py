@@ -9,6 +9,8 @@
                       from the longest capsule of a class that is not in the pair (bottom)
   masks.png           SegCapsNet runs (multimnist-seg): test pairs, their true masks and the predicted ones
   affine samples      plot_affine_samples: affine-mnist digits beside their originals
+  robustness          plot_robustness: accuracy against the size of each transformation, from
+                      the records of `capsroute train --evaluate --eval-dataset affine-mnist`
 The reconstruction figures need a network with a decoder (CapsNet, EfficientCapsNet); MultiMNIST
 runs draw pairs.png in place of reconstructions.png.
 """
@@ -244,6 +246,52 @@ def plot_affine_samples(
         "(rotation, shear; scale x by y)",
         fontsize="small",
     )
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def plot_robustness(records: list[dict], path: Path | None = None) -> Figure:
+    """Accuracy on an affine set against the size of each kind of transformation (the records'
+    "bins": rotation, shear, scale x and y, translation), one line per model: the mean over its
+    records (training seeds), shaded between their lowest and highest. Saved to `path` where given.
+
+    Args:
+        records: robustness records (capsroute.train.robustness.evaluate_robustness) with bins,
+            all of the same affine set.
+        path: where to write the PNG, or None.
+
+    Returns:
+        The figure.
+    """
+    kinds = list(records[0]["bins"])
+    fig = _new_figure((3.2 * len(kinds), 3.4))
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    models = sorted({r["model"] for r in records})
+    for ax, kind in zip(axes, kinds):
+        for model in models:
+            mine = [r["bins"][kind] for r in records if r["model"] == model]
+            centres = np.array([sum(row["range"]) / 2 for row in mine[0]])
+            acc = 100 * np.array(
+                [
+                    [np.nan if row["accuracy"] is None else row["accuracy"] for row in b]
+                    for b in mine
+                ]
+            )
+            seen = ~np.isnan(acc).all(0)  # bins with no sample in any record are left out
+            centres, acc = centres[seen], acc[:, seen]
+            (line,) = ax.plot(centres, np.nanmean(acc, 0), "o-", label=f"{model} ({len(mine)})")
+            if len(mine) > 1:
+                low, high = np.nanmin(acc, 0), np.nanmax(acc, 0)
+                ax.fill_between(centres, low, high, alpha=0.2, color=line.get_color())
+        ax.set(xlabel=kind.replace("_", " "), ylabel="accuracy, %")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize="small")
+    first = records[0]
+    what = f"{first['eval_dataset']}" + (
+        f" (generated, seed {first['eval_seed']}; not affNIST)" if first.get("generated") else ""
+    )
+    fig.suptitle(f"accuracy on {what} by the size of each transformation (runs per model)")
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig

@@ -189,3 +189,25 @@ def test_bad_evaluations_are_refused_in_one_line(capsys, run_dir, tmp_path):
         [*evaluate, str(run_dir), "--eval-dataset", "affnist", "--affnist-dir", str(tmp_path)],
     )
     assert f"--affnist-dir {tmp_path}: no affNIST test files in {tmp_path}" in line
+
+
+def test_the_robustness_figure(tmp_path):
+    from capsroute.train.plot import plot_robustness
+
+    g = np.random.default_rng(0)
+    params = affine_mnist.draw_params(0, np.arange(200), np.full((200, 4), [-8.0, -8.0, 8.0, 8.0]))
+    records = [
+        {
+            "model": model,
+            "eval_dataset": "affine-mnist",
+            "generated": True,
+            "eval_seed": 0,
+            "bins": robustness.transformation_bins(params, g.random(200) < 0.8),
+        }
+        for model in ("capsnet", "capsnet", "cnn")
+    ]
+    fig = plot_robustness(records, tmp_path / "robustness.png")
+    assert (tmp_path / "robustness.png").stat().st_size > 1000
+    assert len(fig.axes) == len(robustness.BINS)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["capsnet (2)", "cnn (1)"]
