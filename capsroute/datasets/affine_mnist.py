@@ -14,15 +14,19 @@ What affNIST is (https://www.cs.toronto.edu/~tijmen/affNIST/, Tieleman 2013): ea
 under "various reasonable affine transformations", 32 randomly chosen transformed versions of each
 original, 40x40 pixels "with significant translations involved"; the test set transforms the
 10,000 MNIST test digits; its untransformed version centres each digit "by adding an edge of 6
-background pixels". The page's list of ranges, as this module takes them (the stored copy read
-when this was written showed only the page's opening; the ranges agree with the affNIST
-distribution that TensorFlow Federated's infinite EMNIST reproduces, which draws an isotropic
-log-uniform scale in 0.8..1.25 and translations of at most 5 pixels instead):
+background pixels". Its list of the transformations' ranges, as this module takes them:
 
   rotation     at most 20 degrees either way              ROTATION_DEGREES
   shearing     at most 0.2 either way                     SHEAR
   scaling      0.8 to 1.2, vertically and horizontally    SCALE
   translation  random, the digit kept inside the canvas
+
+Where these come from: the stored copy of the page that could be read when this was written held
+only its opening (quoted above), so the list is the page's as remembered, not as read. A second
+source agrees on two of them: TensorFlow Federated's infinite EMNIST, which says it follows the
+affNIST distribution "approximately", draws rotations uniform within 20 degrees and shears within
+0.2, but one log-uniform scale in 0.8..1.25 for both axes and translations of at most 5 pixels.
+Check the ranges against the page before reading results on this set as affNIST-like.
 
 The choices the page leaves open, as made here:
 
