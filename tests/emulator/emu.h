@@ -1,12 +1,11 @@
-// Runs CUDA kernels on the host, for tests on machines without a GPU: one std::thread per CUDA
-// thread, all blocks of a launch at once, std::barrier for __syncthreads() and a barrier per
-// warp for the shuffles; dynamic shared memory per block, and thread block clusters (a barrier
-// of the cluster's threads, and each block's shared memory reachable by the others). Enough of CUDA
-// for the device code of csrc/cuda (agreement_block_kernels.cuh, agreement_warp_rows_kernels.cuh,
-// em_kernels.cuh):
-// __syncthreads, __syncwarp and __shfl_xor_sync with a full mask, and the bit casts of
-// device_utils.cuh. Races between threads are real races here, so ThreadSanitizer sees missing
-// barriers.
+// Runs CUDA kernels on the host, for tests on machines without a GPU: a thread per CUDA thread
+// (from a pool kept between launches, EmuPool), all blocks of a launch at once, std::barrier for
+// __syncthreads() and a barrier per warp for the shuffles; dynamic shared memory per block, and
+// thread block clusters (a barrier of the cluster's threads, and each block's shared memory
+// reachable by the others). Enough of CUDA for the device code of csrc/cuda (the agreement_*,
+// em_* and conv_em_* kernels): __syncthreads, __syncwarp and __shfl_xor_sync with a full mask, and
+// the bit casts of device_utils.cuh. Races between threads are real races here, so
+// ThreadSanitizer sees missing barriers.
 #pragma once
 
 #include <barrier>
@@ -14,8 +13,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <semaphore>
 #include <thread>
 #include <vector>
 
@@ -111,6 +112,44 @@ inline double __longlong_as_double(long long i) {
   return d;
 }
 
+// The threads that run the launches: one per CUDA thread of the largest launch so far, kept
+// between launches because ThreadSanitizer slows with every thread a process has ever had. A
+// launch wakes as many as it has CUDA threads and waits for them all to end, the stream order of a
+// GPU: ThreadSanitizer sees the host's code and the launches ordered, and the threads of one
+// launch ordered by nothing but the kernel's barriers.
+class EmuPool {
+ public:
+  // job(0), ..., job(threads - 1), each on a thread of its own; returns when all have returned.
+  void run(unsigned threads, std::function<void(unsigned)> job) {
+    while (workers_.size() < threads) {
+      starts_.emplace_back(new std::binary_semaphore(0));
+      workers_.emplace_back([this, i = unsigned(workers_.size()), start = starts_.back().get()] {
+        for (;;) {
+          start->acquire();
+          if (!job_) return;
+          job_(i);
+          ends_.release();
+        }
+      });
+    }
+    job_ = std::move(job);
+    for (unsigned i = 0; i < threads; ++i) starts_[i]->release();
+    for (unsigned i = 0; i < threads; ++i) ends_.acquire();
+  }
+  ~EmuPool() {  // at exit: wakes the threads without a job, which makes them return
+    job_ = nullptr;
+    for (const auto& start : starts_) start->release();
+    for (std::thread& worker : workers_) worker.join();
+  }
+
+ private:
+  std::function<void(unsigned)> job_;
+  std::vector<std::unique_ptr<std::binary_semaphore>> starts_;  // one per thread
+  std::counting_semaphore<> ends_{0};                           // one release per job
+  std::vector<std::thread> workers_;
+};
+inline EmuPool emu_pool;
+
 // kernel<<<grid, block, shared_bytes>>>(args...) in clusters of cluster_blocks blocks: every
 // thread of every block at once; returns when all end.
 template <typename Kernel, typename... Args>
@@ -130,18 +169,14 @@ void emu_launch_clusters(unsigned grid, unsigned block, unsigned cluster_blocks,
     blocks[g]->cluster_rank = g % cluster_blocks;
     clusters.back()->blocks.push_back(blocks[g].get());
   }
-  std::vector<std::thread> threads;
-  for (unsigned g = 0; g < grid; ++g)
-    for (unsigned t = 0; t < block; ++t)
-      threads.emplace_back([=, &blocks] {
-        threadIdx.x = t;
-        blockIdx.x = g;
-        blockDim.x = block;
-        gridDim.x = grid;
-        emu_block = blocks[g].get();
-        kernel(args...);
-      });
-  for (std::thread& thread : threads) thread.join();
+  emu_pool.run(grid * block, [&](unsigned i) {
+    threadIdx.x = i % block;
+    blockIdx.x = i / block;
+    blockDim.x = block;
+    gridDim.x = grid;
+    emu_block = blocks[i / block].get();
+    kernel(args...);
+  });
 }
 
 // kernel<<<grid, block>>>(args...).
