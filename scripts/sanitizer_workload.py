@@ -4,11 +4,15 @@ Exits non-zero if an output is not finite or disagrees with the CPU backend, or 
 never ran (capsroute.last_kernel_path: a forced switch that silently fell back would leave its
 kernels unchecked).
 
-    python scripts/sanitizer_workload.py [SECTION...]   (routing, em, conv, attention; default all)
+    python scripts/sanitizer_workload.py [--device cuda] [SECTION...]
+        (sections: routing, em, conv, attention; default all)
 
 Sections let a sanitizer that is slow (racecheck) cover the workload in parts; each reports its
-time as it ends."""
+time as it ends. The inputs are the op table's (capsroute.testing), the tolerances the op
+table's for the GPU checks.
+--device cpu checks the script itself (the CPU backend against itself in float64; no kernel paths)."""
 
+import argparse
 import itertools
 import os
 import sys
@@ -17,13 +21,12 @@ import time
 import torch
 
 import capsroute
+from capsroute.testing import SAMPLES, tolerance
 
-assert torch.cuda.is_available(), "needs a CUDA device"
 failures = []
-covered = set()  # the kernel paths the CUDA calls ran
-# Relative error allowed against the CPU backend (or the reference) on the same rounded inputs.
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 3e-2, torch.bfloat16: 6e-2}
-CLUSTERS = torch.cuda.get_device_capability() >= (9, 0)  # sm_90: the cluster kernels can run
+covered = set()  # the kernel paths the device calls ran
+DEVICE = torch.device("cuda")  # main() sets it
+CLUSTERS = False  # sm_90: the cluster kernels can run (main() sets it)
 
 
 def note_paths(op):
@@ -59,11 +62,16 @@ def run(fn, inputs, grads):
 
 
 def check_op(op, label, fn, inputs, grads, dtype):
-    """An op on the GPU in `dtype` against the CPU backend in float64 on the same rounded values."""
-    cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], grads)
+    """An op on the device in `dtype` against the CPU backend in float64 on the same rounded values."""
+    cuda_out = run(fn, [t.to(DEVICE, dtype) for t in inputs], grads)
     note_paths(op)
     cpu_out = run(fn, [t.to(dtype).double() for t in inputs], grads)
-    check(f"{op} {label}", cuda_out, cpu_out, TOLERANCE[dtype])
+    check(f"{op} {label}", cuda_out, cpu_out, tolerance(op, dtype, gpu_check=True))
+
+
+def sample(op, shape):
+    """The op table's float64 inputs of op at shape, detached."""
+    return [t.detach() for t in SAMPLES[op].make(shape)]
 
 
 ROUTING_SHAPES = [(3, 37, 7, 16, 8), (2, 65, 33, 5, 3), (1, 1, 1, 1, 1), (4, 70, 10, 32, 8)]
@@ -74,10 +82,8 @@ def check_routing_ops(
 ):
     B, I, J, D, Din = shape
     label = f"{dtype} B={B} I={I} J={J} D={D} leaky={leaky} detach={detach} {label}"
-    votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
-    bias = torch.randn(J, D, dtype=torch.float64) * 0.1
-    u = torch.randn(B, I, Din, dtype=torch.float64)
-    weight = torch.randn(I, J, D, Din, dtype=torch.float64) * 0.2
+    votes, bias = sample("dynamic_routing", (B, I, J, D))
+    u, weight, _ = sample("dense_capsules", (B, I, J, D, Din))
     grad = torch.randn(B, J, D, dtype=torch.float64)
     routing = lambda x, b: capsroute.dynamic_routing(x, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
     dense = lambda x, w, b: capsroute.dense_capsules(x, w, 3, bias=b, leaky=leaky, detach=detach)  # noqa: E731
@@ -161,10 +167,8 @@ def check_em():
         EM_SPLITS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
     ):
         use_em_splits(splits)
-        votes = torch.randn(B, I, J, H, dtype=torch.float64)
-        a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+        votes, a_in, *betas = sample("em_routing", (B, I, J, H))
         a_in[:, ::4] = 0  # inputs without mass take the guarded paths
-        betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
         grads = torch.randn(B, J, H, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
 
         def em(*xs):
@@ -180,11 +184,8 @@ def check_em():
         EM_SPLITS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
     ):
         use_em_splits(splits)
-        pose = torch.randn(B, I, 4, 4, dtype=torch.float64)
-        weight = 0.5 * torch.randn(I, J, 4, 4, dtype=torch.float64)
-        a_in = 0.1 + 0.9 * torch.rand(B, I, dtype=torch.float64)
+        pose, weight, a_in, *betas = sample("em_routing_pose", (B, I, J))
         a_in[:, ::4] = 0  # inputs without mass take the guarded paths
-        betas = [0.5 * torch.randn(J, dtype=torch.float64) for _ in range(2)]
         grads = torch.randn(B, J, 16, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
 
         def em_pose(*xs):
@@ -210,10 +211,7 @@ def check_conv():
         [(2, 5, 4, 3, 5, 3, 1, 1), (1, 6, 5, 4, 3, 1, 2, 0), (3, 4, 4, 2, 7, 3, 2, 1)],
         [1, 3],
     ):
-        pose = torch.randn(B, H, W, C_in, 4, 4, dtype=torch.float64)
-        a_in = 0.1 + 0.9 * torch.rand(B, H, W, C_in, dtype=torch.float64)
-        weight = 0.5 * torch.randn(K, K, C_in, C_out, 4, 4, dtype=torch.float64)
-        betas = [0.5 * torch.randn(C_out, dtype=torch.float64) for _ in range(2)]
+        pose, a_in, weight, *betas = sample("conv_em_routing", (B, H, W, C_in, C_out, K))
         Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
         grads = (
             torch.randn(B, Ho, Wo, C_out, 16, dtype=torch.float64),
@@ -246,11 +244,7 @@ def check_conv():
         [None, "5"],
     ):
         Ho, Wo = (H + 2 * padding - K) // stride + 1, (W + 2 * padding - K) // stride + 1
-        inputs = (
-            torch.randn(B, H, W, C_in, Din, dtype=torch.float64),
-            torch.randn(K, K, C_in, C_out, D, Din, dtype=torch.float64) * (K * K * Din) ** -0.5,
-            torch.randn(C_out, D, dtype=torch.float64) * 0.1,
-        )
+        inputs = sample("conv_dynamic_routing", (B, H, W, C_in, C_out, D, Din, K))
         grad = torch.randn(B, Ho, Wo, C_out, D, dtype=torch.float64)
 
         def conv_dynamic(u, weight, bias):
@@ -290,18 +284,11 @@ def attention_fn(op, n, kind):
 
 def check_attention_ops(dtype, shape, with_parameters, label):
     B, I, J, D, Din = shape
-    tol = TOLERANCE[dtype]
     label = f"{dtype} B={B} I={I} J={J} D={D} parameters={with_parameters} {label}"
-    votes = torch.randn(B, I, J, D, dtype=torch.float64) * 0.5
-    u = torch.randn(B, I, Din, dtype=torch.float64)
-    weight = torch.randn(I, J, D, Din, dtype=torch.float64) * 0.3
+    votes, coupling_bias = sample("self_attention_routing", (B, I, J, D))
+    u, weight, *norm = sample("dense_inverted_attention_routing", (B, I, J, D, Din))
     grad = torch.randn(B, J, D, dtype=torch.float64)
-    params = (
-        [torch.randn(I, J, dtype=torch.float64) * 0.05] if with_parameters else [],
-        [1 + 0.1 * torch.randn(D, dtype=torch.float64), 0.1 * torch.randn(D, dtype=torch.float64)]
-        if with_parameters
-        else [],
-    )
+    params = ([coupling_bias], norm) if with_parameters else ([], [])
     routings = (  # name, its capsule operands, its parameters (params' index)
         ("self_attention_routing", [votes], 0),
         ("inverted_attention_routing", [votes], 1),
@@ -314,14 +301,14 @@ def check_attention_ops(dtype, shape, with_parameters, label):
             fn = attention_fn(getattr(module, name), n, kind)
             inputs = [*operands, *params[kind]]
             if module is capsroute:
-                cuda_out = run(fn, [t.to("cuda", dtype) for t in inputs], (grad,))
+                cuda_out = run(fn, [t.to(DEVICE, dtype) for t in inputs], (grad,))
                 note_paths(name)
             else:
                 want = run(fn, [t.to(dtype).double() for t in inputs], (grad,))
         # LayerNorm over D = 1 value is constant (its bias): the exact gradients w.r.t. the capsule
         # operands and norm_weight are 0.
         vanishing = range(1, n + 1 + with_parameters) if kind == 1 and D == 1 else ()
-        check(f"{name} {label}", cuda_out, want, tol, vanishing)
+        check(f"{name} {label}", cuda_out, want, tolerance(name, dtype, gpu_check=True), vanishing)
 
 
 ATTENTION_DTYPES = {
@@ -345,27 +332,55 @@ def check_attention():
 SECTIONS = {
     "routing": (
         check_routing,
-        {"cuda", "v2-warp-rows", "v2-block", "dense-v2-gemm+v2-warp-rows", "dense-v2-gemm+v2-block"}
-        | ({"v2-cluster", "dense-v2-gemm+v2-cluster"} if CLUSTERS else set()),
+        {
+            "cuda",
+            "v2-warp-rows",
+            "v2-block",
+            "dense-v2-gemm+v2-warp-rows",
+            "dense-v2-gemm+v2-block",
+        },
     ),
     "em": (check_em, {"em-row-ranges"}),
     "conv": (check_conv, {"conv-em-parent-child", "conv-gemm+v2-warp-rows", "conv-gemm+v2-block"}),
     "attention": (check_attention, {"v2-block", "dense-v2-gemm+v2-block"}),
 }
-asked = sys.argv[1:] or list(SECTIONS)
-unknown = [name for name in asked if name not in SECTIONS]
-if unknown:
-    sys.exit(f"unknown section(s) {unknown}: choose from {list(SECTIONS)}")
-expected_paths = set()
-for name in asked:
-    started = time.monotonic()
-    torch.manual_seed(0)  # a section run alone draws the inputs it draws in a whole run
-    SECTIONS[name][0]()
-    torch.cuda.synchronize()
-    expected_paths |= SECTIONS[name][1]
-    print(f"{name}: done in {time.monotonic() - started:.0f} s, {len(failures)} failures so far")
-if expected_paths - covered:
-    failures.append(f"kernel paths never run: {sorted(expected_paths - covered)}")
-print(f"kernel paths run: {', '.join(sorted(covered))}")
-print("\n".join(failures) or "all outputs finite and matching the CPU backend (or the reference)")
-sys.exit(1 if failures else 0)
+CLUSTER_PATHS = {"routing": {"v2-cluster", "dense-v2-gemm+v2-cluster"}}  # sm_90 runs them too
+
+
+def main(argv=None) -> int:
+    global DEVICE, CLUSTERS
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("sections", nargs="*", metavar="SECTION", help=f"of {', '.join(SECTIONS)}")
+    args = p.parse_args(argv)
+    unknown = [name for name in args.sections if name not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
+    DEVICE = torch.device(args.device)
+    on_gpu = DEVICE.type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    CLUSTERS = on_gpu and torch.cuda.get_device_capability(DEVICE) >= (9, 0)
+    expected_paths = set()
+    for name in args.sections or list(SECTIONS):
+        started = time.monotonic()
+        torch.manual_seed(0)  # a section run alone draws the inputs it draws in a whole run
+        check_section, paths = SECTIONS[name]
+        check_section()
+        if on_gpu:
+            torch.cuda.synchronize()
+            expected_paths |= paths | (CLUSTER_PATHS.get(name, set()) if CLUSTERS else set())
+        print(
+            f"{name}: done in {time.monotonic() - started:.0f} s, {len(failures)} failures so far"
+        )
+    if expected_paths - covered:
+        failures.append(f"kernel paths never run: {sorted(expected_paths - covered)}")
+    print(f"kernel paths run: {', '.join(sorted(covered))}")
+    print(
+        "\n".join(failures) or "all outputs finite and matching the CPU backend (or the reference)"
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ import capsroute
 from capsroute import reference
 from capsroute.nn import ConvCapsules
 from capsroute.ops._fake import conv_output_size
+from capsroute.testing import SAMPLES
 
 OPS = {  # op -> the short name that `--op` also accepts
     "dynamic_routing": "dynamic",
@@ -143,14 +144,6 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-VOTE_STD = 0.1  # dynamic_routing votes ~ N(0, 0.1^2): |s| ~ 1, so squash and the agreement matter
-WEIGHT_STD = 0.05  # dense_capsules weight ~ N(0, 0.05^2); u = squash(N(0, 1)) like primary capsules
-# The attention layers' other parameters near their initial values, never constants:
-# self_attention_routing's coupling bias ~ N(0, 0.01^2) (the layer's starts at 0),
-# inverted_attention_routing's norm_weight ~ 1 + N(0, 0.1^2) and norm_bias ~ N(0, 0.1^2)
-COUPLING_BIAS_STD = 0.01
-NORM_STD = 0.1
-VOTE_CHUNK = 1024  # input capsules whose weights layer_votes draws at once
 
 
 @dataclass(frozen=True)
@@ -274,69 +267,36 @@ def lay_out(x: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def sample_shape(case: Case) -> tuple:
+    """The case's shape as the op table's samplers take it (capsroute.testing): the attention
+    routings' with Din, their votes made by a layer from u."""
+    if case.op == "conv_em_routing":
+        c = case.conv
+        return case.B, c.H, c.W, c.C_in, c.C_out, c.K
+    if case.op == "conv_dynamic_routing":
+        c = case.conv
+        return case.B, c.H, c.W, c.C_in, c.C_out, c.D, c.Din, c.K
+    if case.op == "em_routing_pose":
+        return case.B, case.I, case.J
+    if case.op in DENSE_OPS + ATTENTION_OPS:
+        return case.B, case.I, case.J, case.D, case.Din
+    return case.B, case.I, case.J, case.D
+
+
 def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
-    """Fresh random inputs (never zeros), the first in the case's layout: (tuple of leaf tensors
-    requiring grad, grad_v)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape, std=1.0, cast=True):
-        x = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).mul_(std)
-        return x.to(dtype) if cast else x
-
-    if op == "dynamic_routing":
-        inputs = (randn(case.B, case.I, case.J, case.D, std=VOTE_STD),)
-    elif op in ("self_attention_routing", "dense_self_attention_routing"):
-        # SelfAttentionCapsules: primary capsules squashed by Efficient-CapsNet's squash, weight
-        # of he_normal's standard deviation sqrt(2 / (I J Din))
-        u = reference.squash_exp(randn(case.B, case.I, case.Din, cast=False))
-        inputs = (
-            *attention_votes(op, u, case, (2 / (case.I * case.J * case.Din)) ** 0.5, randn, dtype),
-            randn(case.I, case.J, std=COUPLING_BIAS_STD),
-        )
-    elif op in ("inverted_attention_routing", "dense_inverted_attention_routing"):
-        # InvertedAttentionCapsules: primary capsules LayerNorm'd (Tsai et al.'s), weight
-        # N(0, J / (I Din)); the LayerNorm's affine parameters near their initial 1 and 0
-        u = torch.nn.functional.layer_norm(randn(case.B, case.I, case.Din, cast=False), (case.Din,))
-        inputs = (
-            *attention_votes(op, u, case, (case.J / (case.I * case.Din)) ** 0.5, randn, dtype),
-            (1 + randn(case.D, std=NORM_STD, cast=False)).to(dtype),
-            randn(case.D, std=NORM_STD),
-        )
-    elif op == "dense_capsules":
-        u = reference.squash(randn(case.B, case.I, case.Din, cast=False)).to(dtype)
-        inputs = (u, randn(case.I, case.J, case.D, case.Din, std=WEIGHT_STD))
-    elif op == "conv_dynamic_routing":
-        c = case.conv
-        u = reference.squash(randn(case.B, c.H, c.W, c.C_in, c.Din, cast=False)).to(dtype)
-        std = (c.K * c.K * c.Din) ** -0.5  # ConvDynamicCapsules' initialisation
-        inputs = (u, randn(c.K, c.K, c.C_in, c.C_out, c.D, c.Din, std=std))
-    elif op == "conv_em_routing":
-        c = case.conv
-        inputs = (
-            randn(case.B, c.H, c.W, c.C_in, 16),
-            torch.rand(case.B, c.H, c.W, c.C_in, generator=gen, device=device).to(dtype),
-            randn(c.K, c.K, c.C_in, c.C_out, 4, 4, std=0.5),
-            randn(c.C_out, std=0.5),
-            randn(c.C_out, std=0.5),
-        )  # pose, a_in, weight, beta_u, beta_a
-    elif op in EM_OPS:
-        activations = (
-            torch.rand(case.B, case.I, generator=gen, device=device).to(dtype),
-            randn(case.J, std=0.5),
-            randn(case.J, std=0.5),
-        )  # a_in, beta_u, beta_a
-        if op == "em_routing":
-            inputs = (randn(case.B, case.I, case.J, case.D),) + activations
-        else:
-            inputs = (
-                randn(case.B, case.I, 4, 4),
-                randn(case.I, case.J, 4, 4, std=0.5),
-            ) + activations
-    else:
+    """Fresh random inputs (never zeros), what a layer feeds the op (the op table's draw), the
+    first in the case's layout: (tuple of leaf tensors requiring grad, grad_v)."""
+    if op not in SAMPLES or SAMPLES[op].draw is None:
         raise ValueError(f"unknown op {op!r}")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    inputs = SAMPLES[op].draw(sample_shape(case), device, dtype, gen)
     inputs = (lay_out(inputs[0], case.layout), *inputs[1:])
     for t in inputs:
         t.requires_grad_(True)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
     if case.conv is not None:
         out = (case.B, *case.conv.out_hw(), case.conv.C_out)
         if op == "conv_em_routing":  # gradients of (pose, a_out)
@@ -345,37 +305,6 @@ def make_inputs(op: str, case: Case, dtype: torch.dtype, device, seed: int = 0):
     if op in EM_OPS:  # gradients of (pose, a_out)
         return inputs, (randn(case.B, case.J, case.D), randn(case.B, case.J))
     return inputs, randn(case.B, case.J, case.D)
-
-
-def attention_votes(op: str, u: torch.Tensor, case: Case, std: float, randn, dtype) -> tuple:
-    """The first inputs of an attention routing of a layer with weight ~ N(0, std^2): its votes
-    (layer_votes) for the vote-input ops, (u, weight) for the dense ones, the same values either
-    way (the weight is drawn VOTE_CHUNK input capsules at a time in both)."""
-    if op in ATTENTION_OPS:
-        return (layer_votes(u, case.J, case.D, std, randn).to(dtype),)
-    weight = torch.cat(
-        [
-            randn(min(VOTE_CHUNK, case.I - i), case.J, case.D, case.Din, std=std, cast=False)
-            for i in range(0, case.I, VOTE_CHUNK)
-        ]
-    )
-    return u.to(dtype), weight.to(dtype)
-
-
-def layer_votes(u: torch.Tensor, J: int, D: int, std: float, randn) -> torch.Tensor:
-    """The votes W_ij u_i (B, I, J, D) of a dense capsule layer with weight W ~ N(0, std^2) (I, J, D,
-    Din), as the attention layers compute them (reference.dense_votes), in float32. The weight is
-    drawn VOTE_CHUNK input capsules at a time, so it is never whole in memory (0.8 GB at I = 16384,
-    J = 100, D = 16, Din = 8)."""
-    B, I, Din = u.shape
-    votes = torch.empty(B, I, J, D, device=u.device)
-    with torch.no_grad():
-        for i in range(0, I, VOTE_CHUNK):
-            n = min(VOTE_CHUNK, I - i)
-            votes[:, i : i + n] = reference.dense_votes(
-                u[:, i : i + n], randn(n, J, D, Din, std=std, cast=False)
-            )
-    return votes
 
 
 def impls_for(op: str, impls) -> list[str]:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from capsroute import bench, reference
-from capsroute.bench import cases, op_bench, runner
+from capsroute import bench, reference, testing
+from capsroute.bench import op_bench, runner
 
 CPU = torch.device("cpu")
 ATTENTION = ("self_attention_routing", "inverted_attention_routing")
@@ -77,7 +77,7 @@ def test_layer_votes_draw_the_weight_in_chunks(monkeypatch):
     u = torch.randn(2, 7, 3)
 
     def votes(chunk):
-        monkeypatch.setattr(cases, "VOTE_CHUNK", chunk)
+        monkeypatch.setattr(testing, "VOTE_CHUNK", chunk)
         gen = torch.Generator().manual_seed(0)
         drawn = []
 
@@ -85,7 +85,7 @@ def test_layer_votes_draw_the_weight_in_chunks(monkeypatch):
             drawn.append(torch.randn(*shape, generator=gen).mul_(std))
             return drawn[-1]
 
-        return cases.layer_votes(u, 4, 5, 0.5, randn), torch.cat(drawn)
+        return testing.layer_votes(u, 4, 5, 0.5, randn), torch.cat(drawn)
 
     got, weight = votes(3)
     torch.testing.assert_close(got, reference.dense_votes(u, weight))
