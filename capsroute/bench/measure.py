@@ -4,6 +4,7 @@ torch.compile), warm-up, the timed steps, the checks against eager, and the rati
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Callable
@@ -112,6 +113,11 @@ def kernel_paths_ran() -> dict:
     return paths
 
 
+def minor_faults() -> int:
+    """The minor page faults this process has taken (every thread's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_steps(
     rec: dict,
     fwd: Callable,
@@ -127,7 +133,10 @@ def time_steps(
     ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
     rec["fwd_ms"] = statistics.median(ft)
     rec["fwd_ms_min"] = min(ft)
+    faults = minor_faults()
     bt = time_samples(fwd_bwd, device, repeats=repeats, before=before, max_seconds=max_seconds)
+    if device.type == "cpu":  # memory the allocator returned to the kernel and faults in again
+        rec["faults_per_call"] = (minor_faults() - faults) / len(bt)
     rec["fwd_bwd_ms"] = statistics.median(bt)
     rec["fwd_bwd_ms_min"] = min(bt)
     rec["repeats"] = [len(ft), len(bt)]

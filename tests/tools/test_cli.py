@@ -66,6 +66,7 @@ def test_bench_writes_json(run):
         assert (r["op"], r["dtype"]) == ("dynamic_routing", "float32")
         assert r["shape"]["J"] == 5 and r["shape"]["D"] == 8
         assert all(r[k] > 0 for k in ("fwd_ms", "fwd_bwd_ms", "peak_mb", "floor_ms"))
+        assert r["faults_per_call"] >= 0
 
 
 def test_bench_plots(run):
