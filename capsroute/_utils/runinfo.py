@@ -16,9 +16,7 @@ from pathlib import Path
 
 import torch
 
-_CHECKOUT = (
-    Path(__file__).resolve().parent.parent
-)  # the repository root when capsroute runs from a checkout
+_CHECKOUT = Path(__file__).resolve().parents[2]  # the repository root when run from a checkout
 
 
 def command_line(program: str, argv: list[str] | None) -> str:
