@@ -24,14 +24,9 @@ import torch
 
 import capsroute
 from capsroute import reference
-from capsroute.testing import SAMPLES, tolerance
+from capsroute.testing import OPS, SAMPLES, tolerance
 
-ATTENTION_OPS = (
-    "self_attention_routing",
-    "inverted_attention_routing",
-    "dense_self_attention_routing",
-    "dense_inverted_attention_routing",
-)
+ATTENTION_OPS = [check.name for check in OPS if check.family in ("attention", "dense-attention")]
 
 # em_routing and em_routing_pose: every 7th input capsule without mass takes the guarded paths
 MASSLESS_OPS, MASSLESS_EVERY = ("em_routing", "em_routing_pose"), 7
@@ -83,7 +78,7 @@ def cases(quick: bool):
     yield f"conv_em_routing mcn-conv1 B={conv1[0]}", "conv_em_routing", conv1, options
 
 
-def draw(op, shape, options):
+def case_inputs(op, shape, options):
     """run(impl, *inputs) -> the op's outputs, and its float64 inputs on the CPU (the op table's
     sampler; for MASSLESS_OPS every MASSLESS_EVERY-th input capsule without mass)."""
     check = SAMPLES[op]
@@ -112,7 +107,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def sweep_case(name, op, shape, options, device) -> list[dict]:
-    run, inputs = draw(op, shape, options)
+    run, inputs = case_inputs(op, shape, options)
     inputs = [t.to(device) for t in inputs]
     with torch.no_grad():
         outs = run(reference, *inputs)
