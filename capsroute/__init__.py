@@ -65,9 +65,32 @@ def clear_kernel_paths() -> None:
     _C.clear_kernel_paths()
 
 
+def set_cpu_cache_limit(nbytes: int) -> None:
+    """The most bytes of freed CPU output blocks capsroute keeps for its next calls (default 1 GiB;
+    0: none kept, each freed at once). The CPU ops take their outputs of 1 MiB and more (the vote
+    gradient above all) from blocks their earlier outputs freed, so that a training loop does not
+    fault the same memory in from the kernel on every call (docs/kernels.md, "CPU"); blocks beyond
+    a lowered limit are freed now. It changes no other allocation of the process."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    _C.set_cpu_cache_limit(nbytes)
+
+
+def empty_cpu_cache() -> None:
+    """Frees the CPU output blocks capsroute keeps (set_cpu_cache_limit); tensors alive keep theirs."""
+    _C.empty_cpu_cache()
+
+
+def cpu_cache_stats() -> dict:
+    """The CPU output cache (set_cpu_cache_limit): limit_bytes, cached_bytes and cached_blocks kept
+    now, and since the process started, hits (outputs given a kept block) and misses (allocated)."""
+    return dict(_C.cpu_cache_stats())
+
+
 __all__ = [
     "build_info",
     "clear_kernel_paths",
+    "cpu_cache_stats",
     "conv_dynamic_routing",
     "conv_em_routing",
     "dense_capsules",
@@ -78,6 +101,7 @@ __all__ = [
     "dynamic_routing_coupling",
     "em_routing",
     "em_routing_pose",
+    "empty_cpu_cache",
     "inverted_attention_routing",
     "inverted_attention_routing_coupling",
     "last_kernel_path",
@@ -87,5 +111,6 @@ __all__ = [
     "reference",
     "self_attention_routing",
     "self_attention_routing_coupling",
+    "set_cpu_cache_limit",
     "squash",
 ]

@@ -7,6 +7,7 @@
 
 #include "common/checks.h"
 #include "common/kernel_path.h"
+#include "cpu/output_cache.h"
 
 #ifndef CAPSROUTE_TORCH_VERSION
 #define CAPSROUTE_TORCH_VERSION "unknown"
@@ -40,6 +41,19 @@ PYBIND11_MODULE(_C, m) {
     return capsroute::KernelPathRecord::instance().get(op, direction);
   });
   m.def("clear_kernel_paths", [] { capsroute::KernelPathRecord::instance().clear(); });
+  // The CPU output cache (cpu/output_cache.h).
+  m.def("cpu_cache_stats", [] {
+    const capsroute::cpu::OutputCacheStats s = capsroute::cpu::output_cache_stats();
+    pybind11::dict stats;
+    stats["limit_bytes"] = s.limit_bytes;
+    stats["cached_bytes"] = s.cached_bytes;
+    stats["cached_blocks"] = s.cached_blocks;
+    stats["hits"] = s.hits;
+    stats["misses"] = s.misses;
+    return stats;
+  });
+  m.def("set_cpu_cache_limit", &capsroute::cpu::set_output_cache_limit);
+  m.def("empty_cpu_cache", &capsroute::cpu::empty_output_cache);
 
   // checks.<op>(the schema op's arguments): what both backends check before they compute, for
   // the fakes (capsroute/_fake.py: meta and fake tensors refused as the kernels refuse them) and

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 
+#include "../cpu/output_cache.h"
 #include "dims.h"
 
 namespace capsroute {
@@ -35,7 +36,14 @@ inline CapsuleStrides capsule_strides(const at::Tensor& t, int64_t outer_dims) {
 // The gradient of a capsule input t, in t's layout where that layout is dense (empty_like keeps
 // it), else contiguous: autograd then hands it to a leaf of that layout, or back through the
 // einsum or permute that made t, without a copy.
+// On the CPU it comes from the output cache (cpu/output_cache.h).
 inline at::Tensor empty_capsule_gradient(const at::Tensor& t, int64_t capsule_dims) {
+  if (t.is_cpu()) {
+    const at::Tensor like = at::empty_like(t, t.options().device(at::kMeta));  // the layout alone
+    return has_contiguous_capsules(like, capsule_dims)
+               ? cpu::empty_output_strided(like.sizes(), like.strides(), t.options())
+               : cpu::empty_output(t.sizes(), t.options());
+  }
   at::Tensor like = at::empty_like(t);
   // (empty_like of a layout with gaps may guess a channels-last one)
   return has_contiguous_capsules(like, capsule_dims) ? like : at::empty(t.sizes(), t.options());

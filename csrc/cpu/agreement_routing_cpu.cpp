@@ -8,6 +8,7 @@
 #include "../common/checks.h"
 #include "../common/layout.h"
 #include "agreement_batch.h"
+#include "output_cache.h"
 
 namespace capsroute {
 namespace cpu {
@@ -23,9 +24,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& vot
   const RoutingDims dims{B, votes.size(1), votes.size(2), votes.size(3), iters, leaky};
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   const AccParameters params(rule, acc);
-  at::Tensor v = at::empty({B, dims.J, dims.D}, votes.options());
-  at::Tensor c = at::empty({B, dims.I, dims.J}, votes.options());
-  at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, votes.options().dtype(acc));
+  at::Tensor v = empty_output({B, dims.J, dims.D}, votes.options());
+  at::Tensor c = empty_output({B, dims.I, dims.J}, votes.options());
+  at::Tensor s_hist = empty_output({B, iters, dims.J, dims.D}, votes.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, votes.scalar_type(), "route_votes_cpu", [&] {

@@ -23,6 +23,7 @@
 #include "../common/conv_em_math.h"
 #include "../common/em_math.h"
 #include "../common/kernel_path.h"
+#include "output_cache.h"
 #include "vec_math.h"
 
 namespace capsroute {
@@ -410,9 +411,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_em_routing_cpu(
   const at::Tensor weight_t = lane_weight(weight_in, d, vector_lanes(pose.scalar_type()));
   const int64_t Ho = d.Ho(), Wo = d.Wo();
   const at::TensorOptions acc = pose.options().dtype(acc_dtype(pose.scalar_type()));
-  at::Tensor stats = at::empty({d.B, Ho, Wo, iters, d.C_out, kStatsRow}, acc);
-  at::Tensor log_norm = at::empty({iters - 1, d.B, d.H, d.W, d.C_in}, acc);
-  at::Tensor log_prior = at::empty({d.B * Ho * Wo, iters - 1, d.C_out}, acc);
+  at::Tensor stats = cpu::empty_output({d.B, Ho, Wo, iters, d.C_out, kStatsRow}, acc);
+  at::Tensor log_norm = cpu::empty_output({iters - 1, d.B, d.H, d.W, d.C_in}, acc);
+  at::Tensor log_prior = cpu::empty_output({d.B * Ho * Wo, iters - 1, d.C_out}, acc);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, pose.scalar_type(), "conv_em_routing_cpu", [&] {
@@ -683,14 +684,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_em_r
                    grad_a_out = grad_a_out_in.to(acc).contiguous();
   const at::Tensor stats = stats_in.to(acc).contiguous();
   const int64_t windows = d.B * Ho * Wo;
-  at::Tensor log_norm = at::empty({iters - 1, d.B, d.H, d.W, d.C_in}, acc_options);
-  at::Tensor log_prior = at::empty({windows, iters - 1, J}, acc_options);
-  at::Tensor coeffs = at::empty({windows, iters, J, kStatsRow}, acc_options);
-  at::Tensor sums = at::empty({iters, d.B, d.H, d.W, d.C_in}, acc_options);
+  at::Tensor log_norm = cpu::empty_output({iters - 1, d.B, d.H, d.W, d.C_in}, acc_options);
+  at::Tensor log_prior = cpu::empty_output({windows, iters - 1, J}, acc_options);
+  at::Tensor coeffs = cpu::empty_output({windows, iters, J, kStatsRow}, acc_options);
+  at::Tensor sums = cpu::empty_output({iters, d.B, d.H, d.W, d.C_in}, acc_options);
   at::Tensor grad_beta_items = at::zeros({windows, 2, J}, acc_options);
   const int64_t rows = d.B * d.H, chunks = std::max<int64_t>(1, std::min(rows, kWeightChunks));
   at::Tensor grad_weight_parts = at::zeros({chunks, weight_t.numel()}, acc_options);
-  at::Tensor grad_pose = at::empty_like(pose), grad_a_in = at::empty_like(a_in);
+  at::Tensor grad_pose = cpu::empty_output_like(pose), grad_a_in = cpu::empty_output_like(a_in);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, pose.scalar_type(), "conv_em_routing_backward_cpu", [&] {

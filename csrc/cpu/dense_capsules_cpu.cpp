@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +19,7 @@
 #include "../common/kernel_path.h"
 #include "../common/layout.h"
 #include "agreement_routing.h"
+#include "output_cache.h"
 
 namespace capsroute {
 namespace cpu {
@@ -116,10 +116,11 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
   const int64_t threads = at::get_num_threads();
   const int64_t group = std::min(std::max(kVoteSlabBytes / element_bytes, threads), B);
   const acc_t* w = ops.weight.const_data_ptr<acc_t>();
-  // Left uninitialised: every value is written. Not a tensor: malloc hands the same pages back
-  // call after call, where the torch allocator's fresh pages were page-faulted on every call
-  // (4000 faults per forward+backward at B = 8, a third of its time).
-  std::unique_ptr<acc_t[]> slab(new acc_t[group * I * JD]);
+  // From the output cache (output_cache.h): fresh pages were faulted in on every call (4000
+  // faults per forward+backward at B = 8, a third of its time). Every value is written.
+  const at::Tensor slab_memory = empty_output(
+      {group * I * JD}, ops.weight.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+  acc_t* slab = slab_memory.mutable_data_ptr<acc_t>();
   for (int64_t n0 = 0; n0 < B; n0 += group) {
     const int64_t G = std::min(group, B - n0);
     at::parallel_for(0, I, kVoteRowGrain, [&](int64_t begin, int64_t end) {
@@ -127,12 +128,11 @@ void for_each_vote_group(const VoteOperands& ops, const RoutingDims& d, F&& rout
       for (int64_t i = begin; i < end; ++i) {
         transpose_weight_rows(w + i * JD * Din, JD, Din, w_t.data());
         for (int64_t e = 0; e < G; ++e)
-          vote_row(ops.u_capsule<acc_t>(n0 + e, i), w_t.data(), Din, JD,
-                   slab.get() + (e * I + i) * JD);
+          vote_row(ops.u_capsule<acc_t>(n0 + e, i), w_t.data(), Din, JD, slab + (e * I + i) * JD);
       }
     });
     at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
-      route(n0 + begin, end - begin, static_cast<const acc_t*>(slab.get() + begin * I * JD));
+      route(n0 + begin, end - begin, static_cast<const acc_t*>(slab + begin * I * JD));
     });
   }
 }
@@ -211,9 +211,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const
   const at::ScalarType acc = acc_dtype(u_in.scalar_type());
   const VoteOperands ops(u_in, weight_in, acc);
   const AccParameters params(rule, acc);
-  at::Tensor v = at::empty({B, dims.J, dims.D}, u_in.options());
-  at::Tensor c = at::empty({B, dims.I, dims.J}, u_in.options());
-  at::Tensor s_hist = at::empty({B, iters, dims.J, dims.D}, u_in.options().dtype(acc));
+  at::Tensor v = empty_output({B, dims.J, dims.D}, u_in.options());
+  at::Tensor c = empty_output({B, dims.I, dims.J}, u_in.options());
+  at::Tensor s_hist = empty_output({B, iters, dims.J, dims.D}, u_in.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, u_in.scalar_type(), "route_dense_cpu", [&] {
@@ -330,15 +330,15 @@ DenseGrads route_dense_backward(const char* op, const at::Tensor& grad_v_in, con
         const RoutingRule<acc_t> acc_rule = params.rule<acc_t>();
         // The backward state of every element (about a third of the votes' size at iters = 3).
         at::Tensor states =
-            at::empty({B, BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
+            empty_output({B, BackwardState<acc_t>::numel(dims)}, u_in.options().dtype(acc));
         dispatch_capsule_dim(dims.D, [&](auto capsule_dim) {
           using Backward = RoutingBackward<decltype(capsule_dim)::value, acc_t>;
           routing_backward_states<Backward>(ops, dims, acc_rule, static_cast<acc_t>(eps), detach,
                                             grad_v.const_data_ptr<acc_t>(),
                                             s_hist.const_data_ptr<acc_t>(), item_data<acc_t>(items),
                                             states.mutable_data_ptr<acc_t>());
-          grad_u = at::empty({B, dims.I, Din}, u_in.options().dtype(acc));
-          grad_weight = at::empty(weight_in.sizes(), u_in.options().dtype(acc));
+          grad_u = empty_output({B, dims.I, Din}, u_in.options().dtype(acc));
+          grad_weight = empty_output(weight_in.sizes(), u_in.options().dtype(acc));
           contract_vote_grads<Backward>(ops, dims, acc_rule, static_cast<acc_t>(eps), detach, Din,
                                         states.mutable_data_ptr<acc_t>(),
                                         grad_u.mutable_data_ptr<acc_t>(),

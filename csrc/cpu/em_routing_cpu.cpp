@@ -14,6 +14,7 @@
 #include "../common/kernel_path.h"
 #include "../common/layout.h"
 #include "em_element.h"
+#include "output_cache.h"
 
 namespace capsroute {
 namespace {
@@ -33,10 +34,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_cpu(
   const EmDims dims{votes.size(0), votes.size(1), votes.size(2),
                     votes.size(3), iters,         final_lambda};
   const int64_t JH = dims.J * dims.H, stats_numel = iters * dims.J * dims.stats_row();
-  at::Tensor pose = at::empty({B, dims.J, dims.H}, votes.options());
-  at::Tensor a_out = at::empty({B, dims.J}, votes.options());
-  at::Tensor stats = at::empty({B, iters, dims.J, dims.stats_row()},
-                               votes.options().dtype(acc_dtype(votes.scalar_type())));
+  at::Tensor pose = cpu::empty_output({B, dims.J, dims.H}, votes.options());
+  at::Tensor a_out = cpu::empty_output({B, dims.J}, votes.options());
+  at::Tensor stats = cpu::empty_output({B, iters, dims.J, dims.stats_row()},
+                                       votes.options().dtype(acc_dtype(votes.scalar_type())));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, votes.scalar_type(), "em_routing_cpu", [&] {
@@ -80,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routing_backward_c
   const at::Tensor stats = stats_in.to(acc).contiguous();
   at::Tensor grad_votes = empty_capsule_gradient(votes, 1);
   const CapsuleStrides grad_strides = capsule_strides(grad_votes, 3);
-  at::Tensor grad_a_in = at::empty_like(a_in);
+  at::Tensor grad_a_in = cpu::empty_output_like(a_in);
   // Per-item beta gradients, summed afterwards in a fixed order (deterministic).
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, votes.options().dtype(acc));
 

@@ -14,6 +14,7 @@
 #include "../common/kernel_path.h"
 #include "../common/layout.h"
 #include "em_element.h"
+#include "output_cache.h"
 
 namespace capsroute {
 namespace {
@@ -57,10 +58,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cpu(
   const int64_t B = pose.size(0);
   const EmDims dims{B, pose.size(1), weight.size(1), kPoseSize, iters, final_lambda};
   const int64_t JH = dims.J * kPoseSize, stats_numel = iters * dims.J * dims.stats_row();
-  at::Tensor pose_out = at::empty({B, dims.J, kPoseSize}, pose.options());
-  at::Tensor a_out = at::empty({B, dims.J}, pose.options());
-  at::Tensor stats = at::empty({B, iters, dims.J, dims.stats_row()},
-                               pose.options().dtype(acc_dtype(pose.scalar_type())));
+  at::Tensor pose_out = cpu::empty_output({B, dims.J, kPoseSize}, pose.options());
+  at::Tensor a_out = cpu::empty_output({B, dims.J}, pose.options());
+  at::Tensor stats = cpu::empty_output({B, iters, dims.J, dims.stats_row()},
+                                       pose.options().dtype(acc_dtype(pose.scalar_type())));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, pose.scalar_type(), "em_routing_pose_cpu", [&] {
@@ -104,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> em_routin
   const at::Tensor stats = stats_in.to(acc).contiguous();
   at::Tensor grad_pose = empty_capsule_gradient(pose, 2);
   const CapsuleStrides grad_strides = capsule_strides(grad_pose, 2);
-  at::Tensor grad_a_in = at::empty_like(a_in);
+  at::Tensor grad_a_in = cpu::empty_output_like(a_in);
   at::Tensor grad_beta_items = at::zeros({B, 2, J}, pose.options().dtype(acc));
   const int64_t chunks = std::max<int64_t>(1, std::min(B, kWeightChunks));
   at::Tensor grad_weight_parts = at::zeros({chunks, I, J, kPoseSize}, pose.options().dtype(acc));

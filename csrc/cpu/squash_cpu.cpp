@@ -6,6 +6,7 @@
 #include "../common/acc_math.h"
 #include "../common/checks.h"
 #include "../common/kernel_path.h"
+#include "output_cache.h"
 
 namespace capsroute {
 namespace {
@@ -20,7 +21,7 @@ at::Tensor squash_rows_cpu(const at::Tensor& s_in, const at::Tensor* grad_in, do
   record_kernel_path("squash", kBackward ? Direction::backward : Direction::forward, "cpu");
   const at::Tensor s = s_in.contiguous();
   const at::Tensor grad = kBackward ? grad_in->to(s.scalar_type()).contiguous() : at::Tensor();
-  at::Tensor out = at::empty_like(s);
+  at::Tensor out = cpu::empty_output_like(s);
   const int64_t D = s.size(-1);
   const int64_t rows = D == 0 ? 0 : s.numel() / D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "squash_cpu", [&] {
