@@ -126,7 +126,7 @@ class OutputCache final : public c10::Allocator {
   }
 
   std::mutex mutex_;
-  std::multimap<size_t, void*> free_;           // kept blocks by size
+  std::multimap<size_t, void*> free_;         // kept blocks by size
   std::unordered_map<void*, size_t> in_use_;  // blocks held by tensors, and their sizes
   size_t in_use_bytes_ = 0, cached_bytes_ = 0;
   int64_t limit_bytes_ = kDefaultLimitBytes;
@@ -136,7 +136,8 @@ class OutputCache final : public c10::Allocator {
 c10::DispatchKeySet cpu_keys() { return c10::DispatchKeySet(c10::DispatchKey::CPU); }
 
 bool cached(at::IntArrayRef sizes, at::IntArrayRef strides, const at::TensorOptions& options) {
-  const size_t nbytes = at::detail::computeStorageNbytes(sizes, strides, options.dtype().itemsize());
+  const size_t nbytes =
+      at::detail::computeStorageNbytes(sizes, strides, options.dtype().itemsize());
   return nbytes >= kMinBytes;
 }
 

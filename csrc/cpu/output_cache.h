@@ -2,8 +2,8 @@
 // glibc's malloc maps a block of that size afresh on every call in some processes (or trims it back
 // to the kernel), and faulting its pages in again can cost as much as the routing itself
 // (docs/kernels.md, "CPU"). A block freed by its tensor is kept for the next output of about its
-// size while the blocks kept total at most the limit; capsroute.set_cpu_cache_limit sets it (0: none
-// kept), capsroute.empty_cpu_cache frees them. Allocations are reported to torch's profiler as
+// size while the blocks kept total at most the limit; capsroute.set_cpu_cache_limit sets it (0:
+// none kept), capsroute.empty_cpu_cache frees them. Allocations are reported to torch's profiler as
 // torch's CPU allocator reports them.
 #pragma once
 
