@@ -25,7 +25,7 @@ from capsroute.datasets import mnist
 from capsroute.losses import spread_loss, spread_margin
 from capsroute.models import MatrixCapsNet
 from capsroute.train import batching
-from capsroute.train.args import parse_model_config
+from capsroute.train.model_config import parse_model_config
 
 
 class RecordingEm:

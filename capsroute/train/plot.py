@@ -33,7 +33,8 @@ from ..datasets import affine_mnist, mnist
 from ..datasets.affine_mnist import AffineMNIST
 from ..datasets.multimnist import SIZE, MultiMNIST, class_masks
 from ..models import DecoderCapsNet, SegCapsNet
-from .args import load_checkpoint, model_for_run
+from .args import load_checkpoint
+from .model_config import model_for_run
 from .tasks import source_dataset, task_class
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)

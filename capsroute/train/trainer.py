@@ -32,13 +32,12 @@ from .args import (
     check_arguments,
     check_cuda_graph,
     checkpoint_args,
-    model_for_run,
-    parse_model_config,
     resolve_run_dir,
 )
 from .cuda_graph import GraphedStep
 from .distributed import Distributed
 from .metrics import training_loss
+from .model_config import model_for_run, parse_model_config
 from .tasks import load_task, source_dataset
 
 METRIC_FIELDS = [

@@ -18,7 +18,8 @@ import capsroute
 from capsroute import cli
 from capsroute._utils.command import CommandError
 from capsroute.datasets import mnist
-from capsroute.train.args import CHECKPOINT_KEYS, model_options
+from capsroute.train.args import CHECKPOINT_KEYS
+from capsroute.train.model_config import model_options
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "mnist-small"

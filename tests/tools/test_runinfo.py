@@ -12,7 +12,7 @@ import capsroute
 from capsroute import train
 from capsroute._utils import runinfo
 from capsroute.models import CapsNet, MatrixCapsNet, build_model
-from capsroute.train.args import parse_model_config
+from capsroute.train.model_config import parse_model_config
 
 
 def test_commit_of_this_checkout():

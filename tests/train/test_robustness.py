@@ -14,7 +14,7 @@ from capsroute import cli
 from capsroute.datasets import affine_mnist, mnist
 from capsroute.models import CNN, CapsNet
 from capsroute.train import robustness, tasks
-from capsroute.train.args import model_for_run
+from capsroute.train.model_config import model_for_run
 from mat5 import affnist_struct, write_mat
 
 REPO = Path(__file__).resolve().parents[2]
