@@ -200,6 +200,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="use the first N test images (multimnist: pairs)",
     )
     p.add_argument(
+        "--val-split",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="hold out the last N training images (after --train-subset) as a validation part, "
+        "scored each epoch in place of the test set, which is scored once at the end (mnist40 "
+        "places them on the canvas once, with a fixed seed: every run scores the same images)",
+    )
+    p.add_argument(
+        "--stop-at-val-accuracy",
+        type=real_number(0, 1, low_open=True),
+        default=None,
+        metavar="A",
+        help="with --val-split: stop after the first epoch whose validation accuracy is A or more "
+        "(for example 0.992), then score the test set",
+    )
+    p.add_argument(
         "--max-steps",
         type=positive,
         default=None,
@@ -349,6 +366,16 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError("--evaluate needs --resume RUN_DIR (the checkpoint to score)")
     if args.dataset == "mnist40":
         _check_forty(args)
+    if args.val_split is not None and args.dataset.startswith("multimnist"):
+        raise CommandError(
+            f"--val-split {args.val_split}: holds out training images of mnist, fashion-mnist or "
+            f"mnist40, not --dataset {args.dataset}'s generated pairs"
+        )
+    if args.stop_at_val_accuracy is not None and args.val_split is None:
+        raise CommandError(
+            f"--stop-at-val-accuracy {args.stop_at_val_accuracy}: needs --val-split N, the "
+            "training images it scores"
+        )
     _check_eval_options(args)
     if args.out.exists() and not args.out.is_dir():
         raise CommandError(f"--out {args.out}: a file, not a folder; pass a folder for the run")

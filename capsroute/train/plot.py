@@ -58,14 +58,16 @@ def plot_curves(history: list[dict], path: Path, title: str) -> Path:
     fig = _new_figure((11, 4.2))
     loss_ax, error_ax = fig.subplots(1, 2)
     epochs = [m["epoch"] for m in history]
+    # What each epoch scored: the validation part (--val-split) or the test set.
+    split, label = ("val", "validation") if "val_loss" in history[0] else ("test", "test")
     loss_ax.plot(epochs, [m["train_loss"] for m in history], "o-", label="train")
-    loss_ax.plot(epochs, [m["test_loss"] for m in history], "o-", label="test")
+    loss_ax.plot(epochs, [m[f"{split}_loss"] for m in history], "o-", label=label)
     loss_ax.set(xlabel="epoch", ylabel="loss", yscale="log")
     loss_ax.legend()
     error_ax.plot(
         epochs, [100 * (1 - m["train_accuracy"]) for m in history], "o-", label="train (augmented)"
     )
-    error_ax.plot(epochs, [100 * m["test_error"] for m in history], "o-", label="test")
+    error_ax.plot(epochs, [100 * m[f"{split}_error"] for m in history], "o-", label=label)
     error_ax.set(xlabel="epoch", ylabel="error, %", yscale="log")
     error_ax.legend()
     for ax in (loss_ax, error_ax):

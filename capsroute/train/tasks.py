@@ -5,7 +5,8 @@
   PairTask    MultiMNIST: two overlapping digits, both labels, each digit alone as its target
   SegmentationTask  MultiMNIST pairs with per-class pixel masks as targets (multimnist-seg)
 
-Each gives the training batches (images, labels, reconstruction targets), the test batches, the
+Each gives the training batches (images, labels, reconstruction targets), the test batches (the
+image tasks also those of a validation part held out of the training images, --val-split), the
 network's labels at test time, the test metrics of their own, the figures' inputs and their fields
 of the run record. `load_task(args)` reads and checks the data and builds the task of --dataset.
 """
@@ -29,6 +30,7 @@ class _Task:
     """What the trainer asks every task, as classification tasks answer it."""
 
     test_sums_length = 1  # values of test_sums
+    val_size = 0  # training samples held out (--val-split)
 
     def correct(self, out, labels: Tensor, targets: Tensor) -> Tensor:
         """(N,): 1 for each sample the network got right (MultiMNIST: both labels), or the
@@ -57,7 +59,8 @@ class _Task:
 
 
 class ImageTask(_Task):
-    """One image per sample: the first --train-subset / --test-subset images of the dataset."""
+    """One image per sample: the first --train-subset / --test-subset images of the dataset, the
+    last --val-split of those training images held out for validation."""
 
     samples = "images"
     source = None  # the dataset of --dataset itself
@@ -65,7 +68,15 @@ class ImageTask(_Task):
     def __init__(
         self, args: argparse.Namespace, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]
     ):
-        self.train_images, self.train_labels = (t[: args.train_subset] for t in train)
+        images, labels = (t[: args.train_subset] for t in train)
+        self.val_size = args.val_split or 0
+        kept = len(labels) - self.val_size
+        if kept < 1:
+            raise CommandError(
+                f"--val-split {self.val_size}: must leave training images; there are {len(labels)}"
+            )
+        self.train_images, self.train_labels = images[:kept], labels[:kept]
+        self.val_images, self.val_labels = images[kept:], labels[kept:]
         self.test_images, self.test_labels = (t[: args.test_subset] for t in test)
         self.train_size, self.test_size = len(self.train_labels), len(self.test_labels)
 
@@ -82,6 +93,11 @@ class ImageTask(_Task):
         images = self.test_images[index].float().div_(255)
         return images, self.test_labels[index], images
 
+    def val_batch(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """test_batch's batch of the validation part."""
+        images = self.val_images[index].float().div_(255)
+        return images, self.val_labels[index], images
+
     def test_labels_for(self, labels: Tensor) -> Tensor | None:
         """What the network is given at test time: nothing (it reconstructs its longest capsule)."""
         return None
@@ -95,14 +111,20 @@ class ImageTask(_Task):
         return {"images": test_images[:64]}
 
     def run_info(self) -> dict:
-        return {}
+        return {"val_images": self.val_size} if self.val_size else {}
+
+
+# The seed of the validation digits' places on the 40x40 canvas, whatever --seed: every run of a
+# comparison scores the same images.
+VAL_PLACEMENT_SEED = 40
 
 
 class FortyTask(ImageTask):
     """mnist40 (Sabour et al. 2017, section 5): the training digits placed at random on a 40x40
     canvas as each batch is taken (the trainer's augmentation, affine_mnist.pad_shifted), the
-    test digits centred on it (affine_mnist.centred). The 28x28 test digits stay at hand for
-    the affine test sets made from them (`capsroute train --evaluate --eval-dataset`)."""
+    test digits centred on it (affine_mnist.centred), the validation digits placed at random once
+    (VAL_PLACEMENT_SEED). The 28x28 test digits stay at hand for the affine test sets made from
+    them (`capsroute train --evaluate --eval-dataset`)."""
 
     source = "mnist"
 
@@ -112,6 +134,13 @@ class FortyTask(ImageTask):
         super().__init__(args, train, test)
         self.test_digits = self.test_images
         self.test_images = affine_mnist.centred(self.test_digits)
+        if self.val_size:
+            placement = torch.Generator().manual_seed(VAL_PLACEMENT_SEED)
+            self.val_images = affine_mnist.pad_shifted(self.val_images, placement)
+
+    def run_info(self) -> dict:
+        info = super().run_info()
+        return {**info, "val_placement_seed": VAL_PLACEMENT_SEED} if info else info
 
     def figure_inputs(self) -> dict:
         return {"images": self.test_images[:64]}

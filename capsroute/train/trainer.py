@@ -46,6 +46,9 @@ METRIC_FIELDS = [
     "lr",
     "train_loss",
     "train_accuracy",
+    "val_loss",
+    "val_accuracy",
+    "val_error",
     "test_loss",
     "test_accuracy",
     "test_error",
@@ -286,16 +289,21 @@ class Trainer:
             raise KeyboardInterrupt
         self.stop_requested = True
 
-    def _test_batches(self):
-        """This rank's share of the test set as (images, labels, reconstruction targets): unique
-        samples, no padding to equal shards here."""
-        index = torch.arange(self.test_size)[self.ddp.rank :: self.ddp.world_size]
+    def _test_batches(self, split: str):
+        """This rank's share of the test set (split "val": of the validation part) as (images,
+        labels, reconstruction targets): unique samples, no padding to equal shards here."""
+        size, batch = (
+            (self.task.val_size, self.task.val_batch)
+            if split == "val"
+            else (self.test_size, self.task.test_batch)
+        )
+        index = torch.arange(size)[self.ddp.rank :: self.ddp.world_size]
         for start in range(0, len(index), self.args.batch_size):
-            yield self.task.test_batch(index[start : start + self.args.batch_size])
+            yield batch(index[start : start + self.args.batch_size])
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Test loss and error (MultiMNIST: a pair is right when its two longest capsules are its two
+    def evaluate(self, split: str = "test") -> dict:
+        """Test loss and error (split "val": of the validation part, the keys val_...; MultiMNIST: a pair is right when its two longest capsules are its two
         labels; multimnist-seg: the fraction of pixels right). MultiMNIST CapsNet also:
         test_recon_error, the mean squared pixel error of each digit's reconstruction from its own
         label's capsule against the digit alone; multimnist-seg: Dice and IoU (the task's
@@ -303,7 +311,7 @@ class Trainer:
         self.net.eval()
         sums = 0  # loss * n, correct, then the task's test_sums
         seen = 0
-        for batch in self._test_batches():
+        for batch in self._test_batches(split):
             images, labels, targets = self._on_device(batch)
             with self.autocast():
                 out = self.model(images, self.task.test_labels_for(labels))
@@ -325,12 +333,24 @@ class Trainer:
             sums = torch.zeros(2 + self.task.test_sums_length, dtype=torch.float64)
         loss_sum, correct, *task_sums, seen = self.ddp.sum(sums.tolist() + [seen], self.device)
         accuracy = correct / max(seen, 1)
-        return {
+        metrics = {
             "test_loss": loss_sum / max(seen, 1),
             "test_accuracy": accuracy,
             "test_error": 1 - accuracy,
             **self.task.test_metrics(self.model, task_sums, seen),
         }
+        return {key.replace("test_", f"{split}_", 1): value for key, value in metrics.items()}
+
+    def _scored_split(self) -> str:
+        """What each epoch scores: the validation part where there is one, else the test set."""
+        return "val" if self.task.val_size else "test"
+
+    def _reached_val_accuracy(self) -> bool:
+        """--stop-at-val-accuracy: the last epoch's validation accuracy reached it."""
+        target = self.args.stop_at_val_accuracy
+        return (
+            target is not None and bool(self.history) and self.history[-1]["val_accuracy"] >= target
+        )
 
     def fit(self) -> dict | None:
         from tqdm import tqdm
@@ -361,7 +381,7 @@ class Trainer:
             )
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         try:
-            while self.epoch < args.epochs:
+            while self.epoch < args.epochs and not self._reached_val_accuracy():
                 if args.max_steps is not None and self.step >= args.max_steps:
                     break
                 progress.set_description(f"epoch {self.epoch + 1}/{args.epochs}")
@@ -375,7 +395,7 @@ class Trainer:
                     "step": self.step,
                     "lr": self.scheduler.get_last_lr()[0],
                     **train,
-                    **self.evaluate(),
+                    **self.evaluate(self._scored_split()),
                 }
                 self.history.append(metrics)
                 self.epoch, self.step_in_epoch, self.epoch_sums = (
@@ -385,10 +405,11 @@ class Trainer:
                 )
                 if self.ddp.main:
                     self.write_metrics()
+                    split = self._scored_split()
                     progress.write(
                         f"epoch {metrics['epoch']}: train loss {metrics['train_loss']:.4f} "
-                        f"acc {metrics['train_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} "
-                        f"error {100 * metrics['test_error']:.2f}% | {metrics['epoch_seconds']:.1f} s, "
+                        f"acc {metrics['train_accuracy']:.4f} | {split} acc {metrics[f'{split}_accuracy']:.4f} "
+                        f"error {100 * metrics[f'{split}_error']:.2f}% | {metrics['epoch_seconds']:.1f} s, "
                         f"{metrics['images_per_sec']:.0f} img/s"
                     )
                 self.save_checkpoint()
@@ -409,7 +430,7 @@ class Trainer:
             signal.signal(signal.SIGINT, previous_handler)
         progress.close()
         self.save_checkpoint()
-        if self.epoch < args.epochs:
+        if self.epoch < args.epochs and not self._reached_val_accuracy():
             if self.ddp.main:
                 print(
                     f"stopped at step {self.step} (--max-steps); continue with --resume {args.out}"
@@ -419,7 +440,7 @@ class Trainer:
 
     def write_metrics(self) -> None:
         out = self.args.out
-        fields = METRIC_FIELDS + [
+        fields = [k for k in METRIC_FIELDS if k in self.history[0]] + [
             k for k in self.history[0] if k not in METRIC_FIELDS
         ]  # test_recon_error
         with replacing(out / "metrics.csv") as tmp, open(tmp, "w", newline="") as f:
@@ -480,7 +501,11 @@ class Trainer:
         return plot_run(self.args.out, model=self.model, curves=curves, **self.task.figure_inputs())
 
     def finish(self) -> dict:
+        """result.json: the last epoch's test metrics, or with --val-split its validation metrics
+        and the test set scored once now."""
         last = self.history[-1]
+        if self.task.val_size:
+            last = {**last, **self.evaluate("test")}
         seconds = [m["epoch_seconds"] for m in self.history]
         result = {
             **self.run_info(),
@@ -489,6 +514,12 @@ class Trainer:
             "images_per_sec": sum(m["images_per_sec"] for m in self.history) / len(self.history),
             "test_error": last["test_error"],
             "test_accuracy": last["test_accuracy"],
+            **{k: last[k] for k in ("val_accuracy", "val_error") if k in last},
+            **(
+                {"val_accuracy_reached": self._reached_val_accuracy()}
+                if self.args.stop_at_val_accuracy is not None
+                else {}
+            ),
             **self.task.result_metrics(last),
             "date": time.strftime("%Y-%m-%d"),
         }

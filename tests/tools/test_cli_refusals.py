@@ -150,6 +150,13 @@ BEFORE_DATA = [
         "--dataset multimnist trains capsnet, efficientcapsnet or cnn",
     ),
     (["--evaluate"], "--evaluate needs --resume RUN_DIR"),
+    (["--val-split", "0"], "--val-split: must be a whole number >= 1"),
+    (["--stop-at-val-accuracy", "1.5"], "--stop-at-val-accuracy: must be a number > 0 and <= 1"),
+    (["--stop-at-val-accuracy", "0.99"], "--stop-at-val-accuracy 0.99: needs --val-split N"),
+    (
+        ["--dataset", "multimnist", "--val-split", "100"],
+        "--val-split 100: holds out training images of mnist, fashion-mnist or mnist40",
+    ),
     (
         ["--cuda-graph", "--amp", "fp16"],
         "--cuda-graph: --amp fp16 checks its loss scale on the host",
@@ -528,6 +535,7 @@ NUMERIC_OPTIONS = [
     "--train-subset",
     "--test-subset",
     "--max-steps",
+    "--val-split",
     "--lr-decay",
     "--decay-steps",
     "--min-lr",

@@ -65,7 +65,7 @@ def test_the_networks_build_for_forty_pixels(model):
 
 
 def test_the_mnist40_task_centres_the_test_digits():
-    args = argparse.Namespace(train_subset=20, test_subset=12)
+    args = argparse.Namespace(train_subset=20, test_subset=12, val_split=None)
     train_split = mnist.load_dataset("mnist", DATA, "train")
     test_split = mnist.load_dataset("mnist", DATA, "test")
     task = tasks.task_class("mnist40")(args, train_split, test_split)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from capsroute.datasets import mnist, multimnist
+from capsroute._utils.command import CommandError
+from capsroute.datasets import affine_mnist, mnist, multimnist
 from capsroute.models import CNN, CapsNet
 from capsroute.train import tasks
 
@@ -20,10 +21,9 @@ def splits():
     return {split: mnist.load_dataset("mnist", DATA, split) for split in mnist.SPLITS}
 
 
-def options(dataset: str) -> argparse.Namespace:
-    return argparse.Namespace(
-        dataset=dataset, data_dir=DATA, train_subset=20, test_subset=10, pairs_per_digit=1, seed=0
-    )
+def options(dataset: str, **changes) -> argparse.Namespace:
+    given = dict(train_subset=20, test_subset=10, pairs_per_digit=1, seed=0, val_split=None)
+    return argparse.Namespace(dataset=dataset, data_dir=DATA, **{**given, **changes})
 
 
 def epoch(task, augment):
@@ -46,6 +46,34 @@ def test_image_task(splits):
         and task.reconstruction_metrics(None, 0, 3) == {}
     )
     assert torch.equal(task.figure_inputs()["images"], splits["test"][0][:10])
+
+
+def test_validation_part(splits):
+    """--val-split holds out the last training images: never in a training batch, scored as the
+    test images are; mnist40 places them once, the same whatever --seed."""
+    train_images, train_labels = splits["train"]
+    task = tasks.ImageTask(options("mnist", val_split=5), splits["train"], splits["test"])
+    assert (task.train_size, task.val_size, task.test_size) == (15, 5, 10)
+    seen = torch.cat([labels for _, labels, _ in epoch(task, augment=lambda images: images)])
+    assert torch.equal(seen.sort().values, train_labels[:15].sort().values)
+    images, labels, targets = task.val_batch(torch.arange(5))
+    assert torch.equal(images, train_images[15:20].float() / 255) and targets is images
+    assert torch.equal(labels, train_labels[15:20]) and task.run_info() == {"val_images": 5}
+    placed = [
+        tasks.FortyTask(options("mnist40", val_split=5, seed=seed), splits["train"], splits["test"])
+        for seed in (0, 1)
+    ]
+    assert torch.equal(placed[0].val_images, placed[1].val_images)
+    assert placed[0].val_images.shape == (5, 1, 40, 40)
+    # every digit whole on its canvas, and not all in the middle
+    sums = train_images[15:20].flatten(1).sum(1)
+    assert torch.equal(placed[0].val_images.flatten(1).sum(1), sums)
+    assert not torch.equal(placed[0].val_images, affine_mnist.centred(train_images[15:20]))
+    assert placed[0].run_info() == {"val_images": 5, "val_placement_seed": tasks.VAL_PLACEMENT_SEED}
+    with pytest.raises(
+        CommandError, match="--val-split 20: must leave training images; there are 20"
+    ):
+        tasks.ImageTask(options("mnist", val_split=20), splits["train"], splits["test"])
 
 
 def test_pair_task(splits):

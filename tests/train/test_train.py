@@ -109,6 +109,41 @@ def test_resume_finishes_the_run(tmp_path):
     assert result["cpu"] == cpu_model() and result["threads"] == torch.get_num_threads()
 
 
+def test_validation_part(tmp_path):
+    """--val-split scores the held-out images each epoch in place of the test set, which is scored
+    once at the end; --stop-at-val-accuracy ends the run at the first epoch that reaches it, and
+    resuming a run that reached it trains no further."""
+    common = ["--train-subset", "192", "--val-split", "64", "--test-subset", "64"]
+    stopped, unreached = tmp_path / "stopped", tmp_path / "unreached"
+    assert (
+        train.main(train_args(stopped, *common, "--epochs", "3", "--stop-at-val-accuracy", "0.01"))
+        == 0
+    )
+    result = json.loads((stopped / "result.json").read_text())
+    history = json.loads((stopped / "metrics.json").read_text())["epochs"]
+    assert result["epochs"] == len(history) == 1 and result["val_accuracy_reached"] is True
+    assert result["val_accuracy"] == history[0]["val_accuracy"] >= 0.01
+    assert "test_accuracy" not in history[0] and 0 <= result["test_accuracy"] <= 1
+    assert result["val_images"] == 64
+    header = (stopped / "metrics.csv").read_text().splitlines()[0]
+    assert header.startswith(
+        "epoch,step,lr,train_loss,train_accuracy,val_loss,val_accuracy,val_error,"
+    )
+    step = checkpoint(stopped)["step"]
+    assert step == 4  # 128 training images in batches of 32
+    assert train.main(["--resume", str(stopped), "--no-progress", "--no-plots"]) == 0
+    assert checkpoint(stopped)["step"] == step
+    plotted = [
+        a
+        for a in train_args(unreached, *common, "--epochs", "2", "--stop-at-val-accuracy", "1")
+        if a != "--no-plots"
+    ]
+    assert train.main(plotted) == 0
+    result = json.loads((unreached / "result.json").read_text())
+    assert result["epochs"] == 2 and result["val_accuracy_reached"] is (result["val_accuracy"] == 1)
+    assert (unreached / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_ctrl_c_writes_a_checkpoint(tmp_path):
     """SIGINT in the middle of training: exit code 130, a checkpoint to resume from."""
     cmd = [
