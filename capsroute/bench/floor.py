@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .cases import EM_OPS, Case
+from .cases import DTYPES, EM_OPS, Case, ConvShape
 from .timing import time_samples
 
 
@@ -120,9 +120,35 @@ def floor_model(case: Case, itemsize: int, iters: int) -> dict:
     return {
         "bytes_fwd": inp + out,
         "flops_fwd": flops_fwd,
-        "bytes_fwd_bwd": inp + out + out + inp,  # + read grad_v, write input grads
+        # the backward reads the output gradients and the inputs again (the forward and the
+        # backward are separate calls), and writes the input gradients
+        "bytes_fwd_bwd": (inp + out) + (out + inp) + inp,
         "flops_fwd_bwd": 3 * flops_fwd,
     }
+
+
+def case_of_row(row: dict) -> Case:
+    """The case a benchmark record's row was measured on, from its op, shape and layout."""
+    shape = dict(row["shape"])
+    B = shape.pop("B")
+    layout = row.get("layout", "contiguous")
+    if "K" in shape:
+        return Case(row["op"], row["shape_name"], B, layout=layout, conv=ConvShape(**shape))
+    if "H" in shape:
+        shape["D"] = shape.pop("H")
+    return Case(row["op"], row["shape_name"], B, layout=layout, **shape)
+
+
+def row_floor_ms(row: dict, record: dict) -> float | None:
+    """A routing row's forward+backward floor by today's model, from its case and the bandwidth
+    and peak its record measured: rows recorded before the model counted the inputs' second read
+    are compared with the same floor as new ones. None where the row or record has no floor."""
+    bandwidth, peak = record.get("bandwidth_gbs"), record.get("peak_tflops")
+    if row.get("floor_ms") is None or not bandwidth or not peak or "shape_name" not in row:
+        return None
+    iters = row["iters"] or 1  # None for the one-step ops, whose floor takes no iteration count
+    fm = floor_model(case_of_row(row), DTYPES[row["dtype"]].itemsize, iters)
+    return floor_ms(fm["bytes_fwd_bwd"], fm["flops_fwd_bwd"], bandwidth, peak)
 
 
 def floor_ms(nbytes: float, flops: float, bandwidth_gbs: float, peak_tflops: float) -> float:

@@ -17,6 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from .floor import row_floor_ms
 from .report import _fmt, _fmt_max_batch, _fmt_max_side, _fmt_ms
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +41,11 @@ All records: float32, 3 routing iterations, forward+backward, the median of the 
 a record's line says otherwise. A record's line is its provenance, from its JSON: commit, date,
 command, threads, load average at the start and end, the copy bandwidth measured for the floor,
 torch. Tables: capsroute's forward+backward time (for a model op a training step: forward, loss,
-backward, Adam), as a multiple of its floor, its peak memory, and the time and peak memory of eager,
-compiled (and per-window) over capsroute's (above 1: capsroute is faster or lighter); on a GPU the
-kernel path capsroute ran (forward / backward where they differ). The CPU machines are shared and
+backward, Adam), as a multiple of its floor (today's floor model, from the row's case and the
+bandwidth and peak its record measured, so that old and new rows count the same bytes), its peak
+memory, and the time and peak memory of eager, compiled (and per-window) over capsroute's (above 1:
+capsroute is faster or lighter); on a GPU the kernel path capsroute ran (forward / backward where
+they differ). The CPU machines are shared and
 their times move by up to 2x between runs: compare ratios within one table, not across tables.
 """
 
@@ -146,12 +149,20 @@ def kernel_path(r: dict) -> str:
     return ", ".join(cells) or "-"
 
 
+def _with_current_floor(row: dict, record: dict) -> dict:
+    """The row with its floor_x by today's floor model (floor.row_floor_ms)."""
+    floor = row_floor_ms(row, record)
+    if floor is None or row.get("fwd_bwd_ms") is None:
+        return row
+    return {**row, "floor_x": row["fwd_bwd_ms"] / floor}
+
+
 def bench_table(recs: list[dict], baselines: list[dict] = ()) -> list[str]:
     """A row per case with a capsroute row in `recs`; the other impls from the same records, else
     from `baselines` (matched on op, shape, B and layout). A row that the record's notes say differs
     from eager shows its max_rel_err beside its time."""
     cases: dict[tuple, dict] = {}
-    for r in (r for rec in recs for r in rec.get("results", [])):
+    for r in (_with_current_floor(r, rec) for rec in recs for r in rec.get("results", [])):
         cases.setdefault(_case(r), {}).setdefault(r["impl"], r)
     for r in (r for rec in baselines for r in rec.get("results", [])):
         if _case(r) in cases and r["impl"] != "capsroute":

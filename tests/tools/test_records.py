@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from capsroute.bench import records
+from capsroute.bench import floor, records
+from capsroute.bench.cases import DTYPES
 
+RESULTS = records.RESULTS
 MANIFEST = json.loads((records.RESULTS / records.MANIFEST).read_text())
 
 
@@ -61,7 +63,8 @@ def test_the_manifest_names_only_records_that_exist():
 
 
 def test_the_generator_imports_no_torch():
-    """Beyond the package it lives in, records.py needs the standard library and report's formatters."""
+    """Beyond the package it lives in, records.py needs the standard library, report's formatters
+    and the floor model."""
     tree = ast.parse(records.__loader__.get_source(records.__name__))
     imported = {
         a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
@@ -77,6 +80,7 @@ def test_the_generator_imports_no_torch():
         "pathlib",
         "__future__",
         "report",
+        "floor",
     }
 
 
@@ -201,3 +205,24 @@ def test_a_table_renders_the_json(tmp_path):
         records.render(
             results, {"sections": [{"title": "x", "records": [{"record": "gone.json"}]}]}
         )
+
+
+def test_rows_floors_are_recomputed_by_todays_model():
+    """Each committed row rebuilds into the case it was measured on (its forward bytes and flops
+    as recorded), and its table floor counts the inputs' second read."""
+    rows = 0
+    for path in sorted(RESULTS.rglob("*.json")):
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            continue
+        for row in record.get("results") or []:
+            if row.get("floor_ms") is None or "shape_name" not in row:
+                continue
+            fm = floor.floor_model(
+                floor.case_of_row(row), DTYPES[row["dtype"]].itemsize, row["iters"] or 1
+            )
+            assert (fm["bytes_fwd"], fm["flops_fwd"]) == (row["bytes_fwd"], row["flops_fwd"]), path
+            recomputed = floor.row_floor_ms(row, record)
+            assert recomputed >= row["floor_ms"] * (1 - 1e-9), path
+            rows += 1
+    assert rows > 100
