@@ -45,8 +45,8 @@ backward, Adam), as a multiple of its floor (today's floor model, from the row's
 bandwidth and peak its record measured, so that old and new rows count the same bytes), its peak
 memory, and the time and peak memory of eager, compiled (and per-window) over capsroute's (above 1:
 capsroute is faster or lighter); on a GPU the kernel path capsroute ran (forward / backward where
-they differ). The CPU machines are shared and
-their times move by up to 2x between runs: compare ratios within one table, not across tables.
+they differ). The CPU machines are shared and their times move by up to 2x between runs: compare
+ratios within one table, not across tables.
 """
 
 
