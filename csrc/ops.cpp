@@ -1,5 +1,7 @@
 // Every capsroute operator schema. Backends implement them in cpu/ and cuda/; autograd and
-// fake (meta) implementations are attached in capsroute/ops.py.
+// fake (meta) implementations are attached in capsroute/ops/. The agreement routings on votes and
+// their dense forms take `couplings`: when false, their coupling output c is empty, (0,), and the
+// couplings are never written to memory.
 #include <torch/library.h>
 
 TORCH_LIBRARY(capsroute, m) {
@@ -10,19 +12,19 @@ TORCH_LIBRARY(capsroute, m) {
   // Returns (v (B, J, D), final coupling c (B, I, J), s_hist (B, iters, J, D) in the
   // accumulation dtype: s before squash at each iteration, all the backward keeps).
   m.def(
-      "dynamic_routing(Tensor votes, Tensor? bias, int iters, bool leaky, bool detach, float eps)"
-      " -> (Tensor, Tensor, Tensor)");
+      "dynamic_routing(Tensor votes, Tensor? bias, int iters, bool leaky, bool detach, float eps,"
+      " bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_bias (J, D)).
   m.def(
       "_dynamic_routing_backward(Tensor grad_v, Tensor votes, Tensor s_hist, bool leaky, bool "
       "detach,"
       " float eps) -> (Tensor, Tensor)");
 
-  // Dynamic routing over votes_ij = weight_ij @ u_i, never materialised in device memory.
+  // Dynamic routing over votes_ij = weight_ij @ u_i, never materialised in device memory. Returns
+  // what dynamic_routing returns.
   m.def(
       "dense_capsules(Tensor u, Tensor weight, Tensor? bias, int iters, bool leaky, bool detach, "
-      "float eps)"
-      " -> (Tensor, Tensor, Tensor)");
+      "float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_bias (J, D)).
   m.def(
       "_dense_capsules_backward(Tensor grad_v, Tensor u, Tensor weight, Tensor s_hist, bool leaky,"
@@ -86,8 +88,8 @@ TORCH_LIBRARY(capsroute, m) {
   // softmax_j(<u_ij, sum_k u_kj> / sqrt(D)) + coupling_bias (I, J); squash "efficient" or "sabour".
   // Returns (v (B, J, D), coupling c (B, I, J), s_hist (B, 2, J, D) in the accumulation dtype).
   m.def(
-      "self_attention_routing(Tensor votes, Tensor? coupling_bias, str squash, float eps)"
-      " -> (Tensor, Tensor, Tensor)");
+      "self_attention_routing(Tensor votes, Tensor? coupling_bias, str squash, float eps,"
+      " bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_coupling_bias (I, J)).
   m.def(
       "_self_attention_routing_backward(Tensor grad_v, Tensor votes, Tensor? coupling_bias,"
@@ -99,7 +101,7 @@ TORCH_LIBRARY(capsroute, m) {
   // (B, iters, J, D) in the accumulation dtype).
   m.def(
       "inverted_attention_routing(Tensor votes, Tensor? norm_weight, Tensor? norm_bias, int iters,"
-      " float eps) -> (Tensor, Tensor, Tensor)");
+      " float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_norm_weight (D,), grad_norm_bias (D,)).
   m.def(
       "_inverted_attention_routing_backward(Tensor grad_v, Tensor votes, Tensor? norm_weight,"
@@ -109,7 +111,7 @@ TORCH_LIBRARY(capsroute, m) {
   // computes them: u (B, I, Din), weight (I, J, D, Din). Returns what self_attention_routing does.
   m.def(
       "dense_self_attention_routing(Tensor u, Tensor weight, Tensor? coupling_bias, str squash,"
-      " float eps) -> (Tensor, Tensor, Tensor)");
+      " float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_coupling_bias (I, J)).
   m.def(
       "_dense_self_attention_routing_backward(Tensor grad_v, Tensor u, Tensor weight,"
@@ -119,7 +121,7 @@ TORCH_LIBRARY(capsroute, m) {
   // inverted_attention_routing does.
   m.def(
       "dense_inverted_attention_routing(Tensor u, Tensor weight, Tensor? norm_weight,"
-      " Tensor? norm_bias, int iters, float eps) -> (Tensor, Tensor, Tensor)");
+      " Tensor? norm_bias, int iters, float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_norm_weight (D,), grad_norm_bias (D,)).
   m.def(
       "_dense_inverted_attention_routing_backward(Tensor grad_v, Tensor u, Tensor weight,"

@@ -82,10 +82,10 @@ def register(lib: torch.library.Library):
 
 def _autocast_dtype_kernel(op, device_type: str):
     # torch.library.register_autocast takes one fixed dtype; these ops follow the autocast dtype.
-    def kernel(*args):
+    def kernel(*args, **options):
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
-            return op(*(_cast(a, device_type, dtype) for a in args))
+            return op(*(_cast(a, device_type, dtype) for a in args), **options)
 
     return kernel
 

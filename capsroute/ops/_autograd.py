@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from ._fake import acc_dtype
+from ._fake import acc_dtype, schema_names
 
 _ops = torch.ops.capsroute
 
@@ -47,10 +47,14 @@ def _register_autograd(
     name: str, num_tensors: int, num_differentiable: int, reference_fn, fused_backward
 ):
     """reference_fn(*tensors, *options) gives the op's differentiable outputs in plain PyTorch;
-    fused_backward(ctx, tensors, state, grads) the first-order gradients of the tensors."""
+    fused_backward(ctx, tensors, state, grads) the first-order gradients of the tensors. Neither
+    sees the option `couplings`, which asks for an output without a gradient."""
+    has_couplings = schema_names(name)[-1] == "couplings"
 
     def setup_context(ctx, inputs, output):
         tensors, options = inputs[:num_tensors], inputs[num_tensors:]
+        if has_couplings:
+            options = options[:-1]
         state = None
         if isinstance(output, tuple):
             ctx.mark_non_differentiable(*output[num_differentiable:])
@@ -60,18 +64,19 @@ def _register_autograd(
             ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors, state)
         ctx.options = options
+        ctx.no_gradients = (None,) * (len(inputs) - num_tensors)  # one per option
         ctx.reference = lambda *ts: reference_fn(*ts, *options)
 
     def backward(ctx, *grads):
         *tensors, state = ctx.saved_tensors
         grads = grads[:num_differentiable]
         if all(g is None for g in grads):
-            return (*(None for _ in tensors), *(None for _ in ctx.options))
+            return (*(None for _ in tensors), *ctx.no_gradients)
         if torch.is_grad_enabled():
             grads_in = _reference_vjp(ctx, tensors, grads)
         else:
             grads_in = fused_backward(ctx, tensors, state, grads)
-        return (*grads_in, *(None for _ in ctx.options))
+        return (*grads_in, *ctx.no_gradients)
 
     torch.library.register_autograd(f"capsroute::{name}", backward, setup_context=setup_context)
 

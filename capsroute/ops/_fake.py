@@ -18,11 +18,26 @@ def _symbolic(t: Tensor) -> bool:
     return any(isinstance(n, torch.SymInt) for n in (*t.shape, *t.stride()))
 
 
+def schema_arguments(op: str, args: tuple, kwargs: dict) -> tuple:
+    """op's schema arguments as a call gives them, positional or by name, with the schema's
+    defaults for those it leaves out."""
+    rest = [
+        kwargs[a.name] if a.name in kwargs else a.default_value for a in _schema(op)[len(args) :]
+    ]
+    return (*args, *rest)
+
+
+def schema_names(op: str) -> tuple[str, ...]:
+    """The names of op's schema arguments, in order."""
+    return tuple(a.name for a in _schema(op))
+
+
 def check_arguments(op: str, args) -> None:
-    """op's argument checks on its schema arguments: every tensor on one device, then the kernels'
-    own (csrc/common/checks.h), which tensors with symbolic sizes (torch.compile's dynamic shapes)
-    skip: they cannot read them."""
-    tensors = [(name, a) for name, a in zip(_argument_names(op), args) if isinstance(a, Tensor)]
+    """op's argument checks on its schema arguments (defaults left out allowed): every tensor on one
+    device, then the kernels' own (csrc/common/checks.h), which tensors with symbolic sizes
+    (torch.compile's dynamic shapes) skip: they cannot read them."""
+    named = list(zip(schema_names(op), schema_arguments(op, args, {})))
+    tensors = [(name, a) for name, a in named if isinstance(a, Tensor)]
     ref_name, ref = tensors[0]
     for name, t in tensors[1:]:
         if t.device != ref.device:
@@ -30,12 +45,13 @@ def check_arguments(op: str, args) -> None:
                 f"capsroute: {name} is on {t.device} but {ref_name} is on {ref.device}"
             )
     if not any(_symbolic(t) for _, t in tensors):
-        getattr(checks, op)(*args)
+        # (couplings, which asks for an output, has nothing to check)
+        getattr(checks, op)(*(a for name, a in named if name != "couplings"))
 
 
 @functools.cache
-def _argument_names(op: str) -> tuple[str, ...]:
-    return tuple(arg.name for arg in getattr(torch.ops.capsroute, op).default._schema.arguments)
+def _schema(op: str) -> tuple:
+    return tuple(getattr(torch.ops.capsroute, op).default._schema.arguments)
 
 
 def register_fake(op: str):
@@ -46,7 +62,8 @@ def register_fake(op: str):
 
     def decorate(fake):
         @functools.wraps(fake)
-        def checked(*args):
+        def checked(*args, **kwargs):
+            args = schema_arguments(op, args, kwargs)
             check_arguments(op, args)
             return fake(*args)
 
@@ -87,10 +104,10 @@ def _votes_gradient(votes: Tensor) -> Tensor:
     return _capsule_gradient(votes, 2 if votes.device.type == "cuda" else 1)
 
 
-def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int):
+def _routing_outputs(like: Tensor, B: int, I: int, J: int, D: int, iters: int, couplings: bool):
     return (
         like.new_empty(B, J, D),
-        like.new_empty(B, I, J),
+        like.new_empty(B, I, J) if couplings else like.new_empty(0),
         like.new_empty(B, iters, J, D, dtype=acc_dtype(like.dtype)),
     )
 
@@ -106,9 +123,9 @@ def _(grad_v, s, eps):
 
 
 @register_fake("dynamic_routing")
-def _(votes, bias, iters, leaky, detach, eps):
+def _(votes, bias, iters, leaky, detach, eps, couplings):
     B, I, J, D = votes.shape
-    return _routing_outputs(votes, B, I, J, D, iters)
+    return _routing_outputs(votes, B, I, J, D, iters, couplings)
 
 
 @register_fake("_dynamic_routing_backward")
@@ -120,9 +137,9 @@ def _(grad_v, votes, s_hist, leaky, detach, eps):
 
 
 @register_fake("dense_capsules")
-def _(u, weight, bias, iters, leaky, detach, eps):
+def _(u, weight, bias, iters, leaky, detach, eps, couplings):
     I, J, D, _ = weight.shape
-    return _routing_outputs(u, u.shape[0], I, J, D, iters)
+    return _routing_outputs(u, u.shape[0], I, J, D, iters, couplings)
 
 
 @register_fake("_dense_capsules_backward")
@@ -239,9 +256,9 @@ def _(grad_v, u, weight, s_hist, stride, padding, leaky, detach, eps):
 
 
 @register_fake("self_attention_routing")
-def _(votes, coupling_bias, squash, eps):
+def _(votes, coupling_bias, squash, eps, couplings):
     B, I, J, D = votes.shape
-    return _routing_outputs(votes, B, I, J, D, 2)
+    return _routing_outputs(votes, B, I, J, D, 2, couplings)
 
 
 @register_fake("_self_attention_routing_backward")
@@ -250,9 +267,9 @@ def _(grad_v, votes, coupling_bias, s_hist, squash, eps):
 
 
 @register_fake("inverted_attention_routing")
-def _(votes, norm_weight, norm_bias, iters, eps):
+def _(votes, norm_weight, norm_bias, iters, eps, couplings):
     B, I, J, D = votes.shape
-    return _routing_outputs(votes, B, I, J, D, iters)
+    return _routing_outputs(votes, B, I, J, D, iters, couplings)
 
 
 @register_fake("_inverted_attention_routing_backward")
@@ -262,9 +279,9 @@ def _(grad_v, votes, norm_weight, norm_bias, s_hist, eps):
 
 
 @register_fake("dense_self_attention_routing")
-def _(u, weight, coupling_bias, squash, eps):
+def _(u, weight, coupling_bias, squash, eps, couplings):
     I, J, D, _ = weight.shape
-    return _routing_outputs(u, u.shape[0], I, J, D, 2)
+    return _routing_outputs(u, u.shape[0], I, J, D, 2, couplings)
 
 
 @register_fake("_dense_self_attention_routing_backward")
@@ -277,9 +294,9 @@ def _(grad_v, u, weight, coupling_bias, s_hist, squash, eps):
 
 
 @register_fake("dense_inverted_attention_routing")
-def _(u, weight, norm_weight, norm_bias, iters, eps):
+def _(u, weight, norm_weight, norm_bias, iters, eps, couplings):
     I, J, D, _ = weight.shape
-    return _routing_outputs(u, u.shape[0], I, J, D, iters)
+    return _routing_outputs(u, u.shape[0], I, J, D, iters, couplings)
 
 
 @register_fake("_dense_inverted_attention_routing_backward")

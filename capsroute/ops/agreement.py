@@ -60,7 +60,11 @@ def dynamic_routing(
             v: (B, J, D), the output capsules, differentiable w.r.t. votes and bias (exactly,
             through every iteration).
     """
-    return dynamic_routing_coupling(votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps)[0]
+    if reference_computes("dynamic_routing", votes, bias, iters, leaky, detach, eps):
+        return reference.dynamic_routing(
+            votes, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
+        )
+    return fused_ops.dynamic_routing(votes, bias, iters, leaky, detach, eps, couplings=False)[0]
 
 
 def dynamic_routing_coupling(
@@ -112,7 +116,7 @@ def dense_capsules(
         return reference.dense_capsules(
             u, weight, iters, bias=bias, leaky=leaky, detach=detach, eps=eps
         )
-    return fused_ops.dense_capsules(u, weight, bias, iters, leaky, detach, eps)[0]
+    return fused_ops.dense_capsules(u, weight, bias, iters, leaky, detach, eps, couplings=False)[0]
 
 
 @with_args(_ROUTING_ARGS)

@@ -32,9 +32,11 @@ def self_attention_routing(
     Returns:
         v: (B, J, D), differentiable w.r.t. votes and coupling_bias.
     """
-    return self_attention_routing_coupling(
-        votes, coupling_bias=coupling_bias, squash=squash, eps=eps
-    )[0]
+    if reference_computes("self_attention_routing", votes, coupling_bias, squash, eps):
+        return reference.self_attention_routing(
+            votes, coupling_bias=coupling_bias, squash=squash, eps=eps
+        )
+    return fused_ops.self_attention_routing(votes, coupling_bias, squash, eps, couplings=False)[0]
 
 
 def self_attention_routing_coupling(
@@ -88,8 +90,12 @@ def inverted_attention_routing(
         v: (B, J, D), differentiable w.r.t. votes, norm_weight and norm_bias (exactly, through
         every iteration).
     """
-    return inverted_attention_routing_coupling(
-        votes, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
+    if reference_computes("inverted_attention_routing", votes, norm_weight, norm_bias, iters, eps):
+        return reference.inverted_attention_routing(
+            votes, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
+        )
+    return fused_ops.inverted_attention_routing(
+        votes, norm_weight, norm_bias, iters, eps, couplings=False
     )[0]
 
 
@@ -139,7 +145,9 @@ def dense_self_attention_routing(
         return reference.dense_self_attention_routing(
             u, weight, coupling_bias=coupling_bias, squash=squash, eps=eps
         )
-    return fused_ops.dense_self_attention_routing(u, weight, coupling_bias, squash, eps)[0]
+    return fused_ops.dense_self_attention_routing(
+        u, weight, coupling_bias, squash, eps, couplings=False
+    )[0]
 
 
 def dense_inverted_attention_routing(
@@ -167,7 +175,7 @@ def dense_inverted_attention_routing(
         return reference.dense_inverted_attention_routing(
             u, weight, iters, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps
         )
-    return fused_ops.dense_inverted_attention_routing(*tensors, iters, eps)[0]
+    return fused_ops.dense_inverted_attention_routing(*tensors, iters, eps, couplings=False)[0]
 
 
 def pose_block_weight(weight: Tensor) -> Tensor:

@@ -16,7 +16,8 @@ namespace capsroute {
 namespace cpu {
 
 // Routes elements [0, dims.B) of votes (B, I, J, D) at `strides` (each capsule contiguous) under
-// `rule`: v (B, J, D) and c (B, I, J) in out_t, s_hist (B, iters, J, D) in the accumulation type.
+// `rule`: v (B, J, D) and c (B, I, J) (nullptr: not written) in out_t, s_hist (B, iters, J, D) in
+// the accumulation type.
 template <typename vote_t, typename out_t, typename acc_t>
 void route_elements(const vote_t* votes, const CapsuleStrides& strides, const vote_t* bias,
                     const RoutingRule<acc_t>& rule, const RoutingDims& dims, acc_t eps,
@@ -29,7 +30,7 @@ void route_elements(const vote_t* votes, const CapsuleStrides& strides, const vo
         route_forward<decltype(capsule_dim)::value>(
             staged_element_votes(votes, strides, n, dims.I, dims.J, dims.D, slab), bias, rule, dims,
             eps, scratch, s_hist + n * dims.iters * dims.jd(), v + n * dims.jd(),
-            c + n * dims.I * dims.J);
+            c ? c + n * dims.I * dims.J : nullptr);
       }
     });
   });

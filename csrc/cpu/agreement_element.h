@@ -148,7 +148,7 @@ struct ForwardScratch {
 // a tile at a time (vec_math.h): the softmax over J on J whole vectors, the tile's J agreement dots
 // reduced together; logits are kept by tile, (I / W, J, W), and the padding lanes (zero votes)
 // contribute nothing. bias (J, D), if any, is added to every s.
-// Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J).
+// Writes s_hist (iters, J, D), v_out (J, D) and the final coupling c_out (I, J) unless nullptr.
 template <int kD, typename vote_t, typename bias_t, typename out_t, typename acc_t>
 void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingRule<acc_t>& rule,
                    const RoutingDims& d, acc_t eps, ForwardScratch<acc_t>& scratch, acc_t* s_hist,
@@ -170,7 +170,7 @@ void route_forward(VoteRows<vote_t> u, const bias_t* bias, const RoutingRule<acc
       for (int64_t j = 0; j < J; ++j)
         tile_axpy(c + j * W, u, i0, n, j, scratch.s_block.block() + j * D, D);
       scratch.s_block.end_tile(i0 + n, I, s);
-      if (r == d.iters - 1) {
+      if (c_out && r == d.iters - 1) {
         for (int64_t k = 0; k < n; ++k)
           for (int64_t j = 0; j < J; ++j)
             c_out[(i0 + k) * J + j] = static_cast<out_t>(c[j * W + k]);

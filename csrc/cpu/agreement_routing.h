@@ -26,12 +26,12 @@ ParameterGrads<acc_t> item_data(ParameterGradItems& items) {
 }
 
 // votes (B, I, J, D) routed for `iters` passes, bias (J, D) (undefined: none) added to every s.
-// Returns (v (B, J, D), final coupling c (B, I, J), s_hist (B, iters, J, D) in the accumulation
-// dtype).
+// Returns (v (B, J, D), final coupling c (B, I, J) (without `couplings`: empty, not computed),
+// s_hist (B, iters, J, D) in the accumulation dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& votes,
                                                            const at::Tensor& bias,
                                                            const RuleTensors& rule, int64_t iters,
-                                                           bool leaky, double eps);
+                                                           bool leaky, double eps, bool couplings);
 
 // The backward of route_votes at grad_v (B, J, D), from its s_hist.
 RoutingGrads route_votes_backward(const at::Tensor& grad_v, const at::Tensor& votes,
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const
                                                            const at::Tensor& weight,
                                                            const at::Tensor& bias,
                                                            const RuleTensors& rule, int64_t iters,
-                                                           bool leaky, double eps);
+                                                           bool leaky, double eps, bool couplings);
 
 // The backward of route_dense: grad_u and grad_weight in u's dtype, and the parameters' gradients
 // (its votes undefined).

@@ -16,7 +16,7 @@ namespace cpu {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& votes_in,
                                                            const at::Tensor& bias_in,
                                                            const RuleTensors& rule, int64_t iters,
-                                                           bool leaky, double eps) {
+                                                           bool leaky, double eps, bool couplings) {
   const at::Tensor votes = with_contiguous_capsules(votes_in);
   const CapsuleStrides strides = capsule_strides(votes, 3);
   const at::Tensor bias = bias_in.defined() ? bias_in.contiguous() : at::Tensor();
@@ -25,7 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& vot
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   const AccParameters params(rule, acc);
   at::Tensor v = empty_output({B, dims.J, dims.D}, votes.options());
-  at::Tensor c = empty_output({B, dims.I, dims.J}, votes.options());
+  at::Tensor c = couplings ? empty_output({B, dims.I, dims.J}, votes.options())
+                           : at::empty({0}, votes.options());
   at::Tensor s_hist = empty_output({B, iters, dims.J, dims.D}, votes.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -35,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& vot
                        bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
                        params.rule<acc_t>(), dims, static_cast<acc_t>(eps),
                        s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
-                       c.mutable_data_ptr<scalar_t>());
+                       couplings ? c.mutable_data_ptr<scalar_t>() : nullptr);
       });
   return {v, c, s_hist};
 }

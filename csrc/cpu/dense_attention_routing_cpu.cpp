@@ -13,13 +13,13 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_cpu(
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& coupling_bias,
-    std::string_view squash, double eps) {
+    std::string_view squash, double eps, bool couplings) {
   check_dense_self_attention_routing_inputs(u, weight, coupling_bias, squash, eps);
   return route_dense(
       "dense_self_attention_routing", u, weight, at::Tensor(),
       self_attention_rule_tensors(weight.size(1), weight.size(2), coupling_bias, squash),
       kSelfAttentionPasses,
-      /*leaky=*/false, eps);
+      /*leaky=*/false, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_backward_cpu(
@@ -38,11 +38,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_self_attention_routing_back
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_inverted_attention_routing_cpu(
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& norm_weight,
-    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
+    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps, bool couplings) {
   check_dense_inverted_attention_routing_inputs(u, weight, norm_weight, norm_bias, iters, eps);
   return route_dense("dense_inverted_attention_routing", u, weight, at::Tensor(),
                      inverted_attention_rule_tensors(weight.size(2), norm_weight, norm_bias), iters,
-                     /*leaky=*/false, eps);
+                     /*leaky=*/false, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>

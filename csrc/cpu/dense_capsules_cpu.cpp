@@ -203,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const
                                                            const at::Tensor& weight_in,
                                                            const at::Tensor& bias_in,
                                                            const RuleTensors& rule, int64_t iters,
-                                                           bool leaky, double eps) {
+                                                           bool leaky, double eps, bool couplings) {
   record_kernel_path(op, Direction::forward, "cpu");
   const at::Tensor bias = bias_in.defined() ? bias_in.contiguous() : at::Tensor();
   const int64_t B = u_in.size(0);
@@ -212,7 +212,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const
   const VoteOperands ops(u_in, weight_in, acc);
   const AccParameters params(rule, acc);
   at::Tensor v = empty_output({B, dims.J, dims.D}, u_in.options());
-  at::Tensor c = empty_output({B, dims.I, dims.J}, u_in.options());
+  at::Tensor c = couplings ? empty_output({B, dims.I, dims.J}, u_in.options())
+                           : at::empty({0}, u_in.options());
   at::Tensor s_hist = empty_output({B, iters, dims.J, dims.D}, u_in.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -229,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const
                   acc_rule, dims, static_cast<acc_t>(eps), scratch,
                   s_hist.mutable_data_ptr<acc_t>() + n * iters * dims.jd(),
                   v.mutable_data_ptr<scalar_t>() + n * dims.jd(),
-                  c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J);
+                  couplings ? c.mutable_data_ptr<scalar_t>() + n * dims.I * dims.J : nullptr);
             }
           });
         });
@@ -355,10 +356,10 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cpu(
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps) {
+    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps, bool couplings) {
   check_dense_capsules_inputs(u, weight, bias, iters, eps);
   return route_dense("dense_capsules", u, weight, bias.value_or(at::Tensor()), RuleTensors{}, iters,
-                     leaky, eps);
+                     leaky, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cpu(

@@ -11,10 +11,11 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cpu(
     const at::Tensor& votes, const std::optional<at::Tensor>& bias, int64_t iters, bool leaky,
-    bool /*detach: backward only*/, double eps) {
+    bool /*detach: backward only*/, double eps, bool couplings) {
   check_dynamic_routing_inputs(votes, bias, iters, eps);
   record_kernel_path("dynamic_routing", Direction::forward, "cpu");
-  return cpu::route_votes(votes, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps);
+  return cpu::route_votes(votes, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps,
+                          couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cpu(const at::Tensor& grad_v,

@@ -11,13 +11,13 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_cpu(
     const at::Tensor& votes, const std::optional<at::Tensor>& norm_weight,
-    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
+    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps, bool couplings) {
   check_inverted_attention_routing_inputs(votes, norm_weight, norm_bias, iters, eps);
   record_kernel_path("inverted_attention_routing", Direction::forward, "cpu");
   return cpu::route_votes(votes, at::Tensor(),
                           inverted_attention_rule_tensors(votes.size(3), norm_weight, norm_bias),
                           iters,
-                          /*leaky=*/false, eps);
+                          /*leaky=*/false, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_backward_cpu(

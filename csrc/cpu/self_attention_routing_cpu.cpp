@@ -11,13 +11,13 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> self_attention_routing_cpu(
     const at::Tensor& votes, const std::optional<at::Tensor>& coupling_bias,
-    std::string_view squash, double eps) {
+    std::string_view squash, double eps, bool couplings) {
   check_self_attention_routing_inputs(votes, coupling_bias, squash, eps);
   record_kernel_path("self_attention_routing", Direction::forward, "cpu");
   return cpu::route_votes(
       votes, at::Tensor(),
       self_attention_rule_tensors(votes.size(2), votes.size(3), coupling_bias, squash),
-      kSelfAttentionPasses, /*leaky=*/false, eps);
+      kSelfAttentionPasses, /*leaky=*/false, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cpu(

@@ -193,7 +193,7 @@ __device__ __forceinline__ void forward_rows(const Source& src, int64_t b, RowRa
       acc_t* ci = coupling + i * J;
       warp_coupling_row(li, J, dims.leaky, ci, lane);
       add_coupling_bias(rule, r, i, J, ci, lane);
-      if (r == dims.iters - 1) {
+      if (c_out != nullptr && r == dims.iters - 1) {
         for (int64_t j = lane; j < J; j += kWarpSize)
           c_out[(b * I + i) * J + j] = static_cast<scalar_t>(ci[j]);
       }
@@ -226,8 +226,8 @@ __device__ __forceinline__ void finish_forward_iteration(int64_t b, int64_t r,
 
 // ---- forward ----
 
-// Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J).
-// bias (J, D) or nullptr. One block per element, every iteration.
+// Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J) unless
+// nullptr. bias (J, D) or nullptr. One block per element, every iteration.
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, routing_min_blocks<typename Source::acc_type>())
     routing_forward_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,

@@ -105,8 +105,9 @@ struct ClusterForwardLayout {
   __host__ __device__ __forceinline__ int64_t size() const { return v() + J * capsule_stride; }
 };
 
-// Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J), as the
-// other forward paths do. bias (J, D) or nullptr. Grid: whole clusters, grid-stride over elements.
+// Writes s_hist (B, iters, J, D), v_out (B, J, D) and the final coupling c_out (B, I, J) unless
+// nullptr, as the other forward paths do. bias (J, D) or nullptr. Grid: whole clusters, grid-stride
+// over elements.
 template <typename Source, typename scalar_t, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_forward_cluster_kernel(const Source src, const scalar_t* bias, const RoutingDims dims,
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
           [&](int64_t i, bool valid, const acc_t(&u)[kD]) {
             const acc_t c = route_row_forward(lanes, valid, dims, r, u, v_prev,
                                               logits_s + i * J + lanes.j, s_sum);
-            if (valid && r == R - 1)
+            if (valid && c_out != nullptr && r == R - 1)
               c_out[(b * I + rows.begin + i) * J + lanes.j] = static_cast<scalar_t>(c);
           });
       cluster_sum<kClusterBlocks>(lanes, s_sum, D, JD, warp_sums_s, block_sums_s + (r % 2) * JD,

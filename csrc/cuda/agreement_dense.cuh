@@ -80,11 +80,11 @@ void for_each_chunk_of_votes(const at::Tensor& u_acc, const at::Tensor& weight_a
 }
 
 // The forward of op: u (B, I, Din), weight (I, J, D, Din), bias (J, D) or undefined, routed for
-// `iters` passes under rule. Returns (v (B, J, D), final coupling c (B, I, J), s_hist (B, iters, J,
-// D) in the accumulation dtype).
+// `iters` passes under rule. Returns (v (B, J, D), final coupling c (B, I, J) (without `couplings`:
+// empty, not computed), s_hist (B, iters, J, D) in the accumulation dtype).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(
     const char* op, const at::Tensor& u_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
-    const RuleTensors& rule_tensors, int64_t iters, bool leaky, double eps) {
+    const RuleTensors& rule_tensors, int64_t iters, bool leaky, double eps, bool couplings) {
   check_cuda(u_in, "u");
   const c10::cuda::CUDAGuard guard(u_in.device());
   const at::Tensor u = gemm_readable(u_in);
@@ -92,7 +92,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(
   const at::Tensor bias = bias_in.defined() ? bias_in.contiguous() : at::Tensor();
   const RoutingDims dims{u.size(0), weight.size(0), weight.size(1), weight.size(2), iters, leaky};
   at::Tensor v = at::empty({dims.B, dims.J, dims.D}, u.options());
-  at::Tensor c = at::empty({dims.B, dims.I, dims.J}, u.options());
+  at::Tensor c =
+      couplings ? at::empty({dims.B, dims.I, dims.J}, u.options()) : at::empty({0}, u.options());
   at::Tensor s_hist =
       at::empty({dims.B, iters, dims.J, dims.D}, u.options().dtype(acc_dtype(u.scalar_type())));
   if (dims.B == 0) return {v, c, s_hist};
@@ -109,7 +110,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(
         [&](int64_t b0, const RoutingDims& chunk_dims, const at::Tensor&, const at::Tensor& votes) {
           const int64_t Bc = chunk_dims.B;
           at::Tensor s_chunk = s_hist.narrow(0, b0, Bc), v_chunk = v.narrow(0, b0, Bc),
-                     c_chunk = c.narrow(0, b0, Bc);
+                     c_chunk = couplings ? c.narrow(0, b0, Bc) : at::Tensor();
           const MemoryVotes<acc_t, acc_t> chunk_votes{votes.const_data_ptr<acc_t>(),
                                                       packed_rows(dims.I, dims.J * dims.D)};
           add_distinct_path(routing_paths,

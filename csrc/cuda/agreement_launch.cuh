@@ -91,10 +91,11 @@ acc_t* data_or_null(at::Tensor& t) {
 }
 
 // Allocates the workspaces and launches the forward under `rule` on the current stream (B > 0);
-// returns the routing path it ran (routing_path_name).
+// c undefined: the couplings are not written. Returns the routing path it ran (routing_path_name).
 template <typename Source, typename scalar_t>
 std::string launch_routing_forward(const Source& src, const scalar_t* bias, const RoutingDims& dims,
-                                   double eps, at::Tensor& s_hist, at::Tensor& v, at::Tensor& c,
+                                   double eps, at::Tensor& s_hist, at::Tensor& v,
+                                   const at::Tensor& c,
                                    const RoutingRule<typename Source::acc_type>& rule = {}) {
   using acc_t = typename Source::acc_type;
   const auto acc_options = s_hist.options();
@@ -117,7 +118,7 @@ std::string launch_routing_forward(const Source& src, const scalar_t* bias, cons
   run_routing_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, bias, dims,
                       static_cast<acc_t>(eps), split, ws, data_or_null<acc_t>(partial),
                       s_hist.mutable_data_ptr<acc_t>(), v.mutable_data_ptr<scalar_t>(),
-                      c.mutable_data_ptr<scalar_t>(), rule);
+                      c.defined() ? c.mutable_data_ptr<scalar_t>() : nullptr, rule);
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
   return routing_path_name(split, split.cluster_forward);

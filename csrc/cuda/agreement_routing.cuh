@@ -25,11 +25,11 @@ namespace capsroute {
 namespace cuda {
 
 // votes (B, I, J, D) routed for `iters` passes under rule, bias (J, D) (undefined: none) added to
-// every s; op names the kernel path record. Returns (v (B, J, D), final coupling c (B, I, J),
-// s_hist (B, iters, J, D) in the accumulation dtype).
+// every s; op names the kernel path record. Returns (v (B, J, D), final coupling c (B, I, J)
+// (without `couplings`: empty, not computed), s_hist (B, iters, J, D) in the accumulation dtype).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(
     const char* op, const at::Tensor& votes_in, const at::Tensor& bias_in, const RuleTensors& rule,
-    int64_t iters, bool leaky, double eps) {
+    int64_t iters, bool leaky, double eps, bool couplings) {
   check_cuda(votes_in, "votes");
   const c10::cuda::CUDAGuard guard(votes_in.device());
   const at::Tensor votes = with_contiguous_capsules(votes_in, 2);  // rows (MemoryVotes)
@@ -37,7 +37,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(
   const RoutingDims dims{votes.size(0), votes.size(1), votes.size(2), votes.size(3), iters, leaky};
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   at::Tensor v = at::empty({dims.B, dims.J, dims.D}, votes.options());
-  at::Tensor c = at::empty({dims.B, dims.I, dims.J}, votes.options());
+  at::Tensor c = couplings ? at::empty({dims.B, dims.I, dims.J}, votes.options())
+                           : at::empty({0}, votes.options());
   at::Tensor s_hist = at::empty({dims.B, iters, dims.J, dims.D}, votes.options().dtype(acc));
   if (dims.B == 0) return {v, c, s_hist};
   const AccParameters params(rule, acc);
@@ -49,7 +50,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(
         record_kernel_path(
             op, Direction::forward,
             launch_routing_forward(src, bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr,
-                                   dims, eps, s_hist, v, c, params.rule<acc_t>()));
+                                   dims, eps, s_hist, v, couplings ? c : at::Tensor(),
+                                   params.rule<acc_t>()));
       });
   return {v, c, s_hist};
 }

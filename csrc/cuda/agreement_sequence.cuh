@@ -48,7 +48,7 @@ bool is_dynamic_routing_rule(const RoutingRule<acc_t>& rule) {
 }
 
 // The forward of B > 0 elements under `rule` (the warp rows and clusters: dynamic routing's).
-// partial holds B * split.parts() * J * D values unless fused.
+// partial holds B * split.parts() * J * D values unless fused; c nullptr: no couplings written.
 template <typename Launch, typename Source, typename scalar_t>
 void run_routing_forward(const Launch& launch, const Source& src, const scalar_t* bias,
                          const RoutingDims& dims, typename Source::acc_type eps,

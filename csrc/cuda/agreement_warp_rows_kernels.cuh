@@ -239,7 +239,7 @@ __device__ __forceinline__ acc_t route_row_forward(const CapsuleLanes& lanes, bo
 }
 
 // Forward, iteration r, a warp per (b, part): route_row_forward over the part's rows (logits in
-// ws.logits, c_out at the last iteration), the part's s sums in partial.
+// ws.logits, c_out at the last iteration unless nullptr), the part's s sums in partial.
 template <typename Source, typename scalar_t, int kD>
 __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename Source::acc_type>())
     routing_forward_warp_rows_kernel(const Source src, const RoutingDims dims, const int64_t parts,
@@ -262,7 +262,8 @@ __global__ void __launch_bounds__(kBlockThreads, warp_rows_min_blocks<typename S
           const int64_t ij = (b * I + i) * J + lanes.j;
           const acc_t c =
               route_row_forward(lanes, valid, dims, r, u, v_prev, ws.logits + ij, s_sum);
-          if (valid && r == dims.iters - 1) c_out[ij] = static_cast<scalar_t>(c);
+          if (valid && c_out != nullptr && r == dims.iters - 1)
+            c_out[ij] = static_cast<scalar_t>(c);
         });
     store_part(lanes, s_sum, item, D, J * D, partial);
   });

@@ -13,9 +13,10 @@ constexpr const char* kOp = "dense_capsules";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_cuda(
     const at::Tensor& u, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps) {
+    int64_t iters, bool leaky, bool /*detach: backward only*/, double eps, bool couplings) {
   check_dense_capsules_inputs(u, weight, bias, iters, eps);
-  return route_dense(kOp, u, weight, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps);
+  return route_dense(kOp, u, weight, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps,
+                     couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_capsules_backward_cuda(

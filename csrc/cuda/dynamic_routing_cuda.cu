@@ -14,9 +14,10 @@ constexpr const char* kOp = "dynamic_routing";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_routing_cuda(
     const at::Tensor& votes, const std::optional<at::Tensor>& bias, int64_t iters, bool leaky,
-    bool /*detach: backward only*/, double eps) {
+    bool /*detach: backward only*/, double eps, bool couplings) {
   check_dynamic_routing_inputs(votes, bias, iters, eps);
-  return route_votes(kOp, votes, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps);
+  return route_votes(kOp, votes, bias.value_or(at::Tensor()), RuleTensors{}, iters, leaky, eps,
+                     couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor> dynamic_routing_backward_cuda(const at::Tensor& grad_v,

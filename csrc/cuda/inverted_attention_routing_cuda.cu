@@ -15,11 +15,11 @@ constexpr const char* kOp = "inverted_attention_routing";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_cuda(
     const at::Tensor& votes, const std::optional<at::Tensor>& norm_weight,
-    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps) {
+    const std::optional<at::Tensor>& norm_bias, int64_t iters, double eps, bool couplings) {
   check_inverted_attention_routing_inputs(votes, norm_weight, norm_bias, iters, eps);
   return route_votes(kOp, votes, at::Tensor(),
                      inverted_attention_rule_tensors(votes.size(3), norm_weight, norm_bias), iters,
-                     /*leaky=*/false, eps);
+                     /*leaky=*/false, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> inverted_attention_routing_backward_cuda(

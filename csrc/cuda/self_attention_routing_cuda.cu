@@ -17,12 +17,12 @@ constexpr const char* kOp = "self_attention_routing";
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> self_attention_routing_cuda(
     const at::Tensor& votes, const std::optional<at::Tensor>& coupling_bias,
-    std::string_view squash, double eps) {
+    std::string_view squash, double eps, bool couplings) {
   check_self_attention_routing_inputs(votes, coupling_bias, squash, eps);
   return route_votes(
       kOp, votes, at::Tensor(),
       self_attention_rule_tensors(votes.size(2), votes.size(3), coupling_bias, squash),
-      kSelfAttentionPasses, /*leaky=*/false, eps);
+      kSelfAttentionPasses, /*leaky=*/false, eps, couplings);
 }
 
 std::tuple<at::Tensor, at::Tensor> self_attention_routing_backward_cuda(

@@ -191,6 +191,14 @@ void check_kernels(const char* label, const Case& cs, const RowSplit& split, con
   compare(label, "v", v, want.v, tol);
   compare(label, "c", c, want.c, tol);
   compare(label, "s_hist", s_hist, want.s_hist, tol);
+  // Without couplings (c nullptr: dynamic_routing's couplings=False), v and s_hist bit for bit.
+  std::vector<S> v_alone = nans<S>(B * JD);
+  std::vector<A> s_hist_alone = nans<A>(B * R * JD);
+  run_routing_forward(launch, src, bias, dims, A(eps), split, fws,
+                      on_chip ? nullptr : partial.data(), s_hist_alone.data(), v_alone.data(),
+                      static_cast<S*>(nullptr));
+  compare(label, "v without couplings", v_alone, cast<double>(v), 0);
+  compare(label, "s_hist without couplings", s_hist_alone, cast<double>(s_hist), 0);
 
   // Backward, from the kernels' own s_hist.
   const int64_t first_r = cs.detach ? R - 1 : 0, nkeep = R - first_r;
