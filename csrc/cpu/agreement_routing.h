@@ -25,6 +25,10 @@ ParameterGrads<acc_t> item_data(ParameterGradItems& items) {
           ParameterGradItems::data<acc_t>(items.norm_bias)};
 }
 
+// The coupling output c (B, I, J) of the routings; without `couplings`, empty: (0,).
+at::Tensor empty_couplings(bool couplings, const RoutingDims& dims,
+                           const at::TensorOptions& options);
+
 // votes (B, I, J, D) routed for `iters` passes, bias (J, D) (undefined: none) added to every s.
 // Returns (v (B, J, D), final coupling c (B, I, J) (without `couplings`: empty, not computed),
 // s_hist (B, iters, J, D) in the accumulation dtype).

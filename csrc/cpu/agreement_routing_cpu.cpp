@@ -13,6 +13,11 @@
 namespace capsroute {
 namespace cpu {
 
+at::Tensor empty_couplings(bool couplings, const RoutingDims& dims,
+                           const at::TensorOptions& options) {
+  return couplings ? empty_output({dims.B, dims.I, dims.J}, options) : at::empty({0}, options);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& votes_in,
                                                            const at::Tensor& bias_in,
                                                            const RuleTensors& rule, int64_t iters,
@@ -25,8 +30,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_votes(const at::Tensor& vot
   const at::ScalarType acc = acc_dtype(votes.scalar_type());
   const AccParameters params(rule, acc);
   at::Tensor v = empty_output({B, dims.J, dims.D}, votes.options());
-  at::Tensor c = couplings ? empty_output({B, dims.I, dims.J}, votes.options())
-                           : at::empty({0}, votes.options());
+  at::Tensor c = empty_couplings(couplings, dims, votes.options());
   at::Tensor s_hist = empty_output({B, iters, dims.J, dims.D}, votes.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(

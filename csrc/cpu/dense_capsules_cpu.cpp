@@ -212,8 +212,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_dense(const char* op, const
   const VoteOperands ops(u_in, weight_in, acc);
   const AccParameters params(rule, acc);
   at::Tensor v = empty_output({B, dims.J, dims.D}, u_in.options());
-  at::Tensor c = couplings ? empty_output({B, dims.I, dims.J}, u_in.options())
-                           : at::empty({0}, u_in.options());
+  at::Tensor c = empty_couplings(couplings, dims, u_in.options());
   at::Tensor s_hist = empty_output({B, iters, dims.J, dims.D}, u_in.options().dtype(acc));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
