@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 
+#include "autograd.h"
 #include "common/checks.h"
 #include "common/kernel_path.h"
 #include "cpu/output_cache.h"
@@ -54,6 +55,38 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("set_cpu_cache_limit", &capsroute::cpu::set_output_cache_limit);
   m.def("empty_cpu_cache", &capsroute::cpu::empty_output_cache);
+
+  // vjp(op, inputs, options, grads, needs_grad) -> a gradient per input (None for none): the
+  // gradient with a graph, for the operators' autograd (autograd.h).
+  m.def("set_reference_vjp", [](pybind11::function vjp) {
+    // Never freed: a Python object must not be released after the interpreter has stopped.
+    auto* fn = new pybind11::function(std::move(vjp));
+    capsroute::set_reference_vjp([fn](const std::string& op, const std::vector<at::Tensor>& inputs,
+                                      const std::vector<c10::IValue>& options,
+                                      const std::vector<at::Tensor>& grads,
+                                      const std::vector<bool>& needs_grad) {
+      pybind11::gil_scoped_acquire gil;
+      pybind11::list py_options;
+      for (const c10::IValue& option : options) {
+        if (option.isBool())
+          py_options.append(option.toBool());
+        else if (option.isInt())
+          py_options.append(option.toInt());
+        else if (option.isDouble())
+          py_options.append(option.toDouble());
+        else if (option.isString())
+          py_options.append(option.toStringRef());
+        else
+          TORCH_INTERNAL_ASSERT(false, "an option of ", op, " of type ", option.tagKind());
+      }
+      // A Python error reaches the caller as itself: the engine carries it across threads.
+      auto result = (*fn)(op, inputs, py_options, grads, needs_grad)
+                        .cast<std::vector<std::optional<at::Tensor>>>();
+      std::vector<at::Tensor> vjps;
+      for (auto& g : result) vjps.push_back(g.has_value() ? std::move(*g) : at::Tensor());
+      return vjps;
+    });
+  });
 
   // checks.<op>(the schema op's arguments): what both backends check before they compute, for
   // the fakes (capsroute/_fake.py: meta and fake tensors refused as the kernels refuse them) and

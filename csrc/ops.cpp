@@ -1,17 +1,35 @@
-// Every capsroute operator schema. Backends implement them in cpu/ and cuda/; autograd and
-// fake (meta) implementations are attached in capsroute/ops/. The agreement routings on votes and
-// their dense forms take `couplings`: when false, their coupling output c is empty, (0,), and the
-// couplings are never written to memory.
+// Every capsroute operator schema, each public op defined with its autograd (autograd.cpp).
+// Backends implement them in cpu/ and cuda/; the fake (meta) implementations are attached in
+// capsroute/ops/. The agreement routings on votes and their dense forms take `couplings`: when
+// false, their coupling output c is empty, (0,), and the couplings are never written to memory.
 #include <torch/library.h>
+
+#include <string>
+
+#include "autograd.h"
+
+namespace {
+
+// Defines the op of `schema` with its Autograd kernel; its backward operator is defined apart.
+void def_differentiable(torch::Library& m, const char* schema) {
+  m.def(schema);
+  const std::string text(schema);
+  const std::string name = text.substr(0, text.find('('));
+  m.impl(name.c_str(),
+         torch::dispatch(c10::DispatchKey::Autograd, capsroute::autograd_kernel(name.c_str())));
+}
+
+}  // namespace
 
 TORCH_LIBRARY(capsroute, m) {
   // squash over the last dim.
-  m.def("squash(Tensor s, float eps) -> Tensor");
+  def_differentiable(m, "squash(Tensor s, float eps) -> Tensor");
   m.def("_squash_backward(Tensor grad_v, Tensor s, float eps) -> Tensor");
 
   // Returns (v (B, J, D), final coupling c (B, I, J), s_hist (B, iters, J, D) in the
   // accumulation dtype: s before squash at each iteration, all the backward keeps).
-  m.def(
+  def_differentiable(
+      m,
       "dynamic_routing(Tensor votes, Tensor? bias, int iters, bool leaky, bool detach, float eps,"
       " bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_bias (J, D)).
@@ -22,7 +40,8 @@ TORCH_LIBRARY(capsroute, m) {
 
   // Dynamic routing over votes_ij = weight_ij @ u_i, never materialised in device memory. Returns
   // what dynamic_routing returns.
-  m.def(
+  def_differentiable(
+      m,
       "dense_capsules(Tensor u, Tensor weight, Tensor? bias, int iters, bool leaky, bool detach, "
       "float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_bias (J, D)).
@@ -32,7 +51,8 @@ TORCH_LIBRARY(capsroute, m) {
 
   // EM routing (matrix capsules). Returns (pose (B, J, H), a_out (B, J), stats (B, iters, J, 2H+1)
   // in the accumulation dtype: per iteration the M-step's mean, variance and activation logit).
-  m.def(
+  def_differentiable(
+      m,
       "em_routing(Tensor votes, Tensor a_in, Tensor beta_u, Tensor beta_a, int iters, float "
       "final_lambda,"
       " float eps) -> (Tensor, Tensor, Tensor)");
@@ -45,7 +65,8 @@ TORCH_LIBRARY(capsroute, m) {
 
   // EM routing over votes_ij = pose_i @ weight_ij (4x4 matrices), never materialised in memory:
   // pose (B, I, 4, 4), weight (I, J, 4, 4). Returns what em_routing returns (H = 16).
-  m.def(
+  def_differentiable(
+      m,
       "em_routing_pose(Tensor pose, Tensor weight, Tensor a_in, Tensor beta_u, Tensor beta_a, int "
       "iters,"
       " float final_lambda, float eps) -> (Tensor, Tensor, Tensor)");
@@ -61,7 +82,8 @@ TORCH_LIBRARY(capsroute, m) {
   // weight (K, K, C_in, C_out, 4, 4). Returns (pose (B, H', W', C_out, 16), a_out (B, H', W',
   // C_out), stats (B, H', W', iters, C_out, 33) in the accumulation dtype, em_routing's per
   // window).
-  m.def(
+  def_differentiable(
+      m,
       "conv_em_routing(Tensor pose, Tensor a_in, Tensor weight, Tensor beta_u, Tensor beta_a, int "
       "iters,"
       " int stride, int padding, float final_lambda, float eps) -> (Tensor, Tensor, Tensor)");
@@ -76,7 +98,8 @@ TORCH_LIBRARY(capsroute, m) {
   // are computed a chunk of positions at a time, never for the whole batch. Returns (v (B, H', W',
   // C_out, D), final coupling c (B, H', W', C_in, C_out), s_hist (B, H', W', iters, C_out, D) in
   // the accumulation dtype).
-  m.def(
+  def_differentiable(
+      m,
       "conv_dynamic_routing(Tensor u, Tensor weight, Tensor? bias, int iters, int stride,"
       " int padding, bool leaky, bool detach, float eps) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_bias (C_out, D)).
@@ -87,7 +110,8 @@ TORCH_LIBRARY(capsroute, m) {
   // Efficient-CapsNet's self-attention routing: a uniformly coupled pass, then couplings
   // softmax_j(<u_ij, sum_k u_kj> / sqrt(D)) + coupling_bias (I, J); squash "efficient" or "sabour".
   // Returns (v (B, J, D), coupling c (B, I, J), s_hist (B, 2, J, D) in the accumulation dtype).
-  m.def(
+  def_differentiable(
+      m,
       "self_attention_routing(Tensor votes, Tensor? coupling_bias, str squash, float eps,"
       " bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_coupling_bias (I, J)).
@@ -99,7 +123,8 @@ TORCH_LIBRARY(capsroute, m) {
   // softmax_j(<u_ij, v_j> / sqrt(D)) of the previous pass's v; v = LayerNorm(s) with optional
   // affine norm_weight, norm_bias (D,). Returns (v (B, J, D), final coupling c (B, I, J), s_hist
   // (B, iters, J, D) in the accumulation dtype).
-  m.def(
+  def_differentiable(
+      m,
       "inverted_attention_routing(Tensor votes, Tensor? norm_weight, Tensor? norm_bias, int iters,"
       " float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_votes, grad_norm_weight (D,), grad_norm_bias (D,)).
@@ -109,7 +134,8 @@ TORCH_LIBRARY(capsroute, m) {
 
   // self_attention_routing over votes_ij = weight_ij @ u_i, computed on the fly as dense_capsules
   // computes them: u (B, I, Din), weight (I, J, D, Din). Returns what self_attention_routing does.
-  m.def(
+  def_differentiable(
+      m,
       "dense_self_attention_routing(Tensor u, Tensor weight, Tensor? coupling_bias, str squash,"
       " float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_coupling_bias (I, J)).
@@ -119,7 +145,8 @@ TORCH_LIBRARY(capsroute, m) {
 
   // inverted_attention_routing over votes_ij = weight_ij @ u_i, computed on the fly. Returns what
   // inverted_attention_routing does.
-  m.def(
+  def_differentiable(
+      m,
       "dense_inverted_attention_routing(Tensor u, Tensor weight, Tensor? norm_weight,"
       " Tensor? norm_bias, int iters, float eps, bool couplings=True) -> (Tensor, Tensor, Tensor)");
   // Returns (grad_u, grad_weight, grad_norm_weight (D,), grad_norm_bias (D,)).

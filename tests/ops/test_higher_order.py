@@ -174,3 +174,29 @@ def test_transforms_under_autocast():
     assert eager.dtype == mapped.dtype == torch.bfloat16
     assert_rel_close(mapped.float(), eager.float(), 2e-2, "vmap under autocast")
     assert grad_a.dtype == torch.float32 and torch.isfinite(grad_a).all()
+
+
+def test_a_tensor_in_two_inputs_gets_both_gradients_once():
+    """em_routing(votes, a_in, beta, beta): with a graph or without, beta's gradient is the sum of
+    its two inputs' gradients (each counted once)."""
+    pose, a_in = randn(2, 5, 3, 4, requires_grad=True), torch.rand(2, 5, dtype=torch.float64)
+    beta = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    fused = torch.autograd.grad(capsroute.em_routing(pose, a_in, beta, beta)[1].sum(), beta)[0]
+    graphed = torch.autograd.grad(
+        capsroute.em_routing(pose, a_in, beta, beta)[1].sum(), beta, create_graph=True
+    )[0]
+    assert graphed.requires_grad
+    assert_rel_close(graphed, fused, TOL, "beta's gradient with a graph")
+
+
+def test_an_error_of_the_reference_keeps_its_type(monkeypatch):
+    """A Python error raised while differentiating the reference reaches the caller as itself."""
+    from capsroute.ops import _autograd
+
+    def broken(*args):
+        raise ValueError("the reference failed")
+
+    monkeypatch.setitem(_autograd.REFERENCES, "squash", broken)
+    s = randn(2, 3, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="the reference failed"):
+        torch.autograd.grad(capsroute.squash(s).sum(), s, create_graph=True)

@@ -135,6 +135,27 @@ def test_torch_compile_fullgraph(spec, device):
         assert_rel_close(a, e, tol, name)
 
 
+@pytest.mark.parametrize("name", ["squash", "dynamic_routing", "em_routing"])
+def test_compiled_autograd(name):
+    """The backward traced by compiled autograd (torch._dynamo's): one op with one output, one with
+    couplings and state beside its output, one with two differentiable outputs."""
+    from torch._dynamo import compiled_autograd
+
+    spec = next(s for s in OP_DB if s.name == name)
+    shape, options = spec.opcheck[0]
+    sample = spec.draw(shape, "cpu", torch.float32, **options)
+
+    def grads():
+        out = spec.outputs(spec.fn, sample)[: spec.grad_outputs]
+        return torch.autograd.grad(sum(o.square().sum() for o in out), sample.inputs())
+
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        traced = grads()
+    for input_name, a, e in zip(spec.input_names, traced, grads()):
+        assert_rel_close(a, e, spec.tolerance(torch.float32), input_name)
+
+
 @per_op
 def test_non_contiguous(spec, device):
     sample = spec.draw(spec.shapes[torch.float64][0], device, torch.float64)
