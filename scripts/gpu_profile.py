@@ -24,7 +24,14 @@ from capsroute.bench.model_bench import (
     make_model_inputs,
     train_step,
 )
-from capsroute.bench.timing import clear_grads, fwd_bwd_step, synchronize, time_samples
+from capsroute.bench.timing import (
+    clear_grads,
+    fwd_bwd_step,
+    gpu_activities,
+    gpu_ms,
+    synchronize,
+    time_samples,
+)
 
 # (op, shape, B), shape None for a model's training step: the missed targets of the H100 records,
 # and dynamic_routing at B = 32, whose warp-row and cluster paths took the same 0.43 ms (a floor
@@ -86,9 +93,8 @@ def profile_case(op, shape, B, device, steps, rows) -> tuple[str, str]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         run_steps(steps)
-    # what ran on the GPU: kernels, copies and fills
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_ms = sum(e.device_time_total for e in kernels) / 1e3 / steps
+    kernels = gpu_activities(prof)
+    kernel_ms = gpu_ms(kernels, steps)
     paths = {
         name: "/".join(capsroute.last_kernel_path(name, d) for d in ("forward", "backward"))
         for name in path_ops

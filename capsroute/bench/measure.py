@@ -15,7 +15,15 @@ import capsroute
 
 from ..ops import OPS
 from .cases import IMPLS, Case
-from .timing import available_bytes, free_memory, is_oom, peak_memory_mb, synchronize, time_samples
+from .timing import (
+    available_bytes,
+    free_memory,
+    gpu_busy_ms,
+    is_oom,
+    peak_memory_mb,
+    synchronize,
+    time_samples,
+)
 
 SAMPLE = 1 << 20  # elements of a tensor kept to check impls against eager
 MAX_BATCH_CAP = 2**15  # --max-batch without a value
@@ -127,8 +135,9 @@ def time_steps(
     repeats: int,
     max_seconds: float,
 ) -> None:
-    """Median and min times of fwd() and of fwd_bwd(), the peak memory of fwd_bwd(), and the kernel
-    paths the timed calls of capsroute's ops ran (kernel_paths, where any ran), into rec."""
+    """Median and min times of fwd() and of fwd_bwd(), the peak memory of fwd_bwd(), on CUDA the
+    GPU's busy time in fwd_bwd() and the rest of its time (the host's), and the kernel paths the
+    timed calls of capsroute's ops ran (kernel_paths, where any ran), into rec."""
     capsroute.clear_kernel_paths()
     ft = time_samples(fwd, device, repeats=repeats, max_seconds=max_seconds)
     rec["fwd_ms"] = statistics.median(ft)
@@ -141,6 +150,9 @@ def time_steps(
     rec["fwd_bwd_ms_min"] = min(bt)
     rec["repeats"] = [len(ft), len(bt)]
     rec["peak_mb"] = peak_memory_mb(fwd_bwd, device, before)
+    if device.type == "cuda":
+        rec["gpu_busy_ms"] = gpu_busy_ms(fwd_bwd, device, before)
+        rec["host_overhead_ms"] = rec["fwd_bwd_ms"] - rec["gpu_busy_ms"]
     paths = kernel_paths_ran()
     if paths:
         rec["kernel_paths"] = paths

@@ -47,12 +47,14 @@ def format_table(report: dict) -> str:
     """One row per op / shape / B / impl. 'vs caps' columns: this impl's time or memory / capsroute's.
     Runs with model ops add an img/s column (images per second of a training step), runs with
     --max-batch a max B column ('+': every batch up to the cap fitted) and, for conv ops, a max side
-    column (the largest square input side at B = 1). Where a CUDA kernel path ran, a line per
+    column (the largest square input side at B = 1), CUDA runs a host ms column (the forward+backward
+    time the GPU was not busy). Where a CUDA kernel path ran, a line per
     capsroute row says which (forward / backward), after the table."""
     results = report["results"]
     models = any(r["op"] in MODEL_OPS for r in results)
     max_batch = any("max_batch" in r for r in results)
     max_side = any("max_side" in r for r in results)
+    host = any("host_overhead_ms" in r for r in results)
     head = [
         "op",
         "shape",
@@ -69,7 +71,9 @@ def format_table(report: dict) -> str:
         "compile s",
         "rel err",
     ]
-    head += ["img/s"] * models + ["max B"] * max_batch + ["max side"] * max_side
+    head += (
+        ["img/s"] * models + ["max B"] * max_batch + ["max side"] * max_side + ["host ms"] * host
+    )
     rows = []
     for r in report["results"]:
         s = r["shape"]
@@ -102,6 +106,8 @@ def format_table(report: dict) -> str:
             row.append(_fmt_max_batch(r))
         if max_side:
             row.append(_fmt_max_side(r))
+        if host:
+            row.append(_fmt_ms(r.get("host_overhead_ms")))
         rows.append(row)
     # skipped rows (4 cells + the reason) size only the first 4 columns
     widths = [

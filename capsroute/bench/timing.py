@@ -1,6 +1,7 @@
 """How a step is timed and its memory measured: the forward and forward+backward steps, the timer
-(CUDA events or perf_counter), the peak memory of one call (CUDA allocator statistics, or on the CPU
-a replay of the profiler's allocation events), and the out-of-memory helpers."""
+(CUDA events or perf_counter), the GPU's busy time in a step (the profiler's kernels), the peak
+memory of one call (CUDA allocator statistics, or on the CPU a replay of the profiler's allocation
+events), and the out-of-memory helpers."""
 
 from __future__ import annotations
 
@@ -137,6 +138,35 @@ def cpu_peak_bytes(step: Callable) -> int:
         live += n.extra_fields.alloc_size
         peak = max(peak, live)
     return peak
+
+
+def gpu_activities(prof) -> list:
+    """What a torch.profiler run put on the GPU: its kernels, copies and fills."""
+    from torch.autograd import DeviceType
+
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def gpu_ms(activities: list, calls: int) -> float:
+    """The GPU's busy time per call (ms) of `calls` profiled calls (one stream: none overlap)."""
+    return sum(e.device_time_total for e in activities) / 1e3 / calls
+
+
+def gpu_busy_ms(
+    step: Callable, device: torch.device, before: Callable | None = None, calls: int = 10
+):
+    """The GPU's busy time per step() (ms), profiled over `calls` calls. A step's time less this is
+    the time the GPU waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            if before is not None:
+                before()
+            step()
+        synchronize(device)
+    return gpu_ms(gpu_activities(prof), calls)
 
 
 def peak_memory_mb(step: Callable, device: torch.device, before: Callable | None = None) -> float:

@@ -372,6 +372,17 @@ def test_model_max_batch(monkeypatch):
     assert (found["max_batch"], found["capped"]) == (2, True)
 
 
+# What format_table reads of a run besides its results.
+FAKE_RUN = {
+    "device": "fake",
+    "torch": "x",
+    "commit": "0" * 40,
+    "dtype": "float32",
+    "iters": 3,
+    "threads": 1,
+}
+
+
 def test_max_batch_in_report_and_table(monkeypatch):
     monkeypatch.setattr(
         bench.runner,
@@ -385,12 +396,7 @@ def test_max_batch_in_report_and_table(monkeypatch):
         },
     )
     report = {
-        "device": "fake",
-        "torch": "x",
-        "commit": "0" * 40,
-        "dtype": "float32",
-        "iters": 3,
-        "threads": 1,
+        **FAKE_RUN,
         "bandwidth_gbs": None,
         "results": [
             {
@@ -428,6 +434,25 @@ def test_max_batch_in_report_and_table(monkeypatch):
     table = bench.format_table(report).splitlines()
     assert table[2].endswith("img/s  max B")
     assert [line.split()[-1] for line in table[4:]] == ["4096", "512", "none"] * 2
+
+
+def test_cuda_rows_print_the_host_overhead():
+    """A CUDA run's table has a host ms column: the forward+backward time the GPU was not busy."""
+    row = {
+        "op": "dynamic_routing",
+        "shape": {"B": 32, "I": 1152, "J": 10, "D": 16},
+        "shape_name": "mnist",
+        "impl": "capsroute",
+        "fwd_ms": 0.2,
+        "fwd_bwd_ms": 0.43,
+        "peak_mb": 30.0,
+        "floor_ms": 0.02,
+    }
+    report = {**FAKE_RUN, "results": [row]}
+    assert "host ms" not in bench.format_table(report)
+    row.update(gpu_busy_ms=0.18, host_overhead_ms=0.25)
+    table = bench.format_table(report).splitlines()
+    assert table[1].endswith("host ms") and table[3].endswith("0.250")
 
 
 def test_train_takes_efficientcapsnet(capsys):
