@@ -142,6 +142,16 @@ def cpu_machine(cpu_arch: str) -> dict:
     }
 
 
+def precision_modes() -> dict:
+    """The float32 modes torch's own kernels run in, which a record names: the matmul precision
+    ("highest": no TF32) and whether cuDNN's convolutions and cuBLAS's matmuls may use TF32."""
+    return {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+    }
+
+
 def describe_cpu(machine: dict) -> str:
     """cpu_machine's dict in a line: "AMD EPYC (family 25 model 1, AVX2), built for x86-64-v3
     (256-bit vectors), L2 1024K, L3 32768K, 2 cores"."""

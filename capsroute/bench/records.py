@@ -102,7 +102,7 @@ def device_heading(rec: dict) -> str:
 
 def provenance(rec: dict) -> str:
     """Commit, date, command; threads, load average, copy bandwidth, what differs from float32 and
-    3 iterations, torch."""
+    3 iterations, on a GPU the float32 modes of torch's kernels (TF32), torch."""
     head = f"commit `{_short(rec.get('commit'))}`, {rec.get('date') or '-'}"
     head += f"; `{rec['command']}`" if rec.get("command") else ""
     run = [_threads(rec["threads"])] if rec.get("threads") else []
@@ -118,6 +118,11 @@ def provenance(rec: dict) -> str:
         run.append(dtype)
     if (iters := rec.get("iters", 3)) not in (3, None):
         run.append(f"{iters} iterations")
+    if rec.get("device") != "cpu":
+        if rec.get("float32_matmul_precision") not in (None, "highest"):
+            run.append(f"float32 matmuls at precision {rec['float32_matmul_precision']}")
+        if rec.get("cudnn_allow_tf32"):
+            run.append("TF32 convolutions")
     cuda = f", CUDA {rec['cuda']}" if rec.get("device") != "cpu" and rec.get("cuda") else ""
     return f"{head}; " + ", ".join(run + [f"torch {rec.get('torch') or '-'}{cuda}"]) + "."
 

@@ -13,7 +13,15 @@ import torch
 
 import capsroute
 
-from .._utils.runinfo import command_line, cpu_machine, device_name, dtype_name, git_commit, loadavg
+from .._utils.runinfo import (
+    command_line,
+    cpu_machine,
+    device_name,
+    dtype_name,
+    git_commit,
+    loadavg,
+    precision_modes,
+)
 from .cases import CONV_OPS, IMPLS, MODEL_OPS, Case, impls_for, unavailable_impls
 from .floor import measure_bandwidth, measure_peak_tflops
 from .measure import failure_reason
@@ -79,7 +87,7 @@ def run_benchmarks(
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("CAPSROUTE_")},
         "bandwidth_gbs": bandwidth,
         "peak_tflops": peak,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        **precision_modes(),
         "repeats": repeats,
         "warmup": warmup,
         "max_seconds": max_seconds,

@@ -107,6 +107,9 @@ def test_resume_finishes_the_run(tmp_path):
     assert result["capsroute"] == capsroute.__version__
     # the machine: what a CPU record's speed depends on
     assert result["cpu"] == cpu_model() and result["threads"] == torch.get_num_threads()
+    # and the float32 modes of torch's kernels (TF32 convolutions on a GPU)
+    assert result["cudnn_allow_tf32"] == torch.backends.cudnn.allow_tf32
+    assert result["float32_matmul_precision"] == torch.get_float32_matmul_precision()
 
 
 def test_validation_part(tmp_path):
