@@ -35,6 +35,7 @@ from ..datasets.multimnist import SIZE, MultiMNIST, class_masks
 from ..models import DecoderCapsNet, SegCapsNet
 from .args import load_checkpoint
 from .model_config import model_for_run
+from .robustness import seed_interval
 from .tasks import source_dataset, task_class
 
 PERTURBATIONS = torch.linspace(-0.25, 0.25, 11)
@@ -254,10 +255,20 @@ def plot_affine_samples(
     return fig
 
 
+def _model_label(model: str, records: list[dict]) -> str:
+    """ "capsnet: 79.1 +- 0.5% (3 runs)": the model's affine-set accuracy over its runs."""
+    accuracies = [100 * r["eval_accuracy"] for r in records if r["model"] == model]
+    if len(accuracies) == 1:
+        return f"{model}: {accuracies[0]:.1f}% (1 run)"
+    mean, half = seed_interval(accuracies)
+    return f"{model}: {mean:.1f} +- {half:.1f}% ({len(accuracies)} runs)"
+
+
 def plot_robustness(records: list[dict], path: Path | None = None) -> Figure:
     """Accuracy on an affine set against the size of each kind of transformation (the records'
     "bins": rotation, shear, scale x and y, translation), one line per model: the mean over its
-    records (training seeds), shaded between their lowest and highest. Saved to `path` where given.
+    records (training seeds), shaded between their lowest and highest, labelled with the model's
+    accuracy on the whole set and its 95% interval over the seeds. Saved to `path` where given.
 
     Args:
         records: robustness records (capsroute.train.robustness.evaluate_robustness) with bins,
@@ -283,7 +294,7 @@ def plot_robustness(records: list[dict], path: Path | None = None) -> Figure:
             )
             seen = ~np.isnan(acc).all(0)  # bins with no sample in any record are left out
             centres, acc = centres[seen], acc[:, seen]
-            (line,) = ax.plot(centres, np.nanmean(acc, 0), "o-", label=f"{model} ({len(mine)})")
+            (line,) = ax.plot(centres, np.nanmean(acc, 0), "o-", label=_model_label(model, records))
             if len(mine) > 1:
                 low, high = np.nanmin(acc, 0), np.nanmax(acc, 0)
                 ax.fill_between(centres, low, high, alpha=0.2, color=line.get_color())

@@ -203,11 +203,23 @@ def test_the_robustness_figure(tmp_path):
             "generated": True,
             "eval_seed": 0,
             "bins": robustness.transformation_bins(params, g.random(200) < 0.8),
+            "eval_accuracy": accuracy,
         }
-        for model in ("capsnet", "capsnet", "cnn")
+        for model, accuracy in (("capsnet", 0.78), ("capsnet", 0.80), ("cnn", 0.66))
     ]
     fig = plot_robustness(records, tmp_path / "robustness.png")
     assert (tmp_path / "robustness.png").stat().st_size > 1000
     assert len(fig.axes) == len(robustness.BINS)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert labels == ["capsnet (2)", "cnn (1)"]
+    # capsnet: mean 79%, sd 1.414 points, t(1) = 12.706: half-width 12.706 x 1.414 / sqrt(2) = 12.7
+    assert labels == ["capsnet: 79.0 +- 12.7% (2 runs)", "cnn: 66.0% (1 run)"]
+
+
+def test_the_interval_over_seeds():
+    """The mean of 3 runs and its 95% half-width: t(2) = 4.303 times the standard error."""
+    mean, half = robustness.seed_interval([0.930, 0.907, 0.92])
+    assert mean == pytest.approx(0.919)
+    sd = np.std([0.930, 0.907, 0.92], ddof=1)
+    assert half == pytest.approx(4.303 * sd / np.sqrt(3))
+    with pytest.raises(ValueError, match="an interval needs 2 runs or more, got 1"):
+        robustness.seed_interval([0.9])
