@@ -115,10 +115,12 @@ struct RoutingFunction : torch::autograd::Function<RoutingFunction> {
     ctx->save_for_backward(saved);
     if (op.num_outputs > 1) {
       // The couplings and the state get no gradient (the kernel hands them on detached), and an
-      // output given none gets no zeros here: the backward makes those it needs.
+      // output given none gets no zeros here: the backward makes those it needs, which only an
+      // op with two differentiable outputs or more can miss.
       ctx->set_materialize_grads(false);
-      for (size_t k = 0; k < op.num_differentiable; ++k)
-        ctx->saved_data["sizes" + std::to_string(k)] = outputs[k].sym_sizes();
+      if (op.num_differentiable > 1)
+        for (size_t k = 0; k < op.num_differentiable; ++k)
+          ctx->saved_data["sizes" + std::to_string(k)] = outputs[k].sym_sizes();
     }
     return outputs;
   }
