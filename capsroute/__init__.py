@@ -49,8 +49,8 @@ def last_kernel_path(op: str, direction: str = "forward") -> str:
     """The kernel path that the last call of `op` ran in `direction` ("forward" or "backward") in
     this process, as the dispatch decided at run time, fallbacks included: "cpu" on the CPU; on CUDA
     "cuda" (squash), "v2-warp-rows", "v2-cluster", "v2-block" (dynamic_routing),
-    "dense-v2-gemm+<routing paths of its chunks, comma-separated>" (the dense_ ops), "em-row-ranges"
-    (the EM ops), "conv-em-parent-child" (conv_em_routing), "conv-gemm+<routing paths>"
+    "dense-v2-gemm+<routing paths of its chunks, comma-separated>" (the dense_ ops), "em-column-lanes"
+    or "em-row-ranges" (the EM ops), "conv-em-parent-child" (conv_em_routing), "conv-gemm+<routing paths>"
     (conv_dynamic_routing); docs/kernels.md says which runs when. "" if
     the op has not run in that direction since clear_kernel_paths()."""
     if op not in OPS:

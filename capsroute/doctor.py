@@ -44,6 +44,7 @@ SWITCHES = (
     "CAPSROUTE_ROUTING_SPLITS",
     "CAPSROUTE_ROUTING_CLUSTER",
     "CAPSROUTE_EM_SPLITS",
+    "CAPSROUTE_EM_LANES",
     "CAPSROUTE_DENSE_CHUNK",
     "CAPSROUTE_EM_POSE_BACKWARD_CHUNK",
     "CAPSROUTE_CONV_CHUNK",
@@ -114,9 +115,17 @@ def kernel_paths(check: OpCheck, device: torch.device) -> list[KernelPath]:
         paths[-1] = KernelPath("auto chunk=7", {"CAPSROUTE_CONV_CHUNK": "7"})
         return paths
     return [
-        KernelPath("splits=3", {"CAPSROUTE_EM_SPLITS": "3"}, lambda shape: "em-row-ranges"),
+        KernelPath("splits=3", {"CAPSROUTE_EM_SPLITS": "3"}, _em_path),
+        KernelPath("capsule lanes", {"CAPSROUTE_EM_LANES": "capsule"}, lambda s: "em-row-ranges"),
         KernelPath("auto", {}),
     ]
+
+
+def _em_path(shape) -> str:
+    """The EM ops' path: a warp lane per (j, h) entry where the capsule size H divides 32
+    (em_routing's shape (B, I, J, H); em_routing_pose's 4 x 4 poses are 16), else per capsule."""
+    H = shape[3] if len(shape) > 3 else 16
+    return "em-column-lanes" if 32 % H == 0 else "em-row-ranges"
 
 
 @contextlib.contextmanager

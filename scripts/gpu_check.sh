@@ -75,6 +75,8 @@ for stage in "${stages[@]}"; do
       rc=0
       bench --op dynamic dense --layout contiguous einsum || rc=1
       bench --op em em-pose || rc=1
+      # The EM rows a lane per capsule too, until one of the two lane layouts is timed the faster.
+      CAPSROUTE_EM_LANES=capsule bench --op em em-pose || rc=1
       bench --op conv-em conv-dynamic || rc=1
       bench --op self-attention inverted-attention dense-self-attention dense-inverted-attention || rc=1
       bench --op capsnet matrixcapsnet || rc=1

@@ -142,31 +142,39 @@ def check_routing():
         os.environ.pop(name, None)
 
 
-# The EM kernels' row ranges: as many as the dispatch picks, on every storage dtype, and 3
-# (CAPSROUTE_EM_SPLITS; more ranges than rows at I = 1) on float32 and float16.
-EM_SPLITS = [
-    (splits, dtype)
-    for splits, dtypes in [
-        (None, [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
-        ("3", [torch.float32, torch.float16]),
+# The EM kernels' switches: as the dispatch picks (row ranges, and a warp lane per (j, h) entry where
+# H divides 32) on every storage dtype; 3 row ranges (CAPSROUTE_EM_SPLITS; more ranges than rows at
+# I = 1) on float32 and float16; and those with a lane per capsule (CAPSROUTE_EM_LANES) on float32.
+EM_SWITCHES = ("CAPSROUTE_EM_SPLITS", "CAPSROUTE_EM_LANES")
+EM_RUNS = [
+    (switches, dtype)
+    for switches, dtypes in [
+        ({}, [torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+        ({"CAPSROUTE_EM_SPLITS": "3"}, [torch.float32, torch.float16]),
     ]
     for dtype in dtypes
 ]
+# Drawn after the others, which keep their inputs whether or not these run.
+EM_CAPSULE_LANES = [({"CAPSROUTE_EM_SPLITS": "3", "CAPSROUTE_EM_LANES": "capsule"}, torch.float32)]
 
 
-def use_em_splits(splits):
-    if splits is None:
-        os.environ.pop("CAPSROUTE_EM_SPLITS", None)
-    else:
-        os.environ["CAPSROUTE_EM_SPLITS"] = splits
+def use_em_switches(switches):
+    for name in EM_SWITCHES:
+        os.environ.pop(name, None)
+    os.environ.update(switches)
 
 
 def check_em():
+    check_em_runs(EM_RUNS)
+    check_em_runs(EM_CAPSULE_LANES)
+
+
+def check_em_runs(runs):
     # EM routing: gradients of (pose, a_out) w.r.t. votes, a_in and both betas.
-    for (splits, dtype), (B, I, J, H), iters in itertools.product(
-        EM_SPLITS, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
+    for (switches, dtype), (B, I, J, H), iters in itertools.product(
+        runs, [(3, 37, 7, 16), (2, 9, 32, 16), (1, 1, 1, 4), (4, 70, 10, 5)], [1, 3]
     ):
-        use_em_splits(splits)
+        use_em_switches(switches)
         votes, a_in, *betas = sample("em_routing", (B, I, J, H))
         a_in[:, ::4] = 0  # inputs without mass take the guarded paths
         grads = torch.randn(B, J, H, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
@@ -175,15 +183,15 @@ def check_em():
             return capsroute.em_routing(*xs, iters, final_lambda=0.5)
 
         inputs = (votes, a_in, *betas)
-        label = f"splits={splits} {dtype} B={B} I={I} J={J} H={H} iters={iters}"
+        label = f"{switches} {dtype} B={B} I={I} J={J} H={H} iters={iters}"
         check_op("em_routing", label, em, inputs, grads, dtype)
 
     # EM routing over votes pose_i @ weight_ij: gradients w.r.t. pose, weight, a_in and both betas. The
     # backward runs the batch in chunks: the default (one chunk at these sizes) and chunks of 2 elements.
-    for (splits, dtype), (B, I, J), iters, chunk in itertools.product(
-        EM_SPLITS, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
+    for (switches, dtype), (B, I, J), iters, chunk in itertools.product(
+        runs, [(3, 37, 7), (2, 9, 32), (1, 1, 1), (5, 70, 10)], [1, 3], [None, "2"]
     ):
-        use_em_splits(splits)
+        use_em_switches(switches)
         pose, weight, a_in, *betas = sample("em_routing_pose", (B, I, J))
         a_in[:, ::4] = 0  # inputs without mass take the guarded paths
         grads = torch.randn(B, J, 16, dtype=torch.float64), torch.randn(B, J, dtype=torch.float64)
@@ -196,9 +204,9 @@ def check_em():
         else:
             os.environ["CAPSROUTE_EM_POSE_BACKWARD_CHUNK"] = chunk
         inputs = (pose, weight, a_in, *betas)
-        label = f"splits={splits} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}"
+        label = f"{switches} {dtype} B={B} I={I} J={J} iters={iters} chunk={chunk}"
         check_op("em_routing_pose", label, em_pose, inputs, grads, dtype)
-    for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", "CAPSROUTE_EM_SPLITS"):
+    for name in ("CAPSROUTE_EM_POSE_BACKWARD_CHUNK", *EM_SWITCHES):
         os.environ.pop(name, None)
 
 
@@ -340,7 +348,7 @@ SECTIONS = {
             "dense-v2-gemm+v2-block",
         },
     ),
-    "em": (check_em, {"em-row-ranges"}),
+    "em": (check_em, {"em-row-ranges", "em-column-lanes"}),
     "conv": (check_conv, {"conv-em-parent-child", "conv-gemm+v2-warp-rows", "conv-gemm+v2-block"}),
     "attention": (check_attention, {"v2-block", "dense-v2-gemm+v2-block"}),
 }

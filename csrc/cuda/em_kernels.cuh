@@ -40,6 +40,27 @@ namespace cuda {
 
 // ---- device helpers ----
 
+// How a warp covers an input row in the rows kernels ("warp per row" above):
+//   capsule  lane l takes capsules j = l, l + 32, ... and loops over their H values: any H, but
+//            each warp instruction gathers 32 values H apart (16 lines for H = 16 in float);
+//   column   lane l takes the row's entries jh = l, l + 32, ..., so capsule j has H consecutive
+//            lanes and a warp instruction reads 32 consecutive values; sums over h are xor
+//            shuffles within groups of H lanes. Only where H divides the warp size.
+enum class EmLanes { capsule, column };
+
+__host__ __device__ __forceinline__ bool em_column_lanes_fit(int64_t H) {
+  return H >= 1 && H <= kWarpSize && kWarpSize % H == 0;
+}
+
+// Sum over aligned groups of `group` lanes (a power of two <= 32): every lane of a group gets
+// its group's sum, bitwise the same (as warp_sum). All 32 lanes must call it together.
+template <typename T>
+__device__ __forceinline__ T lane_group_sum(T x, int group) {
+  for (int offset = group >> 1; offset > 0; offset >>= 1)
+    x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
 // The part of ln a_j + ln p_ij that does not depend on i:
 // ln sigmoid(logit_j) - sum_h (ln var_jh / 2 + ln(2 pi) / 2).
 template <typename acc_t>
@@ -50,24 +71,43 @@ __device__ __forceinline__ acc_t em_e_step_norm(acc_t logit, const acc_t* var_j,
 }
 
 // E-step of one input row: R_ij = softmax_j(norm_j - sum_h (V_ijh - mu_jh)^2 / (2 var_jh)), in
-// the log domain. Called by a whole warp; lane l writes Ri[j] for j = l, l + 32, ... only.
+// the log domain. Called by a whole warp; writes Ri[j] from its lane of capsule j only.
 template <typename Source>
-__device__ __forceinline__ void warp_em_e_step_row(const Source& src, int64_t b, int64_t i,
-                                                   int64_t J, int64_t H,
+__device__ __forceinline__ void warp_em_e_step_row(EmLanes lanes, const Source& src, int64_t b,
+                                                   int64_t i, int64_t J, int64_t H,
                                                    const typename Source::acc_type* mu,
                                                    const typename Source::acc_type* var,
                                                    const typename Source::acc_type* norm,
                                                    typename Source::acc_type* Ri, int lane) {
   using acc_t = typename Source::acc_type;
   acc_t max_log = neg_infinity(acc_t(0));
-  for (int64_t j = lane; j < J; j += kWarpSize) {
-    acc_t log_p = norm[j];
-    for (int64_t h = 0; h < H; ++h) {
-      const acc_t diff = src(b, i, j * H + h) - mu[j * H + h];
-      log_p -= diff * diff / (acc_t(2) * var[j * H + h]);
+  if (lanes == EmLanes::column) {
+    const int64_t JH = J * H;
+    for (int64_t base = 0; base < JH; base += kWarpSize) {
+      const int64_t jh = base + lane, j = jh / H;
+      acc_t sq = 0;
+      if (jh < JH) {
+        const acc_t diff = src(b, i, jh) - mu[jh];
+        sq = diff * diff / (acc_t(2) * var[jh]);
+      }
+      sq = lane_group_sum(sq, static_cast<int>(H));
+      if (jh < JH) {
+        const acc_t log_p = norm[j] - sq;
+        if (jh == j * H) Ri[j] = log_p;
+        max_log = log_p > max_log ? log_p : max_log;
+      }
     }
-    Ri[j] = log_p;
-    max_log = log_p > max_log ? log_p : max_log;
+    __syncwarp();  // Ri written by the capsules' first lanes, read below by lane j % 32
+  } else {
+    for (int64_t j = lane; j < J; j += kWarpSize) {
+      acc_t log_p = norm[j];
+      for (int64_t h = 0; h < H; ++h) {
+        const acc_t diff = src(b, i, j * H + h) - mu[j * H + h];
+        log_p -= diff * diff / (acc_t(2) * var[j * H + h]);
+      }
+      Ri[j] = log_p;
+      max_log = log_p > max_log ? log_p : max_log;
+    }
   }
   max_log = warp_max(max_log);
   acc_t denom = 0;
@@ -171,7 +211,7 @@ struct EmForwardWorkspace {
 template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
     em_mean_rows_kernel(const Source src, const scalar_t* a_in, const EmDims dims, int64_t splits,
-                        int64_t t, const typename Source::acc_type* stats,
+                        EmLanes lanes, int64_t t, const typename Source::acc_type* stats,
                         const EmForwardWorkspace<typename Source::acc_type> ws) {
   using acc_t = typename Source::acc_type;
   const int64_t I = dims.I, J = dims.J, H = dims.H, JH = J * H, block = dims.stats_block();
@@ -187,7 +227,7 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     } else {
       const acc_t* mu = stats + (b * dims.iters + t - 1) * block;
       for (int64_t i = i0 + warp; i < i1; i += nwarps)
-        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + b * J, R + i * J, lane);
+        warp_em_e_step_row(lanes, src, b, i, J, H, mu, mu + JH, ws.norm + b * J, R + i * J, lane);
     }
     __syncthreads();                            // the range's R^t complete
     acc_t* out = ws.partial + item * (J + JH);  // m (J) | sum (JH)
@@ -346,8 +386,8 @@ __device__ __forceinline__ acc_t em_mass_sum(const acc_t* R, const scalar_t* a, 
 // g_L = R^{t+1} (g_R - <R^{t+1}_i, g_R_i>) overwrites g_R's row, and g_V -= g_L (V - mu) / var.
 // mu, var: the statistics of iteration t.
 template <typename Source>
-__device__ __forceinline__ void warp_em_e_step_vjp_row(const Source& src, int64_t b, int64_t i,
-                                                       int64_t J, int64_t H,
+__device__ __forceinline__ void warp_em_e_step_vjp_row(EmLanes lanes, const Source& src, int64_t b,
+                                                       int64_t i, int64_t J, int64_t H,
                                                        const typename Source::acc_type* mu,
                                                        const typename Source::acc_type* var,
                                                        const typename Source::acc_type* R_next_i,
@@ -357,6 +397,17 @@ __device__ __forceinline__ void warp_em_e_step_vjp_row(const Source& src, int64_
   acc_t weighted = 0;
   for (int64_t j = lane; j < J; j += kWarpSize) weighted += R_next_i[j] * g_R_i[j];
   weighted = warp_sum(weighted);
+  if (lanes == EmLanes::column) {
+    for (int64_t j = lane; j < J; j += kWarpSize) g_R_i[j] = R_next_i[j] * (g_R_i[j] - weighted);
+    __syncwarp();  // the row's g_L complete, read below by every lane of capsule j
+    const int64_t JH = J * H;
+    for (int64_t jh = lane; jh < JH; jh += kWarpSize) {
+      const acc_t inv_var = 1 / var[jh];
+      const acc_t diff = src(b, i, jh) - mu[jh];
+      g_V_i[jh] -= g_R_i[jh / H] * diff * inv_var;
+    }
+    return;
+  }
   for (int64_t j = lane; j < J; j += kWarpSize) {
     const acc_t g_L = R_next_i[j] * (g_R_i[j] - weighted);
     g_R_i[j] = g_L;
@@ -419,7 +470,7 @@ __device__ __forceinline__ void em_m_step_capsule_vjp(int64_t j, int64_t H, acc_
 // g_R = dL/dR^t, g_a += sum_j g_r R. R_i: R^t's row; mu, var: the statistics of iteration t.
 template <typename Source, typename scalar_t>
 __device__ __forceinline__ void warp_em_m_step_vjp_row(
-    const Source& src, int64_t b, int64_t i, int64_t J, int64_t H, scalar_t a_i,
+    EmLanes lanes, const Source& src, int64_t b, int64_t i, int64_t J, int64_t H, scalar_t a_i,
     typename Source::acc_type eps, const typename Source::acc_type* R_i,
     const typename Source::acc_type* mu, const typename Source::acc_type* var,
     const typename Source::acc_type* mass, const typename Source::acc_type* g_mass,
@@ -429,20 +480,40 @@ __device__ __forceinline__ void warp_em_m_step_vjp_row(
   using acc_t = typename Source::acc_type;
   const acc_t ai = static_cast<acc_t>(a_i);
   acc_t g_ai = 0;
-  for (int64_t j = lane; j < J; j += kWarpSize) {
-    const acc_t M = mass[j] + eps;
-    const acc_t r = R_i[j] * ai;
-    acc_t* gv = g_V_i + j * H;
-    acc_t g_r = g_mass[j];
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t jh = j * H + h;
-      const acc_t diff = src(b, i, jh) - mu[jh];
-      const acc_t var0 = var[jh] - eps;
-      g_r += (g_mu[jh] * diff + g_var[jh] * (diff * diff - var0)) / M;
-      gv[h] += r * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
+  if (lanes == EmLanes::column) {
+    const int64_t JH = J * H;
+    for (int64_t base = 0; base < JH; base += kWarpSize) {
+      const int64_t jh = base + lane, j = jh / H;
+      acc_t g_r_h = 0;  // capsule j's term of g_r from entry h
+      if (jh < JH) {
+        const acc_t M = mass[j] + eps;
+        const acc_t diff = src(b, i, jh) - mu[jh];
+        g_r_h = (g_mu[jh] * diff + g_var[jh] * (diff * diff - (var[jh] - eps))) / M;
+        g_V_i[jh] += R_i[j] * ai * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
+      }
+      const acc_t g_r_sum = lane_group_sum(g_r_h, static_cast<int>(H));
+      if (jh < JH && jh == j * H) {
+        const acc_t g_r = g_mass[j] + g_r_sum;
+        g_R_i[j] = g_r * ai;
+        g_ai += g_r * R_i[j];
+      }
     }
-    g_R_i[j] = g_r * ai;
-    g_ai += g_r * R_i[j];
+  } else {
+    for (int64_t j = lane; j < J; j += kWarpSize) {
+      const acc_t M = mass[j] + eps;
+      const acc_t r = R_i[j] * ai;
+      acc_t* gv = g_V_i + j * H;
+      acc_t g_r = g_mass[j];
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t jh = j * H + h;
+        const acc_t diff = src(b, i, jh) - mu[jh];
+        const acc_t var0 = var[jh] - eps;
+        g_r += (g_mu[jh] * diff + g_var[jh] * (diff * diff - var0)) / M;
+        gv[h] += r * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
+      }
+      g_R_i[j] = g_r * ai;
+      g_ai += g_r * R_i[j];
+    }
   }
   g_ai = warp_sum(g_ai);
   if (lane == 0) *g_a_i += g_ai;
@@ -475,7 +546,7 @@ template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
     em_backward_rows_start_kernel(const Source src, const scalar_t* a_in,
                                   const typename Source::acc_type* stats, const EmDims dims,
-                                  int64_t splits,
+                                  int64_t splits, EmLanes lanes,
                                   const EmBackwardWorkspace<typename Source::acc_type> ws,
                                   const EmGrads<typename Source::acc_type> out) {
   using acc_t = typename Source::acc_type;
@@ -493,7 +564,7 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
       for (int64_t jh = lane; jh < JH; jh += kWarpSize) g_V_i[jh] = 0;
       for (int64_t t = 0; t + 1 < iters; ++t) {
         const acc_t* mu = st + t * dims.stats_block();
-        warp_em_e_step_row(src, b, i, J, H, mu, mu + JH, ws.norm + (b * iters + t) * J,
+        warp_em_e_step_row(lanes, src, b, i, J, H, mu, mu + JH, ws.norm + (b * iters + t) * J,
                            R_hist + ((t + 1) * I + i) * J, lane);
       }
     }
@@ -555,7 +626,8 @@ template <typename Source, typename scalar_t>
 __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::acc_type>())
     em_backward_rows_kernel(const Source src, const scalar_t* a_in,
                             const typename Source::acc_type* stats, const EmDims dims,
-                            int64_t splits, int64_t t, const typename Source::acc_type eps,
+                            int64_t splits, EmLanes lanes, int64_t t,
+                            const typename Source::acc_type eps,
                             const EmBackwardWorkspace<typename Source::acc_type> ws,
                             const EmGrads<typename Source::acc_type> out) {
   using acc_t = typename Source::acc_type;
@@ -570,15 +642,15 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     acc_t* g_R = ws.g_R + b * IJ;
     const acc_t* mu = st + t * block;
     for (int64_t i = i0 + warp; i < i1; i += nwarps)
-      warp_em_m_step_vjp_row(src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J, mu,
-                             mu + JH, ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH,
+      warp_em_m_step_vjp_row(lanes, src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J,
+                             mu, mu + JH, ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH,
                              ws.g_var + b * JH, out.g_V + out.g_V_rows.offset(b, i), g_R + i * J,
                              out.g_a + b * I + i, lane);
     if (t > 0) {
       __syncthreads();                           // the range's g_R = dL/dR^t complete
       const acc_t* prev = st + (t - 1) * block;  // the statistics E-step t - 1 used
       for (int64_t i = i0 + warp; i < i1; i += nwarps)
-        warp_em_e_step_vjp_row(src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J,
+        warp_em_e_step_vjp_row(lanes, src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J,
                                g_R + i * J, out.g_V + out.g_V_rows.offset(b, i), lane);
       __syncthreads();  // the range's g_L complete
       acc_t* part = ws.partial_cols + item * cols;

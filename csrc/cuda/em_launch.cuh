@@ -34,11 +34,31 @@ inline int64_t em_splits(const EmDims& dims) {
   return row_ranges_to_fill_device(dims.B, dims.I, kEmMinSplitRows);
 }
 
+// How the rows kernels' warps cover a row (em_kernels.cuh, EmLanes; CAPSROUTE_EM_LANES,
+// kernel_options.h): a lane per (j, h) entry where H divides the warp size, else a lane per
+// capsule.
+inline EmLanes em_lanes(const EmDims& dims) {
+  const bool fits = em_column_lanes_fit(dims.H);
+  switch (em_lanes_mode()) {
+    case EmLanesMode::capsule:
+      return EmLanes::capsule;
+    case EmLanesMode::column:
+      TORCH_CHECK(fits, "capsroute: CAPSROUTE_EM_LANES=column needs a capsule size H that divides ",
+                  kWarpSize, ", got H = ", dims.H);
+      return EmLanes::column;
+    case EmLanesMode::automatic:
+      break;
+  }
+  return fits ? EmLanes::column : EmLanes::capsule;
+}
+
 // The EM path, as capsroute.last_kernel_path() names it.
-constexpr const char* kEmPath = "em-row-ranges";
+inline const char* em_path(EmLanes lanes) {
+  return lanes == EmLanes::column ? "em-column-lanes" : "em-row-ranges";
+}
 
 // Allocates the workspaces and launches the forward on the current stream (B > 0); returns the
-// path it ran (kEmPath).
+// path it ran (em_path).
 template <typename Source, typename scalar_t>
 const char* launch_em_forward(const Source& src, const scalar_t* a_in, const scalar_t* beta_u,
                               const scalar_t* beta_a, const EmDims& dims, double eps,
@@ -46,6 +66,7 @@ const char* launch_em_forward(const Source& src, const scalar_t* a_in, const sca
   using acc_t = typename Source::acc_type;
   const auto acc_options = stats.options();
   const int64_t splits = em_splits(dims);
+  const EmLanes lanes = em_lanes(dims);
   at::Tensor R = at::empty({dims.B, dims.I, dims.J}, acc_options);
   at::Tensor mass = at::empty({dims.B, dims.J}, acc_options);
   at::Tensor norm = at::empty({dims.B, dims.J}, acc_options);
@@ -54,11 +75,11 @@ const char* launch_em_forward(const Source& src, const scalar_t* a_in, const sca
                                      norm.mutable_data_ptr<acc_t>(),
                                      partial.mutable_data_ptr<acc_t>()};
   run_em_forward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u, beta_a, dims,
-                 static_cast<acc_t>(eps), splits, ws, stats.mutable_data_ptr<acc_t>(),
+                 static_cast<acc_t>(eps), splits, lanes, ws, stats.mutable_data_ptr<acc_t>(),
                  pose.mutable_data_ptr<scalar_t>(), a_out.mutable_data_ptr<scalar_t>());
   // The workspaces go back to the caching allocator on this stream: later work on the stream
   // runs after the kernels, so reusing them is safe.
-  return kEmPath;
+  return em_path(lanes);
 }
 
 // Owns the backward workspaces for B elements (dims.B) in `splits` row ranges each; the kernels
@@ -109,15 +130,16 @@ const char* launch_em_backward(const Source& src, const scalar_t* a_in, const sc
   using acc_t = typename Source::acc_type;
   // Freed on return: later work on the stream runs after the kernel, so reusing them is safe.
   const int64_t splits = em_splits(dims);
+  const EmLanes lanes = em_lanes(dims);
   const EmBackwardBuffers<acc_t> buf =
       make_em_backward_buffers<acc_t>(dims, splits, stats.options());
   const EmGrads<acc_t> out{g_V.mutable_data_ptr<acc_t>(), capsule_strides(g_V, 2),
                            g_a.mutable_data_ptr<acc_t>(), g_beta.mutable_data_ptr<acc_t>()};
   run_em_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, src, a_in, beta_u,
                   stats.const_data_ptr<acc_t>(), grad_pose.const_data_ptr<acc_t>(),
-                  grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, buf.ws,
-                  out);
-  return kEmPath;
+                  grad_a_out.const_data_ptr<acc_t>(), dims, static_cast<acc_t>(eps), splits, lanes,
+                  buf.ws, out);
+  return em_path(lanes);
 }
 
 // pose (B, J, H) and a_out (B, J) in ref's dtype; stats (B, iters, J, 2H + 1) in the

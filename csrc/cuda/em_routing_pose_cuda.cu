@@ -94,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> em_routing_pose_cuda(
 
 // The chunked backward (B > 0): pose at pose_strides; grad_pose (B, I, 4, 4) in the storage
 // dtype at grad_strides; g_a (B, I), g_W (I, J, 4, 4) and args.grad_beta_items (B, 2, J) in the
-// accumulation dtype. Returns the path it ran (kEmPath).
+// accumulation dtype. Returns the path it ran (em_path).
 template <typename scalar_t, typename acc_t>
 const char* launch_pose_backward(const scalar_t* pose, const CapsuleStrides& pose_strides,
                                  const scalar_t* weight, const scalar_t* a_in,
@@ -102,6 +102,7 @@ const char* launch_pose_backward(const scalar_t* pose, const CapsuleStrides& pos
                                  const EmDims& dims, double eps, const CapsuleStrides& grad_strides,
                                  scalar_t* grad_pose, acc_t* g_a, acc_t* g_W) {
   const int64_t splits = em_splits(dims);  // for every chunk: the same sums whatever the chunking
+  const EmLanes lanes = em_lanes(dims);
   const int64_t chunk = std::min(dims.B, pose_backward_chunk(dims, splits, sizeof(acc_t)));
   const auto acc_options = args.stats.options();
   EmDims chunk_dims = dims;
@@ -113,10 +114,10 @@ const char* launch_pose_backward(const scalar_t* pose, const CapsuleStrides& pos
   run_pose_backward(StreamLaunch{c10::cuda::getCurrentCUDAStream()}, pose, pose_strides, weight,
                     a_in, beta_u, args.stats.const_data_ptr<acc_t>(),
                     args.grad_pose.const_data_ptr<acc_t>(), args.grad_a_out.const_data_ptr<acc_t>(),
-                    dims, static_cast<acc_t>(eps), splits, chunk, buf.ws,
+                    dims, static_cast<acc_t>(eps), splits, lanes, chunk, buf.ws,
                     g_V_buffer.mutable_data_ptr<acc_t>(), grad_strides, grad_pose, g_a, g_W,
                     args.grad_beta_items.mutable_data_ptr<acc_t>());
-  return kEmPath;
+  return em_path(lanes);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>

@@ -13,18 +13,19 @@ namespace capsroute {
 namespace cuda {
 
 // The forward of B > 0 elements, each in `splits` >= 1 row ranges (em_kernels.cuh) whose sums
-// ws.partial holds: stats (B, iters, J, 2H + 1), pose (B, J, H), a_out (B, J).
+// ws.partial holds, their rows covered by `lanes` (column only where em_column_lanes_fit(H)):
+// stats (B, iters, J, 2H + 1), pose (B, J, H), a_out (B, J).
 template <typename Launch, typename Source, typename scalar_t>
 void run_em_forward(const Launch& launch, const Source& src, const scalar_t* a_in,
                     const scalar_t* beta_u, const scalar_t* beta_a, const EmDims& dims,
-                    typename Source::acc_type eps, int64_t splits,
+                    typename Source::acc_type eps, int64_t splits, EmLanes lanes,
                     const EmForwardWorkspace<typename Source::acc_type>& ws,
                     typename Source::acc_type* stats, scalar_t* pose, scalar_t* a_out) {
   using acc_t = typename Source::acc_type;
   const unsigned rows_blocks = blocks_for_items(dims.B * splits),
                  element_blocks = blocks_for_items(dims.B);
   for (int64_t t = 0; t < dims.iters; ++t) {
-    launch(em_mean_rows_kernel<Source, scalar_t>, rows_blocks, src, a_in, dims, splits, t,
+    launch(em_mean_rows_kernel<Source, scalar_t>, rows_blocks, src, a_in, dims, splits, lanes, t,
            static_cast<const acc_t*>(stats), ws);
     launch(em_mean_reduce_kernel<acc_t>, element_blocks, dims, splits, t, eps, ws, stats);
     launch(em_var_rows_kernel<Source, scalar_t>, rows_blocks, src, a_in, dims, splits, t,
@@ -42,7 +43,7 @@ void run_em_backward(const Launch& launch, const Source& src, const scalar_t* a_
                      const scalar_t* beta_u, const typename Source::acc_type* stats,
                      const typename Source::acc_type* grad_pose,
                      const typename Source::acc_type* grad_a_out, const EmDims& dims,
-                     typename Source::acc_type eps, int64_t splits,
+                     typename Source::acc_type eps, int64_t splits, EmLanes lanes,
                      const EmBackwardWorkspace<typename Source::acc_type>& ws,
                      const EmGrads<typename Source::acc_type>& out) {
   using acc_t = typename Source::acc_type;
@@ -51,12 +52,12 @@ void run_em_backward(const Launch& launch, const Source& src, const scalar_t* a_
   launch(em_backward_start_kernel<acc_t>, element_blocks, stats, grad_pose, grad_a_out, dims, ws,
          out);
   launch(em_backward_rows_start_kernel<Source, scalar_t>, rows_blocks, src, a_in, stats, dims,
-         splits, ws, out);
+         splits, lanes, ws, out);
   for (int64_t t = dims.iters - 1; t >= 0; --t) {
     launch(em_backward_capsule_kernel<scalar_t, acc_t>, element_blocks, beta_u, stats, dims, splits,
            t, eps, ws, out);
     launch(em_backward_rows_kernel<Source, scalar_t>, rows_blocks, src, a_in, stats, dims, splits,
-           t, eps, ws, out);
+           lanes, t, eps, ws, out);
   }
 }
 
@@ -71,7 +72,7 @@ void run_pose_backward(const Launch& launch, const scalar_t* pose,
                        const CapsuleStrides& pose_strides, const scalar_t* weight,
                        const scalar_t* a_in, const scalar_t* beta_u, const acc_t* stats,
                        const acc_t* grad_pose_out, const acc_t* grad_a_out, const EmDims& dims,
-                       acc_t eps, int64_t splits, int64_t chunk,
+                       acc_t eps, int64_t splits, EmLanes lanes, int64_t chunk,
                        const EmBackwardWorkspace<acc_t>& ws, acc_t* g_V,
                        const CapsuleStrides& grad_strides, scalar_t* grad_pose, acc_t* g_a,
                        acc_t* g_W, acc_t* g_beta) {
@@ -84,7 +85,7 @@ void run_pose_backward(const Launch& launch, const scalar_t* pose,
     run_em_backward(
         launch, PoseVotes<scalar_t, acc_t>{pose_b0, pose_strides, weight, J}, a_in + b0 * I, beta_u,
         stats + b0 * dims.iters * dims.stats_block(), grad_pose_out + b0 * J * kPoseSize,
-        grad_a_out + b0 * J, chunk_dims, eps, splits, ws,
+        grad_a_out + b0 * J, chunk_dims, eps, splits, lanes, ws,
         EmGrads<acc_t>{g_V, packed_rows(I, J * kPoseSize), g_a + b0 * I, g_beta + b0 * 2 * J});
     const int64_t n_pose = nb * I * kPoseSize, n_weight = I * J * kPoseSize;
     if (n_pose > 0)

@@ -27,5 +27,20 @@ inline ClusterMode routing_cluster_mode() {
   return ClusterMode::off;
 }
 
+// CAPSROUTE_EM_LANES: how the EM rows kernels' warps cover a row (em_kernels.cuh, EmLanes).
+// auto (default) a lane per (j, h) entry where H divides the warp size, else a lane per capsule;
+// capsule a lane per capsule for every H; column the entries' lanes, an error where H does not
+// fit (em_launch.cuh, em_lanes).
+enum class EmLanesMode { automatic, capsule, column };
+
+inline EmLanesMode em_lanes_mode() {
+  const char* value = std::getenv("CAPSROUTE_EM_LANES");
+  if (value == nullptr || std::strcmp(value, "auto") == 0) return EmLanesMode::automatic;
+  if (std::strcmp(value, "capsule") == 0) return EmLanesMode::capsule;
+  TORCH_CHECK(std::strcmp(value, "column") == 0,
+              "capsroute: CAPSROUTE_EM_LANES must be auto, capsule or column, got '", value, "'");
+  return EmLanesMode::column;
+}
+
 }  // namespace cuda
 }  // namespace capsroute

@@ -20,6 +20,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -150,13 +151,14 @@ Results<S, A> cpu_run(const Case& cs, const std::vector<S>& V, const std::vector
   return o;
 }
 
-// splits: the row ranges per element. The votes read in place from `layout` (strided.h), and the
-// vote gradient written at the same strides into a NaN buffer, gathered into o.g_V (and
-// o.gaps_written, the values written between its rows).
+// splits: the row ranges per element; lanes: how a warp covers a row. The votes read in place from
+// `layout` (strided.h), and the vote gradient written at the same strides into a NaN buffer,
+// gathered into o.g_V (and o.gaps_written, the values written between its rows).
 template <typename S, typename A>
 Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector<S>& a,
                       const std::vector<S>& bu, const std::vector<S>& ba, const std::vector<A>& gp,
-                      const std::vector<A>& ga, double eps, int64_t splits, RowLayout layout) {
+                      const std::vector<A>& ga, double eps, int64_t splits, EmLanes lanes,
+                      RowLayout layout) {
   const int64_t B = cs.B, I = cs.I, J = cs.J, H = cs.H, JH = J * H, R = cs.iters;
   const EmDims dims{B, I, J, H, R, cs.final_lambda};
   const StridedRows<S> laid_out = strided_rows(B, I, JH, layout, &V);
@@ -171,7 +173,7 @@ Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector
          partial = nans<A>(B * splits * (J + JH));
     const EmForwardWorkspace<A> ws{Rw.data(), mass.data(), norm.data(), partial.data()};
     run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, static_cast<A>(eps), splits,
-                   ws, o.stats.data(), o.pose.data(), o.a_out.data());
+                   lanes, ws, o.stats.data(), o.pose.data(), o.a_out.data());
   }
   auto R_hist = nans<A>(B * R * I * J), g_R = nans<A>(B * I * J), norm = nans<A>(B * R * J);
   auto g_mu = nans<A>(B * JH), g_var = nans<A>(B * JH), g_logit = nans<A>(B * J),
@@ -186,7 +188,7 @@ Results<S, A> emu_run(const Case& cs, const std::vector<S>& V, const std::vector
       g_logit.data(), mass.data(), g_mass.data(), partial_cols.data(), partial_mass.data()};
   const EmGrads<A> out{g_V.data(), g_V.rows, o.g_a.data(), gb.data()};
   run_em_backward(launch, src, a.data(), bu.data(), static_cast<const A*>(o.stats.data()),
-                  gp.data(), ga.data(), dims, static_cast<A>(eps), splits, ws, out);
+                  gp.data(), ga.data(), dims, static_cast<A>(eps), splits, lanes, ws, out);
   o.g_V = g_V.gathered();
   o.gaps_written = g_V.gaps_written();
   o.g_beta.assign(2 * J, A(0));
@@ -225,36 +227,46 @@ void test_case(const Case& cs, const char* tname, double tol) {
   std::vector<int64_t> split_counts{1};
   if (const int64_t more = (cs.B + cs.I) % 4 + 1; more > 1) split_counts.push_back(more);
   // The votes contiguous, and input-capsule-major as torch.einsum leaves them, rows an odd number
-  // of values apart from one value into the storage (strided.h).
+  // of values apart from one value into the storage (strided.h). The warps' lanes as the op
+  // chooses them (em_launch.cuh: a lane per entry where H fits); where that is the entries, a lane
+  // per capsule too (CAPSROUTE_EM_LANES=capsule) on one range of contiguous double votes (the H
+  // that do not fit run it in every dtype).
+  const EmLanes chosen = em_column_lanes_fit(H) ? EmLanes::column : EmLanes::capsule;
+  std::vector<std::tuple<int64_t, RowLayout, EmLanes>> runs;
   for (const int64_t splits : split_counts)
-    for (const RowLayout layout : {RowLayout{0, 0}, RowLayout{1, 1}}) {
-      const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits, layout);
-      const std::string p = std::string(tname) + " splits=" + std::to_string(splits) +
-                            (layout.gap > 0 ? " strided " : " ");
-      if (got.gaps_written != 0) {
-        std::printf("  FAIL %s: %ld values written between the rows of grad_votes\n", p.c_str(),
-                    long(got.gaps_written));
+    for (const RowLayout layout : {RowLayout{0, 0}, RowLayout{1, 1}})
+      runs.emplace_back(splits, layout, chosen);
+  if (chosen == EmLanes::column && std::is_same_v<S, double>)
+    runs.emplace_back(1, RowLayout{0, 0}, EmLanes::capsule);
+  for (const auto& [splits, layout, lanes] : runs) {
+    const auto got = emu_run<S, A>(cs, Vs, as, bus, bas, gp, ga, eps, splits, lanes, layout);
+    const std::string p = std::string(tname) + " splits=" + std::to_string(splits) +
+                          (lanes == EmLanes::column ? " column lanes" : " capsule lanes") +
+                          (layout.gap > 0 ? " strided " : " ");
+    if (got.gaps_written != 0) {
+      std::printf("  FAIL %s: %ld values written between the rows of grad_votes\n", p.c_str(),
+                  long(got.gaps_written));
+      ++failures;
+    }
+    judge(p + "stats", got.stats, want.stats, truth.stats, tol);
+    judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
+    judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
+    judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
+    judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
+    judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
+    // No NaN anywhere unless one was planted in the input.
+    if (sp != "nan") {
+      bool bad = false;
+      for (auto x : got.stats) bad |= !std::isfinite(double(x));
+      for (auto x : got.g_V) bad |= !std::isfinite(double(x));
+      for (auto x : got.g_a) bad |= !std::isfinite(double(x));
+      for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
+      if (bad) {
+        std::printf("  FAIL %s: non-finite output\n", p.c_str());
         ++failures;
       }
-      judge(p + "stats", got.stats, want.stats, truth.stats, tol);
-      judge(p + "pose", got.pose, want.pose, truth.pose, out_tol);
-      judge(p + "a_out", got.a_out, want.a_out, truth.a_out, out_tol);
-      judge(p + "grad_votes", got.g_V, want.g_V, truth.g_V, tol);
-      judge(p + "grad_a_in", got.g_a, want.g_a, truth.g_a, tol);
-      judge(p + "grad_betas", got.g_beta, want.g_beta, truth.g_beta, tol);
-      // No NaN anywhere unless one was planted in the input.
-      if (sp != "nan") {
-        bool bad = false;
-        for (auto x : got.stats) bad |= !std::isfinite(double(x));
-        for (auto x : got.g_V) bad |= !std::isfinite(double(x));
-        for (auto x : got.g_a) bad |= !std::isfinite(double(x));
-        for (auto x : got.g_beta) bad |= !std::isfinite(double(x));
-        if (bad) {
-          std::printf("  FAIL %s: non-finite output\n", p.c_str());
-          ++failures;
-        }
-      }
     }
+  }
 }
 
 // em_routing_pose: votes V_ij = P_i W_ij (4x4) computed inside the kernels (PoseVotes), the
@@ -264,7 +276,8 @@ void test_case(const Case& cs, const char* tname, double tol) {
 // `layout` (strided.h), grad_pose written at the same strides.
 template <typename S>
 void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chunk, int64_t splits,
-                    unsigned grid, double tol, RowLayout layout = {0, 0}) {
+                    unsigned grid, double tol, RowLayout layout = {0, 0},
+                    EmLanes lanes = EmLanes::column) {
   constexpr int64_t H = kPoseSize;
   const int64_t JH = J * H;
   const double eps = 1e-6;
@@ -310,7 +323,7 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   auto R = nans<S>(B * I * J), mass = nans<S>(B * J), norm = nans<S>(B * J),
        partial = nans<S>(B * splits * (J + JH));
   const EmuLaunch launch{grid, kBlockThreads};
-  run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, S(eps), splits,
+  run_em_forward(launch, src, a.data(), bu.data(), ba.data(), dims, S(eps), splits, lanes,
                  EmForwardWorkspace<S>{R.data(), mass.data(), norm.data(), partial.data()},
                  stats.data(), pose_out.data(), a_out.data());
 
@@ -328,16 +341,17 @@ void test_pose_case(int64_t B, int64_t I, int64_t J, int64_t iters, int64_t chun
   StridedRows<S> grad_pose = strided_rows<S>(B, I, H, layout);
   run_pose_backward(launch, laid_out.data(), laid_out.rows, weight.data(), a.data(), bu.data(),
                     static_cast<const S*>(stats.data()), gp.data(), ga.data(), dims, S(eps), splits,
-                    chunk, ws, g_V.data(), grad_pose.rows, grad_pose.data(), g_a.data(),
+                    lanes, chunk, ws, g_V.data(), grad_pose.rows, grad_pose.data(), g_a.data(),
                     g_weight.data(), g_beta.data());
   const std::vector<S> g_pose = grad_pose.gathered();
   std::vector<S> g_beta_sum(2 * J, S(0));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t k = 0; k < 2 * J; ++k) g_beta_sum[k] += g_beta[b * 2 * J + k];
-  const std::string p =
-      std::string(sizeof(S) == 8 ? "double" : "float") + (layout.gap > 0 ? " strided" : "") +
-      " pose B=" + std::to_string(B) + " I=" + std::to_string(I) + " J=" + std::to_string(J) +
-      " chunk=" + std::to_string(chunk) + " splits=" + std::to_string(splits) + " ";
+  const std::string p = std::string(sizeof(S) == 8 ? "double" : "float") +
+                        (layout.gap > 0 ? " strided" : "") + " pose B=" + std::to_string(B) +
+                        " I=" + std::to_string(I) + " J=" + std::to_string(J) +
+                        " chunk=" + std::to_string(chunk) + " splits=" + std::to_string(splits) +
+                        (lanes == EmLanes::column ? " column lanes " : " capsule lanes ");
   judge(p + "stats", stats, want.stats, truth.stats, tol);
   judge(p + "pose", pose_out, want.pose, truth.pose, tol);
   judge(p + "a_out", a_out, want.a_out, truth.a_out, tol);
@@ -381,6 +395,11 @@ int main(int argc, char** argv) {
   cases.push_back({3, 24, 5, 16, 3, 1.0, 2, "large"});
   cases.push_back({2, 9, 4, 3, 4, 1.0, 1, "nan"});
   cases.push_back({7, 13, 5, 16, 5, 0.01, 3, ""});
+  // The entries' lanes at the other H that divide the warp: rounds part-filled (J H = 14, 56) and
+  // a capsule a round (H = 32).
+  cases.push_back({2, 11, 7, 2, 3, 1.0, 2, ""});
+  cases.push_back({2, 11, 7, 8, 2, 1.0, 3, ""});
+  cases.push_back({3, 9, 3, 32, 3, 1.0, 2, ""});
   if (mode == "quick") {
     cases = {{5, 37, 33, 16, 3, 1.0, 2, ""},
              {3, 37, 3, 16, 2, 1.0, 2, ""},
@@ -420,6 +439,7 @@ int main(int argc, char** argv) {
     }
   }
   if (mode == "full") test_pose_case<double>(2, 1, 1, 1, 1, 1, 1, 1e-12);
+  test_pose_case<double>(5, 9, 4, 3, 2, 3, 2, 1e-12, RowLayout{0, 0}, EmLanes::capsule);
   std::printf("%d checks, worst emu-vs-cpu rel err %.3e, %d explained by conditioning\n", checks,
               worst, ill);
   std::printf(failures ? "%d failures\n" : "all passed\n", failures);

@@ -55,6 +55,31 @@ def test_row_ranges_deterministic_and_checked(device, monkeypatch):
         capsroute.em_routing(*inputs)
 
 
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("lanes", ["auto", "capsule", "column"])
+def test_warp_lanes_match_reference(device, monkeypatch, lanes):
+    """The rows kernels' warps take a row a lane per (j, h) entry where H divides 32 and a lane per
+    capsule elsewhere, or as CAPSROUTE_EM_LANES says: the reference's results either way, J * H
+    not a multiple of 32 included, and the path they record."""
+    monkeypatch.setenv("CAPSROUTE_EM_LANES", lanes)
+    monkeypatch.setenv("CAPSROUTE_EM_SPLITS", "2")
+    for shape in ((3, 37, 5, 16), (2, 33, 7, 4), (2, 9, 3, 32), (2, 20, 6, 5)):
+        fits = 32 % shape[3] == 0
+        if lanes == "column" and not fits:
+            with pytest.raises(RuntimeError, match="CAPSROUTE_EM_LANES=column needs .* H = 5"):
+                capsroute.em_routing(*em_inputs(shape, device=device))
+            continue
+        for name, a, e in compare(em_inputs(shape, device=device), 3):
+            assert_rel_close(a, e, 1e-10, name)
+        column = fits and lanes != "capsule"
+        for direction in ("forward", "backward"):
+            path = capsroute.last_kernel_path("em_routing", direction)
+            assert path == ("em-column-lanes" if column else "em-row-ranges"), (shape, direction)
+    monkeypatch.setenv("CAPSROUTE_EM_LANES", "columns")
+    with pytest.raises(RuntimeError, match="CAPSROUTE_EM_LANES must be auto, capsule or column"):
+        capsroute.em_routing(*em_inputs((2, 9, 3, 16), device=device))
+
+
 @pytest.mark.parametrize(
     "case", ["a_in_zeros", "all_a_in_zero", "identical_votes", "large_votes", "no_mass"]
 )

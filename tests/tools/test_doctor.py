@@ -82,6 +82,7 @@ def test_doctor_on_cuda_runs_every_path(capsys):
         "dense-v2-gemm+v2-warp-rows",
         "dense-v2-gemm+v2-block",
         "em-row-ranges",
+        "em-column-lanes",
         "conv-em-parent-child",
         "conv-gemm+v2-block",  # the quick conv_dynamic_routing shapes: J = 33, D = 32
     }
