@@ -52,6 +52,14 @@ __host__ __device__ __forceinline__ bool em_column_lanes_fit(int64_t H) {
   return H >= 1 && H <= kWarpSize && kWarpSize % H == 0;
 }
 
+// log2 of H where em_column_lanes_fit(H): entry jh's capsule is jh >> bits (a 64-bit division by
+// a run-time H costs tens of instructions, once per entry and row).
+__device__ __forceinline__ int em_column_bits(int64_t H) {
+  int bits = 0;
+  while ((int64_t(1) << bits) < H) ++bits;
+  return bits;
+}
+
 // Sum over aligned groups of `group` lanes (a power of two <= 32): every lane of a group gets
 // its group's sum, bitwise the same (as warp_sum). All 32 lanes must call it together.
 template <typename T>
@@ -83,8 +91,9 @@ __device__ __forceinline__ void warp_em_e_step_row(EmLanes lanes, const Source& 
   acc_t max_log = neg_infinity(acc_t(0));
   if (lanes == EmLanes::column) {
     const int64_t JH = J * H;
+    const int bits = em_column_bits(H);
     for (int64_t base = 0; base < JH; base += kWarpSize) {
-      const int64_t jh = base + lane, j = jh / H;
+      const int64_t jh = base + lane, j = jh >> bits;
       acc_t sq = 0;
       if (jh < JH) {
         const acc_t diff = src(b, i, jh) - mu[jh];
@@ -93,7 +102,7 @@ __device__ __forceinline__ void warp_em_e_step_row(EmLanes lanes, const Source& 
       sq = lane_group_sum(sq, static_cast<int>(H));
       if (jh < JH) {
         const acc_t log_p = norm[j] - sq;
-        if (jh == j * H) Ri[j] = log_p;
+        if (jh == j << bits) Ri[j] = log_p;
         max_log = log_p > max_log ? log_p : max_log;
       }
     }
@@ -401,10 +410,11 @@ __device__ __forceinline__ void warp_em_e_step_vjp_row(EmLanes lanes, const Sour
     for (int64_t j = lane; j < J; j += kWarpSize) g_R_i[j] = R_next_i[j] * (g_R_i[j] - weighted);
     __syncwarp();  // the row's g_L complete, read below by every lane of capsule j
     const int64_t JH = J * H;
+    const int bits = em_column_bits(H);
     for (int64_t jh = lane; jh < JH; jh += kWarpSize) {
       const acc_t inv_var = 1 / var[jh];
       const acc_t diff = src(b, i, jh) - mu[jh];
-      g_V_i[jh] -= g_R_i[jh / H] * diff * inv_var;
+      g_V_i[jh] -= g_R_i[jh >> bits] * diff * inv_var;
     }
     return;
   }
@@ -482,17 +492,18 @@ __device__ __forceinline__ void warp_em_m_step_vjp_row(
   acc_t g_ai = 0;
   if (lanes == EmLanes::column) {
     const int64_t JH = J * H;
+    const int bits = em_column_bits(H);
     for (int64_t base = 0; base < JH; base += kWarpSize) {
-      const int64_t jh = base + lane, j = jh / H;
+      const int64_t jh = base + lane, j = jh >> bits;
       acc_t g_r_h = 0;  // capsule j's term of g_r from entry h
       if (jh < JH) {
-        const acc_t M = mass[j] + eps;
+        const acc_t inv_M = 1 / (mass[j] + eps);
         const acc_t diff = src(b, i, jh) - mu[jh];
-        g_r_h = (g_mu[jh] * diff + g_var[jh] * (diff * diff - (var[jh] - eps))) / M;
-        g_V_i[jh] += R_i[j] * ai * (g_mu[jh] + 2 * g_var[jh] * diff) / M;
+        g_r_h = (g_mu[jh] * diff + g_var[jh] * (diff * diff - (var[jh] - eps))) * inv_M;
+        g_V_i[jh] += R_i[j] * ai * (g_mu[jh] + 2 * g_var[jh] * diff) * inv_M;
       }
       const acc_t g_r_sum = lane_group_sum(g_r_h, static_cast<int>(H));
-      if (jh < JH && jh == j * H) {
+      if (jh < JH && jh == j << bits) {
         const acc_t g_r = g_mass[j] + g_r_sum;
         g_R_i[j] = g_r * ai;
         g_ai += g_r * R_i[j];
@@ -528,7 +539,8 @@ __device__ __forceinline__ void warp_em_m_step_vjp_row(
 //   em_backward_capsule_kernel     per element: (t < iters - 1) g_mu, g_var and g_logit from the
 //                                  ranges' sums in range order; the M-step VJP of the capsules;
 //   em_backward_rows_kernel        per range: the M-step VJP of the rows, then (t > 0) the VJP
-//                                  of E-step t - 1 on the same rows and its sums (partial_cols).
+//                                  of E-step t - 1 on the same rows (with a lane per entry, row
+//                                  by row after the M-step's), and its sums (partial_cols).
 template <typename acc_t>
 __global__ void __launch_bounds__(kBlockThreads)
     em_backward_start_kernel(const acc_t* stats, const acc_t* grad_pose, const acc_t* grad_a_out,
@@ -641,17 +653,29 @@ __global__ void __launch_bounds__(kBlockThreads, em_min_blocks<typename Source::
     const acc_t* R_hist = ws.R_hist + b * iters * IJ;
     acc_t* g_R = ws.g_R + b * IJ;
     const acc_t* mu = st + t * block;
-    for (int64_t i = i0 + warp; i < i1; i += nwarps)
+    const acc_t* prev = t > 0 ? st + (t - 1) * block : nullptr;  // what E-step t - 1 used
+    // Both VJPs of a row are the row's own work. With a lane per entry a warp takes them one
+    // after the other on each row, whose votes and vote gradient it then finds in cache; with a
+    // lane per capsule (as measured on the H100) the range's rows pass by twice.
+    const bool row_by_row = lanes == EmLanes::column && t > 0;
+    for (int64_t i = i0 + warp; i < i1; i += nwarps) {
+      acc_t* g_V_i = out.g_V + out.g_V_rows.offset(b, i);
       warp_em_m_step_vjp_row(lanes, src, b, i, J, H, a_in[b * I + i], eps, R_hist + (t * I + i) * J,
                              mu, mu + JH, ws.mass + b * J, ws.g_mass + b * J, ws.g_mu + b * JH,
-                             ws.g_var + b * JH, out.g_V + out.g_V_rows.offset(b, i), g_R + i * J,
-                             out.g_a + b * I + i, lane);
-    if (t > 0) {
-      __syncthreads();                           // the range's g_R = dL/dR^t complete
-      const acc_t* prev = st + (t - 1) * block;  // the statistics E-step t - 1 used
-      for (int64_t i = i0 + warp; i < i1; i += nwarps)
+                             ws.g_var + b * JH, g_V_i, g_R + i * J, out.g_a + b * I + i, lane);
+      if (row_by_row) {
+        __syncwarp();  // the row's g_R, written by its capsules' first lanes
         warp_em_e_step_vjp_row(lanes, src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J,
-                               g_R + i * J, out.g_V + out.g_V_rows.offset(b, i), lane);
+                               g_R + i * J, g_V_i, lane);
+      }
+    }
+    if (t > 0) {
+      if (!row_by_row) {
+        __syncthreads();  // the range's g_R = dL/dR^t complete
+        for (int64_t i = i0 + warp; i < i1; i += nwarps)
+          warp_em_e_step_vjp_row(lanes, src, b, i, J, H, prev, prev + JH, R_hist + (t * I + i) * J,
+                                 g_R + i * J, out.g_V + out.g_V_rows.offset(b, i), lane);
+      }
       __syncthreads();  // the range's g_L complete
       acc_t* part = ws.partial_cols + item * cols;
       for (int64_t jh = tid; jh < JH; jh += nthreads) {
