@@ -10,6 +10,8 @@
 #               agreement routings (both vote layouts), EM, the conv ops, the attention routings
 #               and the model training steps, with figures
 #   profile     scripts/gpu_profile.py: kernel time against wall time, launches, the top kernels
+#   ncu         Nsight Compute's counters over scripts/ncu_profile.py's cases, at the clocks as found:
+#               ncu.ncu-rep, its raw page (ncu-raw.csv) and a table a case (ncu.md)
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--time-limit SECONDS] [STAGE ...]   (no STAGE: all)
 #
@@ -18,14 +20,14 @@
 # stage failed or was stopped.
 set -uo pipefail  # a stage's status is its command's, not that of the tee that logs it
 cd "$(dirname "$0")/.."
-ALL=(doctor tests sweep sanitizers bench profile)
+ALL=(doctor tests sweep sanitizers bench profile ncu)
 out="" limit="" stages=()
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=${2:?--out needs a folder}; shift 2 ;;
     --time-limit) limit=${2:-}; shift 2
       [[ $limit =~ ^[0-9]+$ ]] || { echo "gpu_check: --time-limit must be whole seconds" >&2; exit 2; } ;;
-    -h|--help) sed -n '2,18p' "$0" | cut -c3-; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | cut -c3-; exit 0 ;;
     *) [[ " ${ALL[*]} " == *" $1 "* ]] \
          || { echo "gpu_check: unknown stage $1 (stages: ${ALL[*]})" >&2; exit 2; }
        stages+=("$1"); shift ;;
@@ -75,13 +77,17 @@ for stage in "${stages[@]}"; do
       rc=0
       bench --op dynamic dense --layout contiguous einsum || rc=1
       bench --op em em-pose || rc=1
-      # The EM rows a lane per capsule too, until one of the two lane layouts is timed the faster.
-      CAPSROUTE_EM_LANES=capsule bench --op em em-pose || rc=1
       bench --op conv-em conv-dynamic || rc=1
       bench --op self-attention inverted-attention dense-self-attention dense-inverted-attention || rc=1
       bench --op capsnet matrixcapsnet || rc=1
       [ "$rc" = 0 ] ;;
     profile) run profile.log python scripts/gpu_profile.py --device cuda --out "$out" ;;
+    ncu)
+      command -v ncu > /dev/null || { echo "gpu_check: ncu (Nsight Compute) is not on PATH" >&2; false; } \
+        && run ncu.log ncu --clock-control none --profile-from-start off --set full --export "$out/ncu" -f \
+             python scripts/ncu_profile.py run \
+        && ncu --import "$out/ncu.ncu-rep" --page raw --csv > "$out/ncu-raw.csv" \
+        && python scripts/ncu_profile.py summary "$out/ncu-raw.csv" --cases "$out/ncu.log" > "$out/ncu.md" ;;
   esac
   rc=$?
   echo "== $stage: $([ "$rc" = 0 ] && echo passed || echo "FAILED ($rc)") in $(( SECONDS - start )) s" >&2

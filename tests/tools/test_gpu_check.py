@@ -16,8 +16,9 @@ def gpu_check(*args: str) -> subprocess.CompletedProcess:
 def test_help_names_every_stage():
     run = gpu_check("--help")
     assert run.returncode == 0
-    for stage in ("doctor", "tests", "sweep", "sanitizers", "bench", "profile", "--time-limit"):
-        assert stage in run.stdout
+    stages = ("doctor", "tests", "sweep", "sanitizers", "bench", "profile", "ncu")
+    for word in (*stages, "--time-limit"):
+        assert word in run.stdout
 
 
 @pytest.mark.parametrize(
