@@ -180,9 +180,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--cuda-graph",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="capture the training step in a CUDA graph and replay it: one launch a step (one "
-        "CUDA process, --amp none or bf16)",
+        "CUDA process, --amp none or bf16; default: on where that step has been checked on a GPU "
+        "against the eager one, with the reason printed where it is not)",
     )
     p.add_argument(
         "--seed",
@@ -427,17 +429,40 @@ def _check_eval_options(args: argparse.Namespace) -> None:
         )
 
 
-def check_cuda_graph(device: torch.device, world_size: int) -> None:
-    """Refuses --cuda-graph off a CUDA device or under torchrun (check_arguments refuses it with
-    --amp fp16)."""
-    if device.type != "cuda":
-        raise CommandError(
-            f"--cuda-graph replays the step on a CUDA device; this run is on {device}"
-        )
+# The training steps (model, backend, amp) checked under a CUDA graph on a GPU against the eager
+# step, the same metrics epoch by epoch (bench/results/nvidia-h200-2026-12-04-ed63859): the graph
+# is their default on a CUDA device.
+CUDA_GRAPH_CHECKED = {("capsnet", "fused", "none")}
+
+
+def choose_cuda_graph(
+    args: argparse.Namespace, device: torch.device, world_size: int
+) -> tuple[bool, str | None]:
+    """Whether this process replays its training step from a CUDA graph, and why not where the
+    default leaves a CUDA run eager. --cuda-graph off a CUDA device or under torchrun is refused
+    (check_arguments refuses it with --amp fp16)."""
+    if args.cuda_graph:
+        if device.type != "cuda":
+            raise CommandError(
+                f"--cuda-graph replays the step on a CUDA device; this run is on {device}"
+            )
+        if world_size > 1:
+            raise CommandError(
+                f"--cuda-graph runs in one process; torchrun started {world_size} (leave it out)"
+            )
+        return True, None
+    if args.cuda_graph is False or device.type != "cuda":
+        return False, None
     if world_size > 1:
-        raise CommandError(
-            f"--cuda-graph runs in one process; torchrun started {world_size} (leave it out)"
+        return False, f"torchrun started {world_size} processes and a graph replays one"
+    if args.amp == "fp16":
+        return False, "--amp fp16 checks its loss scale on the host every step"
+    if (args.model, args.backend, args.amp) not in CUDA_GRAPH_CHECKED:
+        return False, (
+            f"--model {args.model} --backend {args.backend} --amp {args.amp} is not yet checked "
+            "under a CUDA graph on a GPU (--cuda-graph tries it)"
         )
+    return True, None
 
 
 def _plain(value):

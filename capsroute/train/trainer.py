@@ -31,8 +31,8 @@ from .args import (
     AMP_DTYPES,
     apply_recipe,
     check_arguments,
-    check_cuda_graph,
     checkpoint_args,
+    choose_cuda_graph,
     resolve_run_dir,
 )
 from .cuda_graph import GraphedStep
@@ -558,8 +558,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, ddp: Distributed, state: dict | None) -> int:
     device = resolve_device(args.device, ddp.local_rank)
-    if args.cuda_graph:
-        check_cuda_graph(device, ddp.world_size)
+    args.cuda_graph, eager_reason = choose_cuda_graph(args, device, ddp.world_size)
+    if eager_reason and ddp.main:
+        print(f"the eager training step: {eager_reason}", file=sys.stderr)
     if args.amp == "fp16" and device.type == "cpu" and ddp.main:
         print(
             "warning: --amp fp16 on a CPU runs about 15x slower than --amp bf16 (no fast float16 "

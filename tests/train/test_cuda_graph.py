@@ -2,6 +2,7 @@
 computes what the eager step computes, shorter batches and changing scalars included. The refusals
 are in test_cli_refusals.py."""
 
+import argparse
 import copy
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from capsroute import train
+from capsroute._utils.command import CommandError
+from capsroute.train.args import choose_cuda_graph
 from capsroute.train.cuda_graph import GraphedStep
 from helpers import HAS_CUDA, SMALL_CAPSNET, SMALL_MATRIXCAPSNET
 
@@ -123,9 +126,9 @@ def test_train_with_cuda_graph_trains_as_eager(tmp_path, monkeypatch, model):
         "--min-lr",
         str(2**-14),
     ]
-    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+    for name, extra in (("eager", ["--no-cuda-graph"]), ("graph", ["--cuda-graph"])):
         assert train.main(train_args(tmp_path / name, MODELS[model], *schedule, *extra)) == 0
-        assert len(replays) == (15 if extra else 0)
+        assert len(replays) == (15 if name == "graph" else 0)
     eager, graph = (
         torch.load(tmp_path / name / "checkpoint.pt", map_location="cpu", weights_only=True)
         for name in ("eager", "graph")
@@ -139,3 +142,51 @@ def test_train_with_cuda_graph_trains_as_eager(tmp_path, monkeypatch, model):
         # an image near a tie between two classes may go either way
         assert b["train_accuracy"] == pytest.approx(a["train_accuracy"], abs=2 / 304)
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=2 / 64)
+
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+CHECKED = dict(model="capsnet", backend="fused", amp="none")
+
+
+@pytest.mark.parametrize(
+    "cuda_graph, device, world_size, options, expected",
+    [
+        (None, CUDA, 1, CHECKED, (True, None)),  # the default where the graph was checked
+        (None, CPU, 1, CHECKED, (False, None)),
+        (False, CUDA, 1, CHECKED, (False, None)),
+        (True, CUDA, 1, dict(CHECKED, model="matrixcapsnet"), (True, None)),
+        (None, CUDA, 2, CHECKED, (False, "torchrun started 2 processes and a graph replays one")),
+        (None, CUDA, 1, dict(CHECKED, amp="fp16"), (False, "--amp fp16 checks its loss scale")),
+        (
+            None,
+            CUDA,
+            1,
+            dict(CHECKED, model="matrixcapsnet"),
+            (False, "--model matrixcapsnet --backend fused --amp none is not yet checked"),
+        ),
+        (None, CUDA, 1, dict(CHECKED, amp="bf16"), (False, "--amp bf16 is not yet checked")),
+        (None, CUDA, 1, dict(CHECKED, backend="reference"), (False, "--backend reference")),
+    ],
+)
+def test_the_graph_is_the_default_where_it_was_checked(
+    cuda_graph, device, world_size, options, expected
+):
+    """Needs no GPU: the choice reads the device's type, the process count and the options."""
+    args = argparse.Namespace(cuda_graph=cuda_graph, **options)
+    use, reason = choose_cuda_graph(args, device, world_size)
+    assert use == expected[0]
+    assert (reason is None) == (expected[1] is None)
+    assert reason is None or expected[1] in reason
+
+
+@pytest.mark.parametrize(
+    "device, world_size, words",
+    [
+        (CPU, 1, "--cuda-graph replays the step on a CUDA device; this run is on cpu"),
+        (CUDA, 2, "--cuda-graph runs in one process; torchrun started 2"),
+    ],
+)
+def test_an_asked_for_graph_is_refused_where_it_cannot_run(device, world_size, words):
+    args = argparse.Namespace(cuda_graph=True, **CHECKED)
+    with pytest.raises(CommandError, match=words):
+        choose_cuda_graph(args, device, world_size)
