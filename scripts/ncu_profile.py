@@ -62,6 +62,7 @@ def run(cases) -> int:
     device = torch.device("cuda")
     for spec in cases:
         op, shape, batch, env = parse_case(spec)
+        saved = {name: os.environ.get(name) for name, _ in env}
         os.environ.update(dict(env))
         (case,) = make_cases([op], [parse_shape(shape)], [batch], "cuda")
         inputs, grad = make_inputs(op, case, torch.float32, device)
@@ -77,8 +78,11 @@ def run(cases) -> int:
         torch.cuda.profiler.stop()
         paths = " / ".join(capsroute.last_kernel_path(op, d) for d in ("forward", "backward"))
         print(f"{CASE_PREFIX}{spec} ({paths})", flush=True)
-        for name, _ in env:
-            del os.environ[name]
+        for name, value in saved.items():  # the caller's own settings back
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
         del inputs, grad, step
         torch.cuda.empty_cache()
     return 0
